@@ -1,0 +1,261 @@
+"""Cluster specification: devices, link tiers, and the alpha-beta cost of each collective.
+
+A profile JSON (profiles/hardware/*.json, shipped from datasheets or written by
+`trident profile cluster`) gives, per collective and per tier, a latency alpha and a bus
+bandwidth in the nccl-tests sense (NVIDIA nccl-tests, doc/PERFORMANCE.md): the time of a
+collective over n ranks on S bytes is
+
+    t = alpha + factor(n) * S / busbw,   factor = 2(n-1)/n all-reduce, (n-1)/n all-gather,
+                                          reduce-scatter and all-to-all, 1 for send/recv.
+
+S is the full buffer: the all-reduce buffer, the gathered output of an all-gather, the input of
+a reduce-scatter. A group inside one node pays the intra-node tier. A group spanning nodes
+pays the inter-node tier; its bus bandwidth is per device (one NIC per GPU, rail-optimized, as
+in DGX nodes), so a ring with k members per node runs k rings over k NICs in parallel and
+reaches min(intra busbw, k * inter busbw). A profile may override alpha and busbw for a given
+group size (`by_group_size`), which a measured profile does.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+
+from planner.model import ConfigError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+TIERS = ("intra_node", "inter_node")
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles" / "hardware"
+
+
+def ring_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    alpha_s: float
+    bus_bandwidth_bytes_per_s: float
+    by_group_size: dict = field(default_factory=dict)  # {n: (alpha_s, busbw)}
+
+    def at(self, n: int) -> tuple[float, float]:
+        return self.by_group_size.get(n, (self.alpha_s, self.bus_bandwidth_bytes_per_s))
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    memory_bytes: int
+    peak_flops: dict
+    matmul_efficiency: dict
+    memory_bandwidth_bytes_per_s: float
+    memory_bandwidth_efficiency: float
+    reserved_bytes: int = 0  # held outside the allocator: runtime context, communicator buffers
+    allocator_overhead_fraction: float = 0.0  # caching-allocator fragmentation, as a fraction of what it hands out
+
+    def matmul_flops_per_s(self, dtype: str) -> float:
+        return self.peak_flops[dtype] * self.matmul_efficiency[dtype]
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.memory_bandwidth_efficiency
+
+
+@dataclass
+class ClusterSpec:
+    name: str
+    devices_per_node: int
+    device: DeviceSpec
+    collectives: dict  # op -> tier -> AlphaBeta
+    nodes: int | None = None
+    description: str = ""
+    kind: str = "datasheet"
+    tiers: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+    node_of_rank: list | None = None  # measured topology: node index of each rank
+    overlap_slowdown: float = 1.0  # compute slowdown while communication overlaps it (measured)
+    profile_hash: str = ""
+    raw: dict = field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------ placement
+    @property
+    def world_size(self) -> int:
+        if self.nodes is None:
+            raise ConfigError("cluster: number of nodes unknown; pass --nodes or --gpus")
+        return self.nodes * self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> "ClusterSpec":
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ConfigError(f"--nodes: {nodes!r} must be a positive integer")
+        out = ClusterSpec(**{**self.__dict__, "nodes": nodes})
+        if self.node_of_rank is not None and len(self.node_of_rank) != nodes * self.devices_per_node:
+            out.node_of_rank = None
+        return out
+
+    def shaped_as(self, nodes: int, devices_per_node: int) -> "ClusterSpec":
+        """This cluster with `nodes` nodes of which `devices_per_node` devices are used (a plan may
+        use part of a node)."""
+        if self.nodes == nodes and self.devices_per_node == devices_per_node:
+            return self
+        if devices_per_node > self.devices_per_node:
+            raise ConfigError(f"cluster.devices_per_node: {devices_per_node} but a {self.name} node has "
+                              f"{self.devices_per_node}; use --nodes or a matching profile")
+        out = self.with_nodes(nodes)
+        if devices_per_node != self.devices_per_node:
+            out.devices_per_node = devices_per_node
+            out.node_of_rank = None
+        return out
+
+    def node_of(self, rank: int) -> int:
+        if self.node_of_rank is not None and rank < len(self.node_of_rank):
+            return self.node_of_rank[rank]
+        return rank // self.devices_per_node
+
+    def topology(self) -> nx.Graph:
+        """Ranks, the node switch of each node, and the fabric, as a graph whose edges carry the
+        tier they belong to; the tier between two ranks is the slowest edge on the path."""
+        g = nx.Graph()
+        g.add_node("fabric", kind="fabric")
+        for r in range(self.world_size):
+            node = f"node{self.node_of(r)}"
+            if node not in g:
+                g.add_node(node, kind="node")
+                g.add_edge(node, "fabric", tier="inter_node")
+            g.add_node(r, kind="device")
+            g.add_edge(r, node, tier="intra_node")
+        return g
+
+    def tier_between(self, a: int, b: int) -> str:
+        return "intra_node" if self.node_of(a) == self.node_of(b) else "inter_node"
+
+    # ------------------------------------------------------------ cost
+    def collective_time(self, op: str, nbytes: float, ranks) -> float:
+        """Seconds for collective `op` on `nbytes` over the group `ranks` (see module doc)."""
+        ranks = list(ranks)
+        n = len(ranks)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
+        intra_a, intra_bw = self.collectives[op]["intra_node"].at(n)
+        if len(per_node) == 1:
+            return intra_a + ring_factor(op, n) * nbytes / intra_bw
+        inter_a, inter_bw = self.collectives[op]["inter_node"].at(n)
+        k = max(per_node.values())
+        if op == "send_recv":
+            return inter_a + nbytes / inter_bw
+        if op == "all_to_all":  # the share that leaves the node goes through this rank's own NIC
+            return inter_a + nbytes * (n - k) / n / inter_bw + nbytes * (k - 1) / n / intra_bw
+        return inter_a + ring_factor(op, n) * nbytes / min(intra_bw, k * inter_bw)
+
+    def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
+        return self.collective_time("send_recv", nbytes, [src, dst]) if src != dst else 0.0
+
+
+def _num(d: dict, key: str, where: str, positive: bool = True) -> float:
+    v = d.get(key)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or (positive and v <= 0) or v < 0:
+        raise ConfigError(f"{where}.{key}: {v!r} must be a {'positive ' if positive else 'non-negative '}number")
+    return float(v)
+
+
+def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
+    """Parse and check a cluster profile; errors name the field."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
+    fv = d.get("format_version")
+    if fv != 1:
+        raise ConfigError(f"{source}: format_version {fv!r} is not supported (this trident reads 1); "
+                          "re-run `trident profile cluster` or use a shipped profile")
+    for key in ("name", "devices_per_node", "device", "collectives"):
+        if key not in d:
+            raise ConfigError(f"{source}: missing field {key!r}")
+    dpn = d["devices_per_node"]
+    if not isinstance(dpn, int) or dpn < 1:
+        raise ConfigError(f"{source}: devices_per_node {dpn!r} must be a positive integer")
+    dv = d["device"]
+    w = f"{source}: device"
+    if not isinstance(dv, dict):
+        raise ConfigError(f"{w}: expected an object")
+    peak, eff = dv.get("peak_flops"), dv.get("matmul_efficiency")
+    if not isinstance(peak, dict) or not peak:
+        raise ConfigError(f"{w}.peak_flops: expected an object of dtype -> FLOP/s")
+    if not isinstance(eff, dict) or set(eff) != set(peak):
+        raise ConfigError(f"{w}.matmul_efficiency: must give one efficiency per dtype of peak_flops ({', '.join(peak)})")
+    for k in peak:
+        _num(peak, k, f"{w}.peak_flops")
+        e = _num(eff, k, f"{w}.matmul_efficiency")
+        if e > 1:
+            raise ConfigError(f"{w}.matmul_efficiency.{k}: {e} is above 1; it is achieved / peak")
+    device = DeviceSpec(
+        name=str(dv.get("name", "unknown")),
+        memory_bytes=int(_num(dv, "memory_bytes", w)),
+        peak_flops={k: float(v) for k, v in peak.items()},
+        matmul_efficiency={k: float(v) for k, v in eff.items()},
+        memory_bandwidth_bytes_per_s=_num(dv, "memory_bandwidth_bytes_per_s", w),
+        memory_bandwidth_efficiency=_num(dv, "memory_bandwidth_efficiency", w),
+        reserved_bytes=int(_num(dv, "reserved_bytes", w, positive=False)) if "reserved_bytes" in dv else 0,
+        allocator_overhead_fraction=(_num(dv, "allocator_overhead_fraction", w, positive=False)
+                                     if "allocator_overhead_fraction" in dv else 0.0),
+    )
+    coll = d["collectives"]
+    if not isinstance(coll, dict):
+        raise ConfigError(f"{source}: collectives must be an object")
+    collectives = {}
+    for op in COLLECTIVES:
+        if op not in coll:
+            raise ConfigError(f"{source}: collectives.{op} is missing; a profile needs {', '.join(COLLECTIVES)}")
+        collectives[op] = {}
+        for tier in TIERS:
+            ab = coll[op].get(tier) if isinstance(coll[op], dict) else None
+            wt = f"{source}: collectives.{op}.{tier}"
+            if not isinstance(ab, dict):
+                raise ConfigError(f"{wt}: missing; give alpha_s and bus_bandwidth_bytes_per_s")
+            by_n = {}
+            for n, v in (ab.get("by_group_size") or {}).items():
+                by_n[int(n)] = (_num(v, "alpha_s", f"{wt}.by_group_size.{n}", positive=False),
+                                _num(v, "bus_bandwidth_bytes_per_s", f"{wt}.by_group_size.{n}"))
+            collectives[op][tier] = AlphaBeta(_num(ab, "alpha_s", wt, positive=False),
+                                              _num(ab, "bus_bandwidth_bytes_per_s", wt), by_n)
+    topo = d.get("topology")
+    node_of_rank = None
+    if topo is not None:
+        node_of_rank = topo.get("node_of_rank") if isinstance(topo, dict) else None
+        if not isinstance(node_of_rank, list) or not all(isinstance(x, int) for x in node_of_rank):
+            raise ConfigError(f"{source}: topology.node_of_rank must be a list of node indices, one per rank")
+    nodes = d.get("nodes")
+    if nodes is not None and (not isinstance(nodes, int) or nodes < 1):
+        raise ConfigError(f"{source}: nodes {nodes!r} must be a positive integer or null")
+    return ClusterSpec(
+        name=str(d["name"]), devices_per_node=dpn, device=device, collectives=collectives, nodes=nodes,
+        description=str(d.get("description", "")), kind=str(d.get("kind", "datasheet")),
+        tiers=d.get("tiers", {}), sources=d.get("sources", {}), node_of_rank=node_of_rank,
+        overlap_slowdown=float(d.get("overlap_slowdown", 1.0)), raw=d)
+
+
+def load_cluster(spec: str, nodes: int | None = None) -> ClusterSpec:
+    """A shipped profile name (profiles/hardware/NAME.json) or a path to a profile JSON."""
+    path = Path(spec)
+    if not path.exists():
+        path = PROFILE_DIR / f"{spec}.json"
+    if not path.exists():
+        shipped = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+        raise ConfigError(f"--cluster: {spec!r} is neither a file nor a shipped profile ({', '.join(shipped)})")
+    text = path.read_bytes()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--cluster: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    cluster = cluster_from_dict(data, source=str(path))
+    cluster.profile_hash = "sha256:" + hashlib.sha256(text).hexdigest()
+    if nodes is not None:
+        cluster = cluster.with_nodes(nodes)
+    return cluster

@@ -1,0 +1,354 @@
+"""Time and memory of a plan on a cluster: the cost model behind `trident estimate`.
+
+Time of a layer on one device, per micro-batch:
+- matrix multiplications: the roofline of each GEMM, the slower of FLOPs / (peak x achieved matmul
+  efficiency of the profile) and bytes / achieved memory bandwidth. Fused
+  causal attention skips the blocks above the diagonal, so it does half the score/context FLOPs
+  (Dao et al., FlashAttention, 2022) and its backward runs 5 matmuls to the forward's 2 (Dao,
+  FlashAttention-2, 2023, section 3.1.2); unfused attention computes the full square.
+- memory-bound operations (norms, activation functions, softmax, dropout, residual adds, RoPE,
+  cross-entropy): bytes moved / achieved memory bandwidth. Each forward op reads its input and
+  writes its output; its backward reads the output gradient and a saved tensor and writes the
+  input gradient, so it moves 1.5x the forward's bytes.
+- TP communication, issued by the runtime and not overlapped (Megatron-style): per block two
+  all-reduces of the activation in forward and two in backward, or with sequence parallelism an
+  all-gather and a reduce-scatter in place of each (Korthikanti et al. 2022, section 4.2.2).
+- recomputation: full replays the block's forward (its compute and its TP communication) before
+  the backward; selective replays only the attention core.
+Per stage the per-layer times add up; the pipeline schedule is then played (planner.schedule).
+Data-parallel gradient communication runs after each stage's last backward on a communication
+stream, overlapping the rest of the backward; ZeRO-3 gathers parameters before each forward and
+backward, overlapped with compute by prefetching; the optimizer step is memory-bound.
+
+Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
+ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
+with Adam; 2 + 2 + 8 without an fp32 master copy), activations of the micro-batches in flight as
+the schedule holds them (planner.schedule.peak_in_flight) by recompute mode (planner.model),
+the transient of replaying one block, activation gradients, and communication buffers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.cluster import ClusterSpec
+from planner.model import ModelConfig
+from planner.plan import DTYPES, Plan, Stage
+from planner.schedule import StageTimes, peak_in_flight, simulate
+
+ADAM_STATE_BYTES = 8  # two float32 moments per parameter
+MASTER_BYTES = 4  # float32 master copy under mixed precision
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP default bucket_cap_mb, two buckets in flight
+BWD_ELEMENTWISE_FACTOR = 1.5  # backward of a memory-bound op moves 3 tensors to the forward's 2
+
+
+@dataclass
+class LayerCost:
+    """One layer on one device, one micro-batch."""
+    fwd_compute_s: float
+    bwd_compute_s: float  # includes recomputation
+    fwd_tp_s: float
+    bwd_tp_s: float  # includes recomputed forward's TP communication
+    activation_bytes: float  # kept from forward to backward
+    replay_bytes: float  # extra held while this layer is recomputed and back-propagated
+    params: float  # parameters this device holds for the layer
+
+
+@dataclass
+class Estimate:
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    peak_memory_bytes: float
+    memory_limit_bytes: float
+    required_bytes: float
+    fits: bool
+    parameters: int
+    breakdown: dict
+    stages: list = field(default_factory=list)
+    timeline: object = None
+
+    def to_dict(self) -> dict:
+        return {
+            "parameters": self.parameters,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "mfu": self.mfu,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "required_memory_bytes": self.required_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "fits": self.fits,
+            "breakdown": self.breakdown,
+            "stages": self.stages,
+        }
+
+
+# ------------------------------------------------------------------ per-layer traffic
+def elementwise_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
+                      dropout: bool, attention: str) -> float:
+    """Bytes the memory-bound ops of one layer's forward move on one device (fused kernels as
+    Megatron-LM uses them: bias+GeLU, bias+dropout+residual, scale+mask+softmax, SwiGLU)."""
+    kind = model.layer_kind(index)
+    sbh = s * b * model.hidden
+    rep = tp if sp else 1
+    if kind == "embedding":
+        pos = 3 * e * sbh if model.arch == "gpt" else 0  # add learned positions
+        return (2 * e * sbh + pos + ((2 * e + 1) * sbh if dropout else 0)) / rep
+    if kind == "head":
+        vocab = math.ceil(model.vocab / tp)
+        # final norm; cross-entropy reads the logits, writes and re-reads float32 exponentials
+        return 2 * e * sbh / rep + (e + 8) * s * b * vocab
+    res = (3 * e + 1) if dropout else 3 * e  # residual add (with bias + dropout fused)
+    replicated = 2 * (2 * e * sbh) + 2 * res * sbh
+    if model.arch == "gpt":
+        sharded = 2 * e * s * b * model.ffn_hidden  # bias + GeLU
+    else:
+        sharded = 2 * e * s * b * (model.q_dim + model.kv_dim)  # RoPE on q and k
+        sharded += 3 * e * s * b * model.ffn_hidden  # silu(gate) * up
+    if attention == "unfused":
+        per = 4 * e + 1 if dropout else 2 * e  # scale+mask+softmax, then dropout
+        sharded += per * model.heads * s * s * b
+    return replicated / rep + sharded / tp
+
+
+def gemm_time(count: int, M: int, N: int, K: int, e: int, rate: float, bw: float) -> float:
+    """Roofline time of `count` (M x K) @ (K x N) products (Williams et al., Roofline, 2009):
+    the slower of their FLOPs at the matmul rate and their bytes at the memory bandwidth."""
+    return count * max(2.0 * M * N * K / rate, e * (M * K + K * N + M * N) / bw)
+
+
+def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str) -> tuple[float, float]:
+    """(forward, backward) FLOPs the attention core really executes on one whole layer."""
+    core = model.attention_core_flops(b, s)
+    if attention == "flash":
+        return 0.5 * core, 0.5 * core * 2.5
+    return core, 2.0 * core
+
+
+def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_ranks: list, b: int, s: int) -> tuple[float, float]:
+    """(forward, backward) seconds of TP communication for one layer and micro-batch."""
+    if len(tp_ranks) <= 1:
+        return 0.0, 0.0
+    ar = cluster.collective_time("all_reduce", act_bytes, tp_ranks)
+    ag = cluster.collective_time("all_gather", act_bytes, tp_ranks)
+    rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
+    if kind == "embedding":  # vocab-parallel lookup: partial sums combined
+        return (rs, ag) if sp else (ar, 0.0)
+    if kind == "head":  # column-parallel head: gather input (SP), combine input grads; loss-parallel reductions
+        loss = 3 * cluster.collective_time("all_reduce", 4.0 * b * s, tp_ranks)
+        return ((ag + loss, rs) if sp else (loss, ar))
+    if sp:
+        return 2 * (ag + rs), 2 * (ag + rs)
+    return 2 * ar, 2 * ar
+
+
+def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list) -> LayerCost:
+    m, t = plan.model, plan.training
+    b, s, tp, sp = t.micro_batch, t.seq_len, plan.mesh.tp, stage.sequence_parallel
+    e = DTYPES[t.dtype]
+    dropout = t.dropout > 0
+    kind = m.layer_kind(index)
+    rec = stage.recompute[index - stage.start]
+    rate = cluster.device.matmul_flops_per_s(t.dtype)
+    bw = cluster.device.memory_bytes_per_s
+    if kind == "block":
+        gemms = m.block_gemms(b, s, tp)
+        dense = sum(gemm_time(*g, e, rate, bw) for g in gemms[:-2])
+        if t.attention == "flash":
+            core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, "flash"))
+        else:
+            core_f = sum(gemm_time(*g, e, rate, bw) for g in gemms[-2:])
+            core_b = 2 * core_f
+        mm_f, mm_b = dense + core_f, 2 * dense + core_b
+    elif kind == "head":
+        mm_f = gemm_time(1, b * s, math.ceil(m.vocab / tp), m.hidden, e, rate, bw)
+        mm_b = 2 * mm_f
+    else:
+        mm_f = mm_b = 0.0
+    el_f = elementwise_bytes(m, index, b, s, tp, sp, e, dropout, t.attention) / bw
+    el_b = BWD_ELEMENTWISE_FACTOR * el_f
+    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
+    params = layer_params_on_device(m, index, tp)
+    accumulate = 8.0 * params / bw if plan.pipeline.micro_batches > 1 else 0.0  # fp32 grad accumulation
+    fwd_c, bwd_c = mm_f + el_f, mm_b + el_b + accumulate
+    if rec == "full":
+        bwd_c += fwd_c
+        tp_b += tp_f
+    elif rec == "selective":
+        if t.attention == "unfused":
+            core = sum(gemm_time(*g, e, rate, bw) for g in m.block_gemms(b, s, tp)[-2:])
+            core += (4 * e + 1 if dropout else 2 * e) * m.heads * s * s * b / tp / bw
+        else:
+            core = attention_core_hw_flops(m, b, s, t.attention)[0] / tp / rate
+        bwd_c += core
+    kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
+              dropout=dropout, attention=t.attention)
+    act = m.activation_bytes(index, recompute=rec, **kw)
+    replay = m.activation_bytes(index, recompute="none", **kw) - act if rec != "none" else 0.0
+    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params)
+
+
+def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
+    """Parameters one TP rank holds for a layer: matrices split tp ways (the vocabulary padded to
+    a multiple of tp), norms and row-parallel biases replicated."""
+    kind = model.layer_kind(index)
+    h = model.hidden
+    if kind == "embedding":
+        pos = model.seq_len * h if model.arch == "gpt" else 0
+        return math.ceil(model.vocab / tp) * h + pos
+    if kind == "head":
+        norm = 2 * h if model.arch == "gpt" else h
+        return math.ceil(model.vocab / tp) * h + norm
+    replicated = 6 * h if model.arch == "gpt" else 2 * h
+    return (model.block_params() - replicated) / tp + replicated
+
+
+# ------------------------------------------------------------------ the estimate
+def _model_state_bytes(t) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter."""
+    e = DTYPES[t.dtype]
+    master = MASTER_BYTES if (t.master_weights and t.dtype != "fp32") else 0
+    return e, e, ADAM_STATE_BYTES + master
+
+
+def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
+             keep_timeline: bool = False) -> Estimate:
+    """Predict step time, throughput and per-device memory of `plan` on `cluster`."""
+    m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
+    cluster = cluster.shaped_as(plan.cluster.nodes, plan.cluster.devices_per_node)
+    dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
+    e = DTYPES[t.dtype]
+    pb, gb, ob = _model_state_bytes(t)
+    bw = cluster.device.memory_bytes_per_s
+    stage_times, stage_info = [], []
+    for si, st in enumerate(pipe.stages):
+        r = plan.stage_rank(si)
+        tp_ranks = [mesh.rank(pp=r, dp=0, tp=i) for i in range(tp)]
+        dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
+        costs = [layer_cost(plan, cluster, i, st, tp_ranks) for i in range(st.start, st.end)]
+        comp_f = sum(c.fwd_compute_s for c in costs)
+        comp_b = sum(c.bwd_compute_s for c in costs)
+        tpc_f = sum(c.fwd_tp_s for c in costs)
+        tpc_b = sum(c.bwd_tp_s for c in costs)
+        params = sum(c.params for c in costs)
+        grad_bytes = params * gb
+        zero3_f = zero3_b = 0.0
+        if dp > 1 and st.zero == 3:  # gather parameters before forward and again before backward
+            ag = cluster.collective_time("all_gather", params * e, dp_ranks)
+            zero3_f = max(0.0, ag - comp_f)
+            zero3_b = max(0.0, ag - comp_b)
+        if dp <= 1:
+            sync = 0.0
+        elif st.zero == 0:
+            sync = cluster.collective_time("all_reduce", grad_bytes, dp_ranks)
+        else:
+            sync = cluster.collective_time("reduce_scatter", grad_bytes, dp_ranks)
+        # point-to-point: this stage's output to the next stage (sharded under sequence parallelism)
+        act_msg = e * t.micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)
+        nxt = (si + 1) % pp
+        send = cluster.p2p_time(act_msg, mesh.rank(pp=r, dp=0, tp=0), mesh.rank(pp=nxt, dp=0, tp=0)) \
+            if si + 1 < len(pipe.stages) else 0.0
+        prev = (si - 1) % pp
+        send_back = cluster.p2p_time(act_msg, mesh.rank(pp=r, dp=0, tp=0), mesh.rank(pp=prev, dp=0, tp=0)) \
+            if si > 0 else 0.0
+        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f, bwd_s=comp_b + tpc_b + zero3_b,
+                                      send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync))
+        stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
+                               fwd_compute_s=comp_f, bwd_compute_s=comp_b, fwd_tp_s=tpc_f, bwd_tp_s=tpc_b,
+                               zero3_gather_exposed_s=(zero3_f + zero3_b) * mbs, grad_sync_s=sync,
+                               params=params, costs=costs))
+    tl = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=True)
+    tl0 = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=False) if pp > 1 else tl
+
+    # optimizer step and, for ZeRO 1/2, the parameter all-gather after it; then the slowest rank
+    rank_total, per_rank = [], []
+    for r in range(pp):
+        mine = [stage_info[i] for i in plan.stages_of_rank(r)]
+        opt_params = sum(si["params"] / (dp if si["zero"] >= 1 else 1) for si in mine)
+        # AdamW: read grad, both moments and the master copy, write them back and the parameter
+        opt_s = opt_params * (gb + 2 * ob + pb) / bw
+        gather = 0.0
+        if dp > 1:
+            for si in mine:
+                if si["zero"] in (1, 2):
+                    dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
+                    gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
+        rank_total.append(tl.end_s[r] + opt_s + gather)
+        per_rank.append((opt_s, gather))
+    step = max(rank_total)
+    r = max(range(pp), key=lambda i: (rank_total[i], -i))
+    mine = [stage_info[i] for i in plan.stages_of_rank(r)]
+    compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
+    tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
+    zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
+    busy = compute + tp_time + zero3
+    bubble = max(0.0, tl0.compute_end_s[r] - busy)
+    p2p = max(0.0, tl.compute_end_s[r] - tl0.compute_end_s[r])
+    dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
+    optimizer = per_rank[r][0]
+    time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_exposed_s": dp_exposed,
+                      "pipeline_bubble_s": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
+                      "critical_pp_rank": r}
+
+    # memory, per pipeline rank
+    mem_by_rank = []
+    for rr in range(pp):
+        ids = plan.stages_of_rank(rr)
+        weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
+        acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**{i: 0.0 for i in range(len(pipe.stages))}, **weights})
+        p_bytes = g_bytes = o_bytes = other = 0.0
+        replay = 0.0
+        for i in ids:
+            si, st = stage_info[i], pipe.stages[i]
+            P = si["params"]
+            shard = dp if dp > 1 else 1
+            p_bytes += P * pb / (shard if st.zero == 3 else 1)
+            # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
+            g_bytes += P * gb / (shard if (st.zero >= 2 and mbs == 1) else 1)
+            o_bytes += P * ob / (shard if st.zero >= 1 else 1)
+            if st.zero == 3 and dp > 1:  # two layers gathered at once (current + prefetched)
+                biggest = sorted((c.params for c in si["costs"]), reverse=True)[:2]
+                other += sum(biggest) * pb
+            if st.zero == 0 and dp > 1:
+                other += 2 * DDP_BUCKET_BYTES
+            replay = max(replay, max((c.replay_bytes for c in si["costs"]), default=0.0))
+        # gradients of the activation flowing back (output and input of the layer in backward)
+        act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
+        head_logits = 0.0
+        if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # logits gradient
+            head_logits = 4.0 * t.micro_batch * t.seq_len * math.ceil(m.vocab / tp)
+        other += replay + act_grad + head_logits
+        total = p_bytes + g_bytes + o_bytes + acts + other
+        mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,
+                                optimizer_bytes=o_bytes, activations_bytes=acts, other_bytes=other,
+                                total_bytes=total))
+    peak_rank = max(mem_by_rank, key=lambda d: d["total_bytes"])
+    peak = peak_rank["total_bytes"]
+    dev = cluster.device
+    limit = memory_limit_bytes if memory_limit_bytes is not None else dev.memory_bytes
+    required = peak * (1 + dev.allocator_overhead_fraction) + dev.reserved_bytes
+    memory_breakdown = {k: peak_rank[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                                                  "activations_bytes", "other_bytes")}
+    memory_breakdown["pp_rank"] = peak_rank["pp_rank"]
+
+    world = mesh.world_size
+    tokens = t.global_batch * t.seq_len
+    blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
+    counted = "full" if blocks.count("full") * 2 > len(blocks) else "none"
+    model_flops = m.model_flops_per_step(t.global_batch, t.seq_len, recompute=counted)
+    tflops = model_flops / step / world / 1e12
+    stages_out = []
+    for si in stage_info:
+        d = {k: v for k, v in si.items() if k != "costs"}
+        d["memory"] = next(x for x in mem_by_rank if x["pp_rank"] == si["pp_rank"])["total_bytes"]
+        stages_out.append(d)
+    return Estimate(
+        step_time_s=step, tokens_per_s=tokens / step, model_tflops_per_gpu=tflops,
+        mfu=tflops * 1e12 / dev.peak_flops[t.dtype], peak_memory_bytes=peak, memory_limit_bytes=limit,
+        required_bytes=required, fits=required <= limit, parameters=m.num_parameters(),
+        breakdown={"time": time_breakdown, "memory": memory_breakdown,
+                   "memory_per_pp_rank": [x["total_bytes"] for x in mem_by_rank],
+                   "bubble_fraction": bubble / step if step else 0.0},
+        stages=stages_out, timeline=tl if keep_timeline else None)

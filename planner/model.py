@@ -1,0 +1,337 @@
+"""Model specification: ModelConfig, the zoo, loaders, and per-layer analytic costs.
+
+Layers are numbered the way the plan file numbers them: layer 0 is the embedding, layers
+1..L are the transformer blocks, layer L+1 is the final norm plus the output head.
+
+Formulas and their sources:
+- FLOPs: a matmul of an (m x k) by a (k x n) matrix costs 2mkn (Narayanan et al., "Efficient
+  Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21, section 5.1).
+  Attention scores and context each cost 2 b s^2 h; backward costs twice the forward. For a
+  GPT block with ffn_hidden = 4h this gives that paper's 72 b s h^2 (1 + s/(6h)) per block.
+- Activations saved for backward: Korthikanti et al., "Reducing Activation Recomputation in
+  Large Transformer Models", 2022, section 4 (table 2). The per-tensor accounting below
+  reproduces their closed forms for GPT (34 s b h + 5 a s^2 b per block; with TP t and no
+  sequence parallelism 10 s b h + 24 s b h / t + 5 a s^2 b / t; sequence parallelism divides
+  everything by t; selective recompute drops the 5 a s^2 b term) and extends the same accounting
+  to Llama blocks (RMSNorm, SwiGLU, grouped-query attention, no dropout) and to fused
+  (flash) attention, which keeps the log-sum-exp instead of the s^2 score matrix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ARCHS = ("gpt", "llama")
+RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_KERNELS = ("flash", "unfused")
+
+
+class ConfigError(ValueError):
+    """A bad model, cluster or plan input; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer.
+
+    `seq_len` is the longest sequence the model is built for (the learned position table of a
+    GPT model has this many rows); a plan trains at a sequence length up to it.
+    """
+
+    name: str
+    arch: str
+    layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 adds a bias to the q, k, v projections of a llama block
+    head_dim: int | None = None  # None: hidden // heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        def need(cond, fld, msg):
+            if not cond:
+                raise ConfigError(f"model.{fld}: {msg}")
+
+        need(self.arch in ARCHS, "arch", f"is {self.arch!r}; use one of {', '.join(ARCHS)}")
+        for f in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f, f"is {v!r}; it must be a positive integer")
+        need(self.heads % self.kv_heads == 0, "kv_heads",
+             f"{self.kv_heads} does not divide heads={self.heads}; grouped-query attention needs heads to be a multiple of kv_heads")
+        if self.head_dim is None:
+            need(self.hidden % self.heads == 0, "heads",
+                 f"{self.heads} does not divide hidden={self.hidden}; set head_dim or change heads")
+        if self.arch == "gpt":
+            need(self.kv_heads == self.heads, "kv_heads", "a gpt model has kv_heads == heads (no grouped-query attention)")
+            need(not self.qkv_bias, "qkv_bias", "gpt blocks always have biases; qkv_bias is for llama-family models")
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.dim_per_head
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.dim_per_head
+
+    @property
+    def num_layers_total(self) -> int:
+        """Embedding + blocks + head: the layer count a pipeline partition covers."""
+        return self.layers + 2
+
+    def layer_kind(self, index: int) -> str:
+        if index == 0:
+            return "embedding"
+        if index == self.layers + 1:
+            return "head"
+        if 1 <= index <= self.layers:
+            return "block"
+        raise IndexError(f"layer {index} out of range 0..{self.layers + 1}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected an object with the ModelConfig fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown field; known fields are {', '.join(sorted(known))}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in d]
+        if missing:
+            raise ConfigError(f"{where}.{missing[0]}: missing; a model needs {', '.join(missing)}")
+        return cls(**d)
+
+    # ---------------------------------------------------------------- parameters
+    def block_params(self) -> int:
+        h, f = self.hidden, self.ffn_hidden
+        if self.arch == "gpt":
+            attn = h * 3 * h + 3 * h + h * h + h
+            mlp = h * f + f + f * h + h
+            norms = 2 * 2 * h
+        else:
+            attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+            if self.qkv_bias:
+                attn += self.q_dim + 2 * self.kv_dim
+            mlp = 3 * h * f
+            norms = 2 * h
+        return attn + mlp + norms
+
+    def embedding_params(self) -> int:
+        pos = self.seq_len * self.hidden if self.arch == "gpt" else 0
+        return self.vocab * self.hidden + pos
+
+    def head_params(self, held: bool = True) -> int:
+        """Final norm + output projection. With tied embeddings the projection is the embedding
+        matrix: `held=True` counts it anyway (a pipeline stage holding the head keeps a copy)."""
+        norm = 2 * self.hidden if self.arch == "gpt" else self.hidden
+        proj = self.vocab * self.hidden if (held or not self.tie_embeddings) else 0
+        return norm + proj
+
+    def layer_params(self, index: int, held: bool = True) -> int:
+        kind = self.layer_kind(index)
+        if kind == "embedding":
+            return self.embedding_params()
+        if kind == "head":
+            return self.head_params(held=held)
+        return self.block_params()
+
+    def num_parameters(self) -> int:
+        """Unique trainable parameters (a tied head counted once)."""
+        return self.embedding_params() + self.layers * self.block_params() + self.head_params(held=False)
+
+    def block_matmul_params(self) -> int:
+        h, f = self.hidden, self.ffn_hidden
+        if self.arch == "gpt":
+            return 4 * h * h + 2 * h * f
+        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * f
+
+    # ---------------------------------------------------------------- FLOPs
+    def attention_core_flops(self, micro_batch: int, seq_len: int) -> float:
+        """Scores (Q K^T) and context (A V) of one block, forward: 4 b s^2 (heads * head_dim)."""
+        return 4.0 * micro_batch * seq_len * seq_len * self.q_dim
+
+    def layer_forward_flops(self, index: int, micro_batch: int, seq_len: int) -> float:
+        """Forward FLOPs of one layer for one micro-batch (whole layer, before any TP split)."""
+        kind = self.layer_kind(index)
+        tokens = micro_batch * seq_len
+        if kind == "embedding":
+            return 0.0
+        if kind == "head":
+            return 2.0 * tokens * self.hidden * self.vocab
+        return 2.0 * tokens * self.block_matmul_params() + self.attention_core_flops(micro_batch, seq_len)
+
+    def model_flops_per_step(self, global_batch: int, seq_len: int, recompute: str = "none") -> float:
+        """Model FLOPs of one training step, counted the Megatron way (SC'21 eq. 3): forward +
+        backward (2x forward), plus one more forward of every block when recompute is full."""
+        fwd_blocks = self.layers * self.layer_forward_flops(1, global_batch, seq_len)
+        fwd_head = self.layer_forward_flops(self.layers + 1, global_batch, seq_len)
+        passes = 4.0 if recompute == "full" else 3.0
+        return passes * fwd_blocks + 3.0 * fwd_head
+
+    def block_gemms(self, micro_batch: int, seq_len: int, tp: int = 1) -> list[tuple[int, int, int, int]]:
+        """The forward matrix multiplications of one block on one TP rank, as (count, M, N, K):
+        each costs 2 M N K FLOPs and reads M K + K N, writes M N elements. Attention scores and
+        context are batched over micro_batch * heads / tp (the unfused form; see cost.py for fused)."""
+        t, tokens, h, d = tp, micro_batch * seq_len, self.hidden, self.dim_per_head
+        heads = micro_batch * self.heads // t
+        qkv = (self.q_dim + 2 * self.kv_dim) // t
+        out = [(1, tokens, qkv, h), (1, tokens, h, self.q_dim // t)]
+        if self.arch == "gpt":
+            out += [(1, tokens, self.ffn_hidden // t, h), (1, tokens, h, self.ffn_hidden // t)]
+        else:
+            out += [(2, tokens, self.ffn_hidden // t, h), (1, tokens, h, self.ffn_hidden // t)]
+        out += [(heads, seq_len, seq_len, d), (heads, seq_len, d, seq_len)]  # Q K^T, A V
+        return out
+
+    # ---------------------------------------------------------------- activations
+    def activation_bytes(self, index: int, micro_batch: int, seq_len: int, tp: int = 1,
+                         sequence_parallel: bool = False, recompute: str = "none",
+                         bytes_per_element: int = 2, dropout: bool = False,
+                         attention: str = "flash") -> float:
+        """Bytes one device keeps from the forward of one micro-batch until its backward.
+
+        Per-tensor accounting after Korthikanti et al. 2022 (see module docstring). Tensors a TP
+        group holds whole (norm inputs, the inputs of the first projections, dropout masks on the
+        residual stream) are divided by `tp` only under sequence parallelism; dropout masks are one
+        byte per element; fused attention keeps a float32 log-sum-exp per head and token.
+        """
+        if recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute: {recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+        if attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention: {attention!r}; use one of {', '.join(ATTENTION_KERNELS)}")
+        b, s, h, t, e = micro_batch, seq_len, self.hidden, tp, bytes_per_element
+        sbh = s * b * h
+        rep = t if sequence_parallel else 1  # divisor for tensors held whole by each TP rank
+        kind = self.layer_kind(index)
+        if kind == "embedding":
+            mask = sbh / rep if dropout else 0.0  # embedding dropout mask
+            return 8.0 * b * s + mask  # int64 token ids (and positions) for the gather's backward
+        if kind == "head":
+            # final norm input and head input (whole per rank unless SP), float32 log-softmax output
+            # plus the logits in the training dtype, vocab-parallel across TP.
+            return 2 * e * sbh / rep + (4 + e) * s * b * self.vocab / t
+        if recompute == "full":
+            return e * sbh / rep  # only the block input is kept (Korthikanti: 2 s b h per layer)
+        f, a = self.ffn_hidden, self.heads
+        replicated = 4 * e * sbh + (2 * sbh if dropout else 0)  # 2 norm inputs, 2 projection inputs, 2 masks
+        if self.arch == "gpt":
+            sharded = e * s * b * (self.q_dim + self.kv_dim) + e * s * b * self.kv_dim  # Q, K, V
+            sharded += e * s * b * self.q_dim  # attention output = input of the output projection
+            sharded += 2 * e * s * b * f  # GeLU input, second linear input
+        else:
+            sharded = e * s * b * (self.q_dim + 2 * self.kv_dim)  # Q, K (after RoPE), V
+            sharded += e * s * b * self.q_dim
+            sharded += 4 * e * s * b * f  # gate out, silu(gate), up out, their product (eager SwiGLU)
+        if recompute == "none":
+            if attention == "unfused":
+                core = e * a * s * s * b  # softmax output
+                if dropout:
+                    core += a * s * s * b + e * a * s * s * b  # dropout mask and dropout output
+            else:
+                core = 4.0 * a * s * b  # float32 log-sum-exp
+            sharded += core
+        return replicated / rep + sharded / t
+
+
+# -------------------------------------------------------------------- zoo
+def _gpt(name, layers, hidden, heads, vocab=51200, seq_len=2048, ffn=None, tie=True):
+    return ModelConfig(name=name, arch="gpt", layers=layers, hidden=hidden, ffn_hidden=ffn or 4 * hidden,
+                       heads=heads, kv_heads=heads, vocab=vocab, seq_len=seq_len, tie_embeddings=tie)
+
+
+def _llama(name, layers, hidden, ffn, heads, kv_heads, vocab, seq_len, theta=10000.0, eps=1e-5):
+    return ModelConfig(name=name, arch="llama", layers=layers, hidden=hidden, ffn_hidden=ffn, heads=heads,
+                       kv_heads=kv_heads, vocab=vocab, seq_len=seq_len, tie_embeddings=False,
+                       norm_eps=eps, rope_theta=theta)
+
+
+ZOO: dict[str, ModelConfig] = {m.name: m for m in [
+    # CPU-sized models: a training step well under a second on one core; heads, kv_heads and
+    # ffn_hidden divisible by 4 so that TP up to 4 runs.
+    _llama("tiny", layers=4, hidden=128, ffn=384, heads=8, kv_heads=4, vocab=512, seq_len=64),
+    _gpt("tiny-gpt", layers=4, hidden=128, heads=8, vocab=512, seq_len=64, tie=False),
+    _llama("small", layers=8, hidden=512, ffn=1536, heads=8, kv_heads=4, vocab=4096, seq_len=256),
+    # GPT rows of shared/reference/published_runs.csv (Megatron SC'21 Table 1, MT-NLG).
+    _gpt("gpt-1.7b", 24, 2304, 24),
+    _gpt("gpt-3.6b", 30, 3072, 32),
+    _gpt("gpt-7.5b", 36, 4096, 32),
+    _gpt("gpt-18.4b", 40, 6144, 48),
+    _gpt("gpt-39.1b", 48, 8192, 64),
+    _gpt("gpt-76.1b", 60, 10240, 80),
+    _gpt("gpt-145.6b", 80, 12288, 96),
+    _gpt("gpt-310.1b", 96, 16384, 128),
+    _gpt("gpt-529.6b", 105, 20480, 128),
+    _gpt("gpt-1008b", 128, 25600, 160),
+    _gpt("mt-nlg-530b", 105, 20480, 128),
+    # Brown et al. 2020 (GPT-3), Table 2.1; vocabulary of GPT-2's BPE.
+    _gpt("gpt3-175b", 96, 12288, 96, vocab=50257),
+    # Touvron et al. 2023 (Llama 2), and the released config.json files.
+    _llama("llama2-7b", 32, 4096, 11008, 32, 32, 32000, 4096),
+    _llama("llama2-13b", 40, 5120, 13824, 40, 40, 32000, 4096),
+    _llama("llama2-70b", 80, 8192, 28672, 64, 8, 32000, 4096),
+    # "The Llama 3 Herd of Models", 2024, Table 3, and the released config.json files.
+    _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, theta=500000.0),
+    _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192, theta=500000.0),
+    _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192, theta=500000.0),
+]}
+
+
+def from_hf_config(cfg: dict, name: str = "hf-model") -> ModelConfig:
+    """Map a Hugging Face config.json (model_type llama, mistral, qwen2 or gpt2) to a ModelConfig."""
+    mt = cfg.get("model_type")
+    try:
+        if mt in ("llama", "mistral", "qwen2"):
+            heads = cfg["num_attention_heads"]
+            return ModelConfig(
+                name=name, arch="llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                ffn_hidden=cfg["intermediate_size"], heads=heads,
+                kv_heads=cfg.get("num_key_value_heads") or heads, vocab=cfg["vocab_size"],
+                seq_len=cfg.get("max_position_embeddings", 4096),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
+                head_dim=cfg.get("head_dim") if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads) else None,
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)))
+        if mt == "gpt2":
+            h = cfg["n_embd"]
+            return ModelConfig(
+                name=name, arch="gpt", layers=cfg["n_layer"], hidden=h, ffn_hidden=cfg.get("n_inner") or 4 * h,
+                heads=cfg["n_head"], kv_heads=cfg["n_head"], vocab=cfg["vocab_size"], seq_len=cfg["n_positions"],
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)))
+    except KeyError as exc:
+        raise ConfigError(f"config.json: missing {exc.args[0]!r}, which a {mt} config must have") from None
+    raise ConfigError(f"config.json: model_type {mt!r} is not supported; use llama, mistral, qwen2 or gpt2")
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A zoo name, a path to a trident model JSON, or a path to a Hugging Face config.json."""
+    if spec in ZOO:
+        return ZOO[spec]
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(f"--model: {spec!r} is neither a zoo model ({', '.join(ZOO)}) nor a file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--model: cannot read {path} as JSON ({exc})") from None
+    if isinstance(data, dict) and "model_type" in data:
+        return from_hf_config(data, name=path.parent.name if path.name == "config.json" else path.stem)
+    if isinstance(data, dict) and "name" not in data:
+        data = {"name": path.stem, **data}
+    return ModelConfig.from_dict(data, where=str(path))

@@ -1,0 +1,413 @@
+"""The plan file: the one contract between the planner and the runtime.
+
+A plan says everything the runtime needs to train (model, training settings, mesh, pipeline
+stages with their ZeRO level, recomputation and sequence parallelism) and everything the
+prediction assumed (which cluster profile priced it, and the prediction itself).
+
+Conventions:
+- Layers are numbered as in planner.model: 0 = embedding, 1..L = blocks, L+1 = final norm + head.
+  A stage owns the half-open range `layers = [start, end)`.
+- `mesh.order` lists the mesh dimensions from outermost to innermost; a rank's coordinates are
+  its digits in that mixed radix (Megatron's RankGenerator idea). ["pp", "dp", "tp"] keeps each TP
+  group on consecutive ranks, so inside a node.
+- With `virtual_stages` v > 1 (interleaved 1F1B) there are pp * v stages (model chunks); chunk i
+  lives on pipeline rank i % pp, as torch.distributed.pipelining's interleaved schedules expect.
+- ZeRO level per stage: 0 = plain data parallel (parameters, gradients and optimizer state
+  replicated), 1 = optimizer state sharded over dp, 2 = gradients too, 3 = parameters too
+  (FSDP, resharded after forward).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS, ConfigError, ModelConfig
+
+FORMAT_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def _strict(cls, d, where):
+    """Build dataclass `cls` from dict `d`, refusing unknown and missing fields by name."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in d if k not in names]
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown field; {where} has {', '.join(names)}")
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d:
+            raise ConfigError(f"{where}.{f.name}: missing required field")
+    return d
+
+
+def _need(cond: bool, path: str, msg: str):
+    if not cond:
+        raise ConfigError(f"{path}: {msg}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class Training:
+    global_batch: int  # sequences per optimizer step
+    micro_batch: int  # sequences per micro-batch per data-parallel rank
+    seq_len: int
+    dtype: str = "bf16"  # compute dtype: bf16 | fp16 | fp32
+    master_weights: bool = True  # fp32 master copy in the optimizer (mixed precision); ignored for fp32
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dropout: float = 0.0
+    attention: str = "flash"  # flash: fused attention keeps no s^2 scores; unfused: materialized softmax
+    seed: int = 0
+
+
+@dataclass
+class ClusterRef:
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: str
+    profile_hash: str = ""  # sha256 of the cluster profile file that priced the plan
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass
+class Mesh:
+    pp: int
+    dp: int
+    tp: int
+    order: list = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost -> innermost
+
+    def size(self, dim: str) -> int:
+        return getattr(self, dim)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int) -> dict:
+        """Coordinates {pp, dp, tp} of a global rank."""
+        out = {}
+        for dim in reversed(self.order):
+            n = self.size(dim)
+            out[dim] = rank % n
+            rank //= n
+        return out
+
+    def rank(self, **coords) -> int:
+        r = 0
+        for dim in self.order:
+            r = r * self.size(dim) + coords[dim]
+        return r
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of ranks that differ only in coordinate `dim` (e.g. the TP groups)."""
+        others = [d for d in self.order if d != dim]
+        groups = []
+        for combo in range(math.prod(self.size(d) for d in others)):
+            fixed = {}
+            for d in reversed(others):
+                fixed[d] = combo % self.size(d)
+                combo //= self.size(d)
+            groups.append([self.rank(**fixed, **{dim: i}) for i in range(self.size(dim))])
+        return groups
+
+
+@dataclass
+class Stage:
+    layers: list  # [start, end), half-open
+    zero: int = 0
+    recompute: list = field(default_factory=list)  # one mode per layer in the range
+    sequence_parallel: bool = False
+
+    @property
+    def start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def end(self) -> int:
+        return self.layers[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass
+class Pipeline:
+    schedule: str
+    virtual_stages: int
+    micro_batches: int
+    stages: list  # of Stage, pp * virtual_stages of them, in model order
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    training: Training
+    cluster: ClusterRef
+    mesh: Mesh
+    pipeline: Pipeline
+    prediction: dict | None = None
+    format_version: int = FORMAT_VERSION
+
+    # ------------------------------------------------------------ helpers
+    def stage_rank(self, stage_index: int) -> int:
+        """Pipeline rank that holds model chunk `stage_index` (loop-style interleaving)."""
+        return stage_index % self.mesh.pp
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        return [i for i in range(len(self.pipeline.stages)) if self.stage_rank(i) == pp_rank]
+
+    def recompute_of_layer(self, layer: int) -> str:
+        for st in self.pipeline.stages:
+            if st.start <= layer < st.end:
+                return st.recompute[layer - st.start]
+        raise IndexError(layer)
+
+    # ------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "model": self.model.to_dict(),
+            "training": dataclasses.asdict(self.training),
+            "cluster": dataclasses.asdict(self.cluster),
+            "mesh": dataclasses.asdict(self.mesh),
+            "pipeline": {
+                "schedule": self.pipeline.schedule,
+                "virtual_stages": self.pipeline.virtual_stages,
+                "micro_batches": self.pipeline.micro_batches,
+                "stages": [dataclasses.asdict(s) for s in self.pipeline.stages],
+            },
+            "prediction": self.prediction,
+        }
+
+    def to_json(self) -> str:
+        return dumps(self.to_dict())
+
+    def write(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    def content_hash(self) -> str:
+        """sha256 of what the runtime executes (the plan without its prediction)."""
+        d = self.to_dict()
+        d.pop("prediction")
+        return "sha256:" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        _need(isinstance(d, dict), "plan", "expected a JSON object")
+        _strict(cls, d, "plan")
+        fv = d.get("format_version", FORMAT_VERSION)
+        _need(_is_int(fv), "format_version", f"{fv!r} is not an integer")
+        _need(fv <= FORMAT_VERSION, "format_version",
+              f"{fv} is newer than this trident understands ({FORMAT_VERSION}); upgrade trident")
+        _need(fv >= 1, "format_version", f"{fv} is not a valid version; this trident writes {FORMAT_VERSION}")
+        model = ModelConfig.from_dict(d["model"], where="model")
+        training = Training(**_strict(Training, d["training"], "training"))
+        cluster = ClusterRef(**_strict(ClusterRef, d["cluster"], "cluster"))
+        mesh = Mesh(**_strict(Mesh, d["mesh"], "mesh"))
+        p = _strict(Pipeline, d["pipeline"], "pipeline")
+        _need(isinstance(p["stages"], list), "pipeline.stages", "expected a list of stages")
+        stages = [Stage(**_strict(Stage, s, f"pipeline.stages[{i}]")) for i, s in enumerate(p["stages"])]
+        pipeline = Pipeline(schedule=p["schedule"], virtual_stages=p["virtual_stages"],
+                            micro_batches=p["micro_batches"], stages=stages)
+        plan = cls(model=model, training=training, cluster=cluster, mesh=mesh, pipeline=pipeline,
+                   prediction=d.get("prediction"), format_version=fv)
+        plan.validate()
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); "
+                              "regenerate it with `trident plan` or `trident search`") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def read(cls, path) -> "Plan":
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"plan: cannot read {path} ({exc.strerror})") from None
+        return cls.from_json(text, source=str(path))
+
+    # ------------------------------------------------------------ validation
+    def validate(self) -> "Plan":
+        """Raise ConfigError naming the first field that is wrong and how to fix it."""
+        m, t, c, mesh, p = self.model, self.training, self.cluster, self.mesh, self.pipeline
+        for name in ("global_batch", "micro_batch", "seq_len", "seed"):
+            v = getattr(t, name)
+            _need(_is_int(v) and (v > 0 or name == "seed") and v >= 0, f"training.{name}",
+                  f"{v!r} must be a positive integer")
+        _need(t.dtype in DTYPES, "training.dtype", f"{t.dtype!r}; use one of {', '.join(DTYPES)}")
+        _need(t.optimizer == "adamw", "training.optimizer", f"{t.optimizer!r}; only adamw is supported")
+        _need(t.attention in ATTENTION_KERNELS, "training.attention",
+              f"{t.attention!r}; use one of {', '.join(ATTENTION_KERNELS)}")
+        _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
+        for name in ("lr", "weight_decay", "grad_clip", "dropout"):
+            v = getattr(t, name)
+            _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, f"training.{name}",
+                  f"{v!r} must be a non-negative number")
+        _need(t.dropout < 1, "training.dropout", f"{t.dropout} must be below 1")
+        _need(t.seq_len <= m.seq_len, "training.seq_len",
+              f"{t.seq_len} exceeds the model's seq_len {m.seq_len}; lower it or raise model.seq_len")
+        for name in ("nodes", "devices_per_node"):
+            v = getattr(c, name)
+            _need(_is_int(v) and v > 0, f"cluster.{name}", f"{v!r} must be a positive integer")
+        for dim in MESH_DIMS:
+            v = mesh.size(dim)
+            _need(_is_int(v) and v > 0, f"mesh.{dim}", f"{v!r} must be a positive integer")
+        _need(isinstance(mesh.order, list) and sorted(mesh.order) == sorted(MESH_DIMS), "mesh.order",
+              f"{mesh.order!r} must list pp, dp and tp once each, outermost first")
+        _need(mesh.world_size == c.world_size, "mesh",
+              f"pp*dp*tp = {mesh.pp}*{mesh.dp}*{mesh.tp} = {mesh.world_size} but the cluster has "
+              f"{c.world_size} GPUs ({c.nodes} nodes x {c.devices_per_node}); make the degrees multiply to {c.world_size}")
+        _need(mesh.tp <= c.devices_per_node, "mesh.tp",
+              f"{mesh.tp} is larger than a node ({c.devices_per_node} devices); TP groups must stay inside a node")
+        for fld, n in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden)):
+            _need(n % mesh.tp == 0, "mesh.tp", f"{mesh.tp} does not divide model.{fld}={n}; pick a TP degree that divides it")
+        _need(t.global_batch % (mesh.dp * t.micro_batch) == 0, "training.global_batch",
+              f"{t.global_batch} is not divisible by dp x micro_batch = {mesh.dp} x {t.micro_batch}; "
+              f"use a multiple of {mesh.dp * t.micro_batch}")
+        _need(p.schedule in SCHEDULES, "pipeline.schedule", f"{p.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        _need(_is_int(p.virtual_stages) and p.virtual_stages >= 1, "pipeline.virtual_stages",
+              f"{p.virtual_stages!r} must be a positive integer")
+        if p.virtual_stages > 1:
+            _need(p.schedule == "interleaved-1f1b", "pipeline.virtual_stages",
+                  f"{p.virtual_stages} needs schedule interleaved-1f1b; set it to 1 for {p.schedule}")
+            _need(mesh.pp > 1, "pipeline.virtual_stages", "interleaving needs pp > 1; set it to 1")
+        expected_mb = t.global_batch // (mesh.dp * t.micro_batch)
+        _need(p.micro_batches == expected_mb, "pipeline.micro_batches",
+              f"{p.micro_batches} but global_batch / (dp x micro_batch) = {expected_mb}; set it to {expected_mb}")
+        if mesh.pp > 1 and p.schedule == "interleaved-1f1b":
+            _need(p.micro_batches % mesh.pp == 0, "pipeline.micro_batches",
+                  f"{p.micro_batches} must be a multiple of pp={mesh.pp} for interleaved-1f1b; change the micro-batch size or global batch")
+        n_stages = mesh.pp * p.virtual_stages
+        _need(len(p.stages) == n_stages, "pipeline.stages",
+              f"{len(p.stages)} stages but pp x virtual_stages = {n_stages}; give one entry per stage")
+        expect = 0
+        total = m.num_layers_total
+        for i, st in enumerate(p.stages):
+            w = f"pipeline.stages[{i}]"
+            _need(isinstance(st.layers, list) and len(st.layers) == 2 and all(_is_int(x) for x in st.layers),
+                  f"{w}.layers", f"{st.layers!r} must be [start, end)")
+            _need(st.start == expect, f"{w}.layers",
+                  f"starts at {st.start} but layer {expect} is next; stages must cover layers 0..{total - 1} "
+                  "(0 = embedding, last = head) exactly once, in order")
+            _need(st.end > st.start, f"{w}.layers", f"{st.layers} is empty; every stage needs at least one layer")
+            _need(st.end <= total, f"{w}.layers", f"ends at {st.end} beyond the last layer {total - 1}")
+            _need(_is_int(st.zero) and 0 <= st.zero <= 3, f"{w}.zero", f"{st.zero!r}; use 0, 1, 2 or 3")
+            _need(isinstance(st.recompute, list) and len(st.recompute) == st.num_layers, f"{w}.recompute",
+                  f"needs one mode per layer ({st.num_layers}), got {len(st.recompute) if isinstance(st.recompute, list) else st.recompute!r}")
+            for j, r in enumerate(st.recompute):
+                _need(r in RECOMPUTE_MODES, f"{w}.recompute", f"{r!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+                if 0 <= st.start + j < total and m.layer_kind(st.start + j) != "block":
+                    _need(r == "none", f"{w}.recompute",
+                          f"layer {st.start + j} is the {m.layer_kind(st.start + j)}; only blocks are recomputed, use \"none\"")
+            _need(isinstance(st.sequence_parallel, bool), f"{w}.sequence_parallel", "must be true or false")
+            _need(not st.sequence_parallel or mesh.tp > 1, f"{w}.sequence_parallel",
+                  "sequence parallelism needs tp > 1; set it to false")
+            expect = st.end
+        _need(expect == total, "pipeline.stages",
+              f"cover layers up to {expect - 1} but the model has layers 0..{total - 1}; the last stage must end at {total}")
+        _need(self.prediction is None or isinstance(self.prediction, dict), "prediction", "must be an object or null")
+        return self
+
+
+def dumps(obj) -> str:
+    """JSON with two-space indentation, short lists of scalars kept on one line; stable, so that
+    write -> read -> write is byte-identical."""
+    def emit(o, ind):
+        pad = "  " * ind
+        if isinstance(o, dict):
+            if not o:
+                return "{}"
+            items = [f'{pad}  {json.dumps(k)}: {emit(v, ind + 1)}' for k, v in o.items()]
+            return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+        if isinstance(o, list):
+            if all(not isinstance(x, (dict, list)) for x in o):
+                return "[" + ", ".join(json.dumps(x) for x in o) + "]"
+            return "[\n" + ",\n".join(f"{pad}  {emit(x, ind + 1)}" for x in o) + "\n" + pad + "]"
+        return json.dumps(o)
+    return emit(obj, 0) + "\n"
+
+
+def even_stages(model: ModelConfig, pp: int, virtual_stages: int = 1, zero: int = 0,
+                recompute: str = "none", sequence_parallel: bool = False) -> list[Stage]:
+    """Split layers 0..L+1 into pp * v contiguous stages. When the blocks divide evenly, every
+    stage gets the same number of blocks and the first and last stages also take the embedding
+    and the head (Megatron-LM's split); otherwise the layers are spread as evenly as counts
+    allow, extra layers going to the middle stages (so with L + 2 divisible, the first and last
+    stages hold one block fewer, as Llama 3 did)."""
+    n = pp * virtual_stages
+    total = model.num_layers_total
+    if n > total:
+        raise ConfigError(f"mesh.pp: {pp} x {virtual_stages} virtual stages is more stages than the "
+                          f"{total} layers (embedding + {model.layers} blocks + head); lower pp or virtual stages")
+    if model.layers % n == 0:
+        sizes = [model.layers // n] * n
+        sizes[0] += 1
+        sizes[-1] += 1
+    else:
+        base, extra = divmod(total, n)
+        sizes = [base] * n
+        order = sorted(range(n), key=lambda i: (i in (0, n - 1), abs(i - (n - 1) / 2)))
+        for i in order[:extra]:
+            sizes[i] += 1
+    stages, start = [], 0
+    for size in sizes:
+        rec = ["none" if model.layer_kind(l) != "block" else recompute for l in range(start, start + size)]
+        stages.append(Stage(layers=[start, start + size], zero=zero, recompute=rec,
+                            sequence_parallel=sequence_parallel))
+        start += size
+    return stages
+
+
+def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int, devices_per_node: int,
+               global_batch: int, micro_batch: int, seq_len: int | None = None, tp: int = 1, pp: int = 1,
+               dp: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
+               sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
+               order: list | None = None, stages: list | None = None, **training_overrides) -> Plan:
+    """A validated hand-made plan. `dp` defaults to world / (tp * pp); `stages` defaults to an
+    even split. Raises ConfigError naming the field on any inconsistency."""
+    world = nodes * devices_per_node
+    if dp is None:
+        if world % (tp * pp):
+            raise ConfigError(f"mesh: tp x pp = {tp * pp} does not divide the {world} GPUs; "
+                              "pick degrees whose product divides the GPU count")
+        dp = world // (tp * pp)
+    if pp == 1:
+        virtual_stages = 1  # a schedule with one stage has nothing to interleave
+    if schedule == "interleaved-1f1b" and virtual_stages == 1 and pp > 1:
+        schedule = "1f1b"  # interleaving with one chunk per rank is plain 1F1B
+    mb_count = global_batch // (dp * micro_batch) if dp * micro_batch else 0
+    plan = Plan(
+        model=model,
+        training=Training(global_batch=global_batch, micro_batch=micro_batch,
+                          seq_len=seq_len if seq_len is not None else model.seq_len, dtype=dtype,
+                          **{"master_weights": dtype != "fp32", **training_overrides}),
+        cluster=ClusterRef(name=cluster_name, nodes=nodes, devices_per_node=devices_per_node,
+                           device=device, profile_hash=profile_hash),
+        mesh=Mesh(pp=pp, dp=dp, tp=tp, order=list(order) if order else ["pp", "dp", "tp"]),
+        pipeline=Pipeline(schedule=schedule, virtual_stages=virtual_stages, micro_batches=mb_count,
+                          stages=stages if stages is not None else even_stages(
+                              model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1)),
+    )
+    return plan.validate()

@@ -1,0 +1,60 @@
+"""Readable tables of an estimate (pandas)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from planner.cost import Estimate
+from planner.plan import Plan
+
+GiB = 2**30
+
+
+def _fmt_bytes(x: float) -> str:
+    return f"{x / GiB:,.2f} GiB"
+
+
+def describe_plan(plan: Plan) -> str:
+    m, t, mesh, p = plan.model, plan.training, plan.mesh, plan.pipeline
+    recs = sorted({r for st in p.stages for r, l in zip(st.recompute, range(st.start, st.end))
+                   if m.layer_kind(l) == "block"})
+    zeros = sorted({st.zero for st in p.stages})
+    sp = any(st.sequence_parallel for st in p.stages)
+    split = " | ".join(f"{st.start}-{st.end - 1}" for st in p.stages)
+    return (f"{m.name} ({m.num_parameters() / 1e9:,.2f} B params) on {plan.cluster.nodes} x "
+            f"{plan.cluster.devices_per_node} {plan.cluster.device} ({plan.cluster.name})\n"
+            f"mesh pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
+            f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
+            f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}\n"
+            f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
+            f"sequence parallel {'on' if sp else 'off'}; stages (layers): {split}")
+
+
+def estimate_table(est: Estimate) -> str:
+    tb = est.breakdown["time"]
+    rows = [
+        ("step time", f"{est.step_time_s:.4g} s"),
+        ("  compute", f"{tb['compute_s']:.4g} s"),
+        ("  TP communication", f"{tb['tp_comm_s']:.4g} s"),
+        ("  DP/FSDP communication (exposed)", f"{tb['dp_comm_exposed_s']:.4g} s"),
+        ("  pipeline bubble", f"{tb['pipeline_bubble_s']:.4g} s"),
+        ("  pipeline p2p (exposed)", f"{tb['p2p_s']:.4g} s"),
+        ("  optimizer", f"{tb['optimizer_s']:.4g} s"),
+        ("tokens/s", f"{est.tokens_per_s:,.0f}"),
+        ("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}"),
+        ("MFU", f"{est.mfu:.1%}"),
+    ]
+    mb = est.breakdown["memory"]
+    rows += [
+        (f"peak memory per GPU (pp rank {mb['pp_rank']})", _fmt_bytes(est.peak_memory_bytes)),
+        ("  parameters", _fmt_bytes(mb["parameters_bytes"])),
+        ("  gradients", _fmt_bytes(mb["gradients_bytes"])),
+        ("  optimizer state", _fmt_bytes(mb["optimizer_bytes"])),
+        ("  activations", _fmt_bytes(mb["activations_bytes"])),
+        ("  other (buffers, transients)", _fmt_bytes(mb["other_bytes"])),
+        ("required with allocator reserve", _fmt_bytes(est.required_bytes)),
+        ("device memory limit", _fmt_bytes(est.memory_limit_bytes)),
+        ("fits", "yes" if est.fits else "NO"),
+    ]
+    df = pd.DataFrame(rows, columns=["quantity", "value"])
+    width = int(df["quantity"].str.len().max())
+    return "\n".join(f"{q.ljust(width)}  {v.rjust(14)}" for q, v in df.itertuples(index=False))

@@ -1,0 +1,67 @@
+"""The `trident` command: plan and estimate agree, bad input is one line and a non-zero exit."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_plan_writes_a_file_that_estimate_reproduces(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "16", "--global-batch", "32",
+               "--micro-batch", "2", "--tp", "4", "--pp", "2", "--schedule", "interleaved-1f1b",
+               "--virtual-stages", "2", "--zero", "1", "--seq-len", "2048", "-o", str(out), "--json"])
+    assert rc == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["estimate", str(out), "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert planned == estimated
+    assert planned["parameters"] == 6738415616
+    assert planned["fits"] is True
+    assert planned["step_time_s"] > 0 and planned["tokens_per_s"] == pytest.approx(32 * 2048 / planned["step_time_s"])
+
+
+def test_human_table(capsys):
+    assert main(["plan", "--model", "tiny", "--cluster", "dgx-h100-80gb", "--gpus", "2", "--global-batch", "4",
+                 "--micro-batch", "1", "--pp", "2", "--schedule", "gpipe"]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline bubble" in text and "peak memory per GPU" in text
+
+
+def test_schedule_with_pp1_is_accepted(capsys):
+    assert main(["plan", "--model", "tiny", "--cluster", "hgx-h200-141gb", "--gpus", "2", "--global-batch", "4",
+                 "--micro-batch", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--json"]) == 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", "3"], "mesh"),
+    (["--tp", "8"], "mesh.tp: 8 does not divide model.kv_heads"),
+    (["--tp", "2", "--pp", "2", "--dp", "4"], "mesh"),
+    (["--global-batch", "7"], "training.global_batch"),
+    (["--model", "nope"], "--model"),
+    (["--cluster", "nope"], "--cluster"),
+])
+def test_bad_input_is_one_clear_line(args, needle):
+    base = {"--model": "tiny", "--cluster": "dgx-a100-80gb", "--gpus": "8", "--global-batch": "8", "--micro-batch": "1"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    flat = [x for kv in base.items() for x in kv]
+    proc = run_cli("plan", *flat)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_estimate_of_a_malformed_plan(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format_version": 1}')
+    proc = run_cli("estimate", str(bad))
+    assert proc.returncode == 2 and "plan.model: missing" in proc.stderr
+    proc = run_cli("estimate", str(tmp_path / "absent.json"))
+    assert proc.returncode == 2 and "cannot read" in proc.stderr

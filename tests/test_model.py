@@ -1,0 +1,104 @@
+"""Model specification: parameter counts, FLOPs and activation formulas against their sources."""
+import json
+
+import pytest
+
+from planner.model import ZOO, ConfigError, ModelConfig, from_hf_config, load_model
+
+
+@pytest.mark.parametrize("name,published", [
+    ("gpt3-175b", 175e9), ("llama2-7b", 6.74e9), ("llama2-13b", 13.0e9), ("llama2-70b", 68.98e9),
+    ("llama3-8b", 8.03e9), ("llama3-70b", 70.55e9), ("llama3-405b", 405.85e9),
+])
+def test_parameter_counts_match_known_models_within_one_percent(name, published):
+    assert abs(ZOO[name].num_parameters() / published - 1) < 0.01
+
+
+def test_published_gpt_rows_have_their_parameter_counts():
+    for name, billions in [("gpt-1.7b", 1.7), ("gpt-18.4b", 18.4), ("gpt-145.6b", 145.6), ("gpt-1008b", 1008.0)]:
+        assert abs(ZOO[name].num_parameters() / (billions * 1e9) - 1) < 0.05
+
+
+def test_gpt_block_params_closed_form():
+    m = ZOO["gpt3-175b"]
+    h = m.hidden
+    assert m.block_params() == 12 * h * h + 13 * h  # Narayanan et al. 2021: 12 h^2 + 13 h per layer
+
+
+def test_tiny_models_run_tp_up_to_four():
+    for name in ("tiny", "tiny-gpt"):
+        m = ZOO[name]
+        for fld in ("heads", "kv_heads", "ffn_hidden"):
+            assert getattr(m, fld) % 4 == 0
+
+
+def test_step_flops_equal_megatron_formula():
+    # Narayanan et al. SC'21 eq. 3 (full recompute): 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+    m = ZOO["gpt-18.4b"]
+    B, s, l, h, V = 1024, 2048, m.layers, m.hidden, m.vocab
+    expected = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert m.model_flops_per_step(B, s, recompute="full") == pytest.approx(expected, rel=1e-12)
+    without = 72 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V
+    assert m.model_flops_per_step(B, s) == pytest.approx(without, rel=1e-12)
+
+
+def test_block_gemms_account_for_every_forward_flop():
+    for name in ("gpt3-175b", "llama3-8b", "tiny"):
+        m = ZOO[name]
+        gemm = sum(2 * c * M * N * K for c, M, N, K in m.block_gemms(2, 512, 1))
+        assert gemm == m.layer_forward_flops(1, 2, 512)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_gpt_activations_match_korthikanti_closed_forms(t):
+    # Korthikanti et al. 2022, table 2 (fp16, dropout, unfused attention, ffn = 4h)
+    m = ZOO["gpt3-175b"]
+    s, b, h, a = 2048, 1, m.hidden, m.heads
+    kw = dict(micro_batch=b, seq_len=s, tp=t, dropout=True, attention="unfused")
+    none = m.activation_bytes(1, **kw)
+    assert none == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    sp = m.activation_bytes(1, sequence_parallel=True, **kw)
+    assert sp == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    sel = m.activation_bytes(1, sequence_parallel=True, recompute="selective", **kw)
+    assert sel == pytest.approx(34 * s * b * h / t)
+    full = m.activation_bytes(1, recompute="full", **kw)
+    assert full == pytest.approx(2 * s * b * h)
+
+
+def test_fused_attention_keeps_no_square_scores():
+    m = ZOO["llama3-8b"]
+    flash = m.activation_bytes(1, 1, 8192, attention="flash")
+    unfused = m.activation_bytes(1, 1, 8192, attention="unfused")
+    assert unfused - flash > 2 * m.heads * 8192 * 8192 * 0.99
+
+
+def test_hf_config_mapping(tmp_path):
+    llama = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    assert from_hf_config(llama).num_parameters() == ZOO["llama2-7b"].num_parameters()
+    mistral = dict(llama, model_type="mistral", intermediate_size=14336, num_key_value_heads=8)
+    assert abs(from_hf_config(mistral).num_parameters() / 7.24e9 - 1) < 0.01  # Mistral 7B
+    qwen = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+            "max_position_embeddings": 32768, "tie_word_embeddings": True}
+    assert abs(from_hf_config(qwen).num_parameters() / 494.03e6 - 1) < 0.01  # Qwen2-0.5B
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+            "n_positions": 1024}
+    assert from_hf_config(gpt2).num_parameters() == 124439808  # GPT-2 small
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(gpt2))
+    assert load_model(str(path)).arch == "gpt"
+
+
+def test_model_json_file_and_bad_fields(tmp_path):
+    good = ZOO["tiny"].to_dict()
+    (tmp_path / "m.json").write_text(json.dumps(good))
+    assert load_model(str(tmp_path / "m.json")) == ZOO["tiny"]
+    (tmp_path / "bad.json").write_text(json.dumps({**good, "hiden": 3}))
+    with pytest.raises(ConfigError, match="hiden"):
+        load_model(str(tmp_path / "bad.json"))
+    with pytest.raises(ConfigError, match="kv_heads"):
+        ModelConfig(name="x", arch="llama", layers=2, hidden=64, ffn_hidden=128, heads=8, kv_heads=3, vocab=10, seq_len=8)
+    with pytest.raises(ConfigError, match="--model"):
+        load_model("no-such-model")

@@ -1,0 +1,102 @@
+"""The plan file: validation messages name the field, round trips are byte-identical."""
+import json
+
+import pytest
+
+from planner.model import ZOO, ConfigError
+from planner.plan import FORMAT_VERSION, Plan, build_plan, even_stages
+
+
+def make(**kw):
+    args = dict(cluster_name="dgx-a100-80gb", device="A100", nodes=1, devices_per_node=8, global_batch=16,
+                micro_batch=1, tp=2, pp=2)
+    args.update(kw)
+    return build_plan(kw.pop("model", ZOO["tiny"]), **{k: v for k, v in args.items() if k != "model"})
+
+
+def test_round_trip_is_byte_identical(tmp_path):
+    plan = make(schedule="interleaved-1f1b", virtual_stages=2, recompute="selective", sequence_parallel=True, zero=3)
+    plan.prediction = {"step_time_s": 0.1234567890123, "breakdown": {"time": {"compute_s": 1e-9}}}
+    first = plan.to_json()
+    path = tmp_path / "plan.json"
+    path.write_text(first)
+    again = Plan.read(path).to_json()
+    assert again == first
+    assert Plan.from_json(again).content_hash() == plan.content_hash()
+
+
+def edit(plan, path, value):
+    d = json.loads(plan.to_json())
+    node = d
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node[int(k)] if k.isdigit() else node[k]
+    last = keys[-1]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[int(last) if last.isdigit() else last] = value
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize("path,value,field", [
+    ("mesh.dp", 4, "mesh"),  # degrees do not multiply to the GPU count
+    ("mesh.tp", 3, "mesh"),
+    ("cluster.devices_per_node", 2, "mesh"),
+    ("model.ffn_hidden", 385, "mesh.tp"),  # TP does not divide ffn_hidden
+    ("training.global_batch", 15, "training.global_batch"),
+    ("pipeline.stages.1.layers", [2, 6], "pipeline.stages[1].layers"),  # layers not covered exactly once
+    ("pipeline.stages.0.layers", [0, 2], "pipeline.stages[0]"),
+    ("pipeline.stages.1.recompute", ["full"], "pipeline.stages[1].recompute"),
+    ("pipeline.stages.0.zero", 4, "pipeline.stages[0].zero"),
+    ("pipeline.schedule", "zigzag", "pipeline.schedule"),
+    ("pipeline.micro_batches", 3, "pipeline.micro_batches"),
+    ("training.dtype", "int8", "training.dtype"),
+    ("training.seq_len", 65, "training.seq_len"),
+    ("format_version", FORMAT_VERSION + 1, "format_version"),
+    ("mesh.order", ["pp", "tp"], "mesh.order"),
+    ("training.learning_rate", 1.0, "training.learning_rate"),  # unknown field
+    ("pipeline.stages.0.recompte", [], "pipeline.stages[0].recompte"),
+    ("model.arch", "bert", "model.arch"),
+    ("training.micro_batch", KeyError, "training.micro_batch"),
+])
+def test_validation_names_the_field(path, value, field):
+    text = edit(make(), path, value)
+    with pytest.raises(ConfigError) as info:
+        Plan.from_json(text)
+    msg = str(info.value)
+    assert msg.startswith(field), msg
+    assert "\n" not in msg
+
+
+def test_tp_must_divide_heads_and_kv_heads():
+    with pytest.raises(ConfigError, match="mesh.tp: 8 does not divide model.kv_heads=4"):
+        make(tp=8, pp=1)
+
+
+def test_tp_larger_than_a_node_is_refused():
+    with pytest.raises(ConfigError, match="mesh.tp: 8 is larger than a node"):
+        make(devices_per_node=4, nodes=2, tp=8, pp=1)
+
+
+def test_not_json_is_a_clear_error():
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Plan.from_json("{not json")
+
+
+def test_even_stages_megatron_and_llama3_splits():
+    gpt = ZOO["mt-nlg-530b"]  # 105 blocks on 35 stages: 3 blocks each, embedding and head extra
+    st = even_stages(gpt, 35)
+    assert [s.num_layers for s in st] == [4] + [3] * 33 + [4]
+    llama = ZOO["llama3-405b"]  # 126 blocks + 2 on 16 stages: first and last hold one block fewer
+    st = even_stages(llama, 16)
+    assert [s.num_layers for s in st] == [8] * 16
+    assert st[0].layers == [0, 8] and st[-1].layers == [120, 128]
+
+
+def test_mesh_groups_keep_tp_inside_a_node():
+    plan = make(nodes=2, devices_per_node=4, tp=4, pp=2)
+    assert plan.mesh.groups("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.mesh.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for r in range(8):
+        assert plan.mesh.rank(**plan.mesh.coords(r)) == r

@@ -1,0 +1,53 @@
+"""The schedule simulator against hand-computed timelines."""
+import pytest
+
+from planner.schedule import StageTimes, peak_in_flight, rank_order, simulate
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 8), (8, 3)])
+def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule, p, m):
+    tl = simulate(schedule, p, 1, m, [StageTimes(1.0, 2.0) for _ in range(p)], p2p=False)
+    assert tl.step_time_s == pytest.approx((m + p - 1) * 3.0)
+    assert tl.bubble_fraction() == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8)])
+def test_interleaving_divides_the_bubble_by_v(p, v, m):
+    tl = simulate("interleaved-1f1b", p, v, m, [StageTimes(1.0 / v, 2.0 / v) for _ in range(p * v)], p2p=False)
+    ideal = m * 3.0
+    assert tl.step_time_s == pytest.approx(ideal + (p - 1) * 3.0 / v)
+
+
+def test_hand_computed_two_stage_timeline_with_transfers():
+    # F=1, B=2, transfer 0.5 each way, 2 micro-batches, 1F1B on 2 stages. Rank 1 gets F0 at 1.5,
+    # runs F0 B0 [1.5, 4.5], F1 (arrived at 2.5) [4.5, 5.5], B1 [5.5, 7.5]. Rank 0 warms up with one
+    # forward, then F1 [1, 2]; B0 needs rank 1's B0 + 0.5 = 5.0 -> [5, 7]; B1 needs 7.5 + 0.5 -> [8, 10].
+    st = [StageTimes(1, 2, send_fwd_s=0.5, send_bwd_s=0.5) for _ in range(2)]
+    tl = simulate("1f1b", 2, 1, 2, st)
+    r0 = [(o.kind, o.micro_batch, o.start_s, o.end_s) for o in tl.ops[0]]
+    r1 = [(o.kind, o.micro_batch, o.start_s, o.end_s) for o in tl.ops[1]]
+    assert r1 == [("F", 0, 1.5, 2.5), ("B", 0, 2.5, 4.5), ("F", 1, 4.5, 5.5), ("B", 1, 5.5, 7.5)]
+    assert r0 == [("F", 0, 0, 1), ("F", 1, 1, 2), ("B", 0, 5.0, 7.0), ("B", 1, 8.0, 10.0)]
+    assert tl.step_time_s == 10.0
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (8, 16)])
+def test_1f1b_peak_in_flight_is_p_minus_stage(p, m):
+    for r in range(p):
+        assert peak_in_flight("1f1b", p, 1, m, r) == min(p - r, m)
+        assert peak_in_flight("gpipe", p, 1, m, r) == m
+
+
+def test_every_operation_runs_exactly_once():
+    for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)):
+        p, m = 4, 8
+        ops = [o for r in range(p) for o in rank_order(sched, p, v, m, r)]
+        assert len(ops) == len(set(ops)) == 2 * p * v * m
+
+
+def test_grad_sync_overlaps_remaining_backward():
+    st = [StageTimes(1, 2, grad_sync_s=1.0) for _ in range(2)]
+    tl = simulate("1f1b", 2, 1, 4, st, p2p=False)
+    assert tl.end_s[1] == pytest.approx(tl.compute_end_s[1] + 1.0) or tl.end_s[1] <= tl.compute_end_s[0] + 1.0
+    assert tl.end_s[0] == pytest.approx(tl.compute_end_s[0] + 1.0)
