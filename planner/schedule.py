@@ -3,7 +3,7 @@
 Each pipeline rank executes its forward (F) and backward (B) operations in the fixed order its
 schedule prescribes; an operation starts when the rank is free and its inputs have arrived:
 F of stage s on micro-batch j needs F of stage s-1 on j plus the point-to-point transfer, B of
-stage s needs B of stage s+1 plus the transfer back, and its own F. Sends are asynchronous. The
+stage s needs B of stage s+1 plus the transfer back, and its own F. A rank waits for its sends to complete (see simulate). The
 step time falls out of playing this, not from a bubble formula; with equal stages and free
 transfers it reproduces the closed forms (GPipe and 1F1B bubble (p-1)/(m+p-1), Huang et al.
 2019 and Narayanan et al. 2019; interleaved (p-1)/(v m) of the ideal time, Narayanan et al. SC'21).
@@ -100,8 +100,11 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
 
 
 def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
-             stages: list[StageTimes], p2p: bool = True) -> Timeline:
-    """Play the schedule; `stages` has pp * virtual_stages entries in model order."""
+             stages: list[StageTimes], p2p: bool = True, blocking_p2p: bool = True) -> Timeline:
+    """Play the schedule; `stages` has pp * virtual_stages entries in model order. With
+    `blocking_p2p` a rank waits for its own send to complete before its next operation, as
+    torch.distributed.pipelining (which waits on batched send/recv work), Megatron-LM and DeepSpeed
+    do; otherwise sends run in the background and only the receiver waits."""
     n_stages = pp * virtual_stages
     if len(stages) != n_stages:
         raise ValueError(f"{len(stages)} stage times for {n_stages} stages")
@@ -128,9 +131,13 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
                 ready = done[dep] + lag if dep is not None else 0.0
                 start = max(free[r], ready)
                 dur = stages[s].fwd_s if kind == "F" else stages[s].bwd_s
-                free[r] = start + dur
-                done[(kind, s, j)] = free[r]
-                ops[r].append(Op(kind, s, j, start, free[r]))
+                end_op = start + dur
+                done[(kind, s, j)] = end_op
+                ops[r].append(Op(kind, s, j, start, end_op))
+                free[r] = end_op
+                if p2p and blocking_p2p:  # the rank waits for its send to complete
+                    free[r] += stages[s].send_fwd_s if (kind == "F" and s < last) else 0.0
+                    free[r] += stages[s].send_bwd_s if (kind == "B" and s > 0) else 0.0
                 pos[r] += 1
                 remaining -= 1
                 progressed = True

@@ -20,15 +20,20 @@ def test_interleaving_divides_the_bubble_by_v(p, v, m):
 
 
 def test_hand_computed_two_stage_timeline_with_transfers():
-    # F=1, B=2, transfer 0.5 each way, 2 micro-batches, 1F1B on 2 stages. Rank 1 gets F0 at 1.5,
-    # runs F0 B0 [1.5, 4.5], F1 (arrived at 2.5) [4.5, 5.5], B1 [5.5, 7.5]. Rank 0 warms up with one
-    # forward, then F1 [1, 2]; B0 needs rank 1's B0 + 0.5 = 5.0 -> [5, 7]; B1 needs 7.5 + 0.5 -> [8, 10].
+    # F=1, B=2, transfer 0.5 each way, 2 micro-batches, 1F1B on 2 stages; a rank waits for its sends.
+    # rank 0: F0 [0,1] + send -> 1.5; F1 [1.5,2.5] + send -> 3; B0 needs rank 1's B0 (4.5) + 0.5 -> [5,7];
+    #         B1 needs 8 + 0.5 -> [8.5,10.5]
+    # rank 1: F0 arrives 1.5 -> [1.5,2.5]; B0 [2.5,4.5] + send -> 5; F1 (arrived 3) [5,6]; B1 [6,8] + send
     st = [StageTimes(1, 2, send_fwd_s=0.5, send_bwd_s=0.5) for _ in range(2)]
     tl = simulate("1f1b", 2, 1, 2, st)
     r0 = [(o.kind, o.micro_batch, o.start_s, o.end_s) for o in tl.ops[0]]
     r1 = [(o.kind, o.micro_batch, o.start_s, o.end_s) for o in tl.ops[1]]
-    assert r1 == [("F", 0, 1.5, 2.5), ("B", 0, 2.5, 4.5), ("F", 1, 4.5, 5.5), ("B", 1, 5.5, 7.5)]
-    assert r0 == [("F", 0, 0, 1), ("F", 1, 1, 2), ("B", 0, 5.0, 7.0), ("B", 1, 8.0, 10.0)]
+    assert r0 == [("F", 0, 0, 1), ("F", 1, 1.5, 2.5), ("B", 0, 5.0, 7.0), ("B", 1, 8.5, 10.5)]
+    assert r1 == [("F", 0, 1.5, 2.5), ("B", 0, 2.5, 4.5), ("F", 1, 5.0, 6.0), ("B", 1, 6.0, 8.0)]
+    assert tl.step_time_s == 10.5
+    # with background sends only the receiver waits
+    tl = simulate("1f1b", 2, 1, 2, st, blocking_p2p=False)
+    assert [(o.start_s, o.end_s) for o in tl.ops[1]] == [(1.5, 2.5), (2.5, 4.5), (4.5, 5.5), (5.5, 7.5)]
     assert tl.step_time_s == 10.0
 
 

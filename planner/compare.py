@@ -1,0 +1,148 @@
+"""Predicted against measured: a plan's prediction next to the run record the runtime wrote."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from planner.model import ConfigError
+from planner.plan import Plan
+
+RUN_KEYS = ("losses", "step_times_s", "warmup_steps", "peak_memory_bytes", "peak_memory_bytes_per_rank")
+
+
+def read_run(path) -> dict:
+    """Load a run.json and check the keys compare needs; errors name the file and the key."""
+    try:
+        run = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"run: cannot read {path} ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"run: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(run, dict):
+        raise ConfigError(f"run: {path} must hold a JSON object")
+    for key in RUN_KEYS:
+        if key not in run:
+            raise ConfigError(f"run.{key}: missing in {path}; it must be a run record written by runtime.train")
+    steps = run["step_times_s"]
+    if not isinstance(steps, list) or len(steps) <= run["warmup_steps"]:
+        raise ConfigError(f"run.step_times_s: {path} has {len(steps) if isinstance(steps, list) else 0} steps, "
+                          f"not more than its {run['warmup_steps']} warm-up steps; run more steps")
+    return run
+
+
+def compare(plan: Plan, run: dict, prediction: dict) -> dict:
+    """Predicted vs measured step time, throughput and peak memory (overall and per pipeline
+    stage), each with its signed relative error (predicted - measured) / measured."""
+    if run.get("world_size") not in (None, plan.mesh.world_size):
+        raise ConfigError(f"run.world_size: {run['world_size']} but the plan has {plan.mesh.world_size} ranks; "
+                          "compare a run with the plan it ran")
+    if run.get("plan_hash") not in (None, plan.content_hash()):
+        raise ConfigError("run.plan_hash: this run was made from a different plan; compare it with the plan it ran")
+    timed = run["step_times_s"][run["warmup_steps"]:]
+    measured_step = statistics.median(timed)
+    tokens = plan.training.global_batch * plan.training.seq_len
+    pred_step = prediction["step_time_s"]
+    per_rank = run["peak_memory_bytes_per_rank"]
+    measured_stage = {}
+    for rank, b in enumerate(per_rank):
+        pp = plan.mesh.coords(rank)["pp"]
+        measured_stage[pp] = max(measured_stage.get(pp, 0), b)
+    predicted_stage = prediction["breakdown"].get("memory_per_pp_rank", [])
+    stages = []
+    for pp in range(plan.mesh.pp):
+        p = predicted_stage[pp] if pp < len(predicted_stage) else None
+        m = measured_stage.get(pp)
+        stages.append({"pp_rank": pp, "predicted_peak_memory_bytes": p, "measured_peak_memory_bytes": m,
+                       "memory_error": _err(p, m)})
+    measured_mem = max(per_rank) if per_rank else run["peak_memory_bytes"]
+    return {
+        "predicted_step_time_s": pred_step,
+        "measured_step_time_s": measured_step,
+        "measured_step_time_min_s": min(timed),
+        "measured_step_time_max_s": max(timed),
+        "timed_steps": len(timed),
+        "step_time_error": _err(pred_step, measured_step),
+        "predicted_tokens_per_s": tokens / pred_step,
+        "measured_tokens_per_s": tokens / measured_step,
+        "predicted_peak_memory_bytes": prediction["peak_memory_bytes"],
+        "measured_peak_memory_bytes": measured_mem,
+        "memory_error": _err(prediction["peak_memory_bytes"], measured_mem),
+        "stages": stages,
+        "final_loss": run["losses"][-1] if run["losses"] else None,
+    }
+
+
+def _err(pred, meas):
+    if pred is None or not meas:
+        return None
+    return (pred - meas) / meas
+
+
+def comparison_table(result: dict) -> str:
+    def pct(x):
+        return "n/a" if x is None else f"{x:+.1%}"
+
+    mib = 2**20
+    rows = [("", "predicted", "measured", "error"),
+            ("step time (s, median)", f"{result['predicted_step_time_s']:.4g}", f"{result['measured_step_time_s']:.4g}",
+             pct(result["step_time_error"])),
+            ("tokens/s", f"{result['predicted_tokens_per_s']:,.0f}", f"{result['measured_tokens_per_s']:,.0f}",
+             pct(-result["step_time_error"] / (1 + result["step_time_error"]) if result["step_time_error"] is not None else None)),
+            ("peak memory (MiB)", f"{result['predicted_peak_memory_bytes'] / mib:,.1f}",
+             f"{result['measured_peak_memory_bytes'] / mib:,.1f}", pct(result["memory_error"]))]
+    for st in result["stages"]:
+        p, m = st["predicted_peak_memory_bytes"], st["measured_peak_memory_bytes"]
+        rows.append((f"  stage {st['pp_rank']} peak memory (MiB)", "n/a" if p is None else f"{p / mib:,.1f}",
+                     "n/a" if m is None else f"{m / mib:,.1f}", pct(st["memory_error"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
+
+
+def plot(result: dict, timeline, path) -> None:
+    """Predicted vs measured (step time, memory per stage) and the predicted pipeline timeline."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1, 1.4, 2.6]})
+    ax = axes[0]
+    ax.bar(["predicted", "measured"], [result["predicted_step_time_s"], result["measured_step_time_s"]],
+           color=["tab:blue", "tab:orange"])
+    ax.set_ylabel("step time (s)")
+    ax.set_title(f"step time ({result['step_time_error']:+.1%})")
+    ax = axes[1]
+    xs = range(len(result["stages"]))
+    mib = 2**20
+    ax.bar([x - 0.2 for x in xs], [(s["predicted_peak_memory_bytes"] or 0) / mib for s in result["stages"]],
+           width=0.4, label="predicted")
+    ax.bar([x + 0.2 for x in xs], [(s["measured_peak_memory_bytes"] or 0) / mib for s in result["stages"]],
+           width=0.4, label="measured")
+    ax.set_xticks(list(xs), [f"stage {s['pp_rank']}" for s in result["stages"]])
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title("peak memory per pipeline stage")
+    ax.legend()
+    draw_timeline(axes[2], timeline)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_timeline(ax, timeline) -> None:
+    """Gantt chart of a played schedule: one row per pipeline rank, forward light, backward dark."""
+    if timeline is None:
+        ax.set_axis_off()
+        return
+    colors = {"F": "tab:cyan", "B": "tab:blue"}
+    for r, ops in enumerate(timeline.ops):
+        for o in ops:
+            ax.barh(r, o.end_s - o.start_s, left=o.start_s, color=colors[o.kind], edgecolor="white", linewidth=0.3)
+            if timeline.micro_batches * timeline.virtual_stages <= 16:
+                ax.text((o.start_s + o.end_s) / 2, r, f"{o.kind}{o.micro_batch}", ha="center", va="center", fontsize=6)
+        for s, a, b in (timeline.comm_intervals[r] if timeline.comm_intervals else []):
+            ax.barh(r + 0.35, b - a, left=a, height=0.15, color="tab:red")
+    ax.set_yticks(range(timeline.pp), [f"pp {r}" for r in range(timeline.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (s)")
+    ax.set_title("predicted pipeline timeline (red: gradient sync)")
