@@ -296,6 +296,10 @@ class Plan:
         expected_mb = t.global_batch // (mesh.dp * t.micro_batch)
         _need(p.micro_batches == expected_mb, "pipeline.micro_batches",
               f"{p.micro_batches} but global_batch / (dp x micro_batch) = {expected_mb}; set it to {expected_mb}")
+        if mesh.pp > 1 and p.schedule == "1f1b":
+            _need(p.micro_batches >= mesh.pp, "pipeline.micro_batches",
+                  f"{p.micro_batches} is fewer than pp={mesh.pp}; 1F1B needs at least one micro-batch per stage "
+                  "(use gpipe, a smaller micro-batch, or a larger global batch)")
         if mesh.pp > 1 and p.schedule == "interleaved-1f1b":
             _need(p.micro_batches % mesh.pp == 0, "pipeline.micro_batches",
                   f"{p.micro_batches} must be a multiple of pp={mesh.pp} for interleaved-1f1b; change the micro-batch size or global batch")
@@ -325,6 +329,9 @@ class Plan:
             _need(not st.sequence_parallel or mesh.tp > 1, f"{w}.sequence_parallel",
                   "sequence parallelism needs tp > 1; set it to false")
             expect = st.end
+        sps = {st.sequence_parallel for st in p.stages}
+        _need(len(sps) <= 1, "pipeline.stages", "sequence_parallel differs between stages; the activations passed "
+              "between stages are split by sequence under it, so set it the same on every stage")
         _need(expect == total, "pipeline.stages",
               f"cover layers up to {expect - 1} but the model has layers 0..{total - 1}; the last stage must end at {total}")
         _need(self.prediction is None or isinstance(self.prediction, dict), "prediction", "must be an object or null")

@@ -10,7 +10,10 @@ GiB = 2**30
 
 
 def _fmt_bytes(x: float) -> str:
-    return f"{x / GiB:,.2f} GiB"
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f} B"
 
 
 def describe_plan(plan: Plan) -> str:

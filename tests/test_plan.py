@@ -100,3 +100,15 @@ def test_mesh_groups_keep_tp_inside_a_node():
     assert plan.mesh.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     for r in range(8):
         assert plan.mesh.rank(**plan.mesh.coords(r)) == r
+
+
+def test_1f1b_needs_a_micro_batch_per_stage():
+    with pytest.raises(ConfigError, match="pipeline.micro_batches: 1 is fewer than pp=2"):
+        make(global_batch=4, micro_batch=1, tp=1, pp=2, dp=4)
+    make(global_batch=4, micro_batch=1, tp=1, pp=2, dp=4, schedule="gpipe")  # GPipe has no such need
+
+
+def test_sequence_parallel_is_the_same_on_every_stage():
+    text = edit(make(sequence_parallel=True), "pipeline.stages.1.sequence_parallel", False)
+    with pytest.raises(ConfigError, match="sequence_parallel differs between stages"):
+        Plan.from_json(text)

@@ -1,0 +1,94 @@
+"""`trident run plan.json`: start torchrun with as many processes as the plan's world size.
+
+On one node it runs `python -m runtime.torchrun --nproc-per-node N --master-port <free>
+-m runtime.train --plan plan.json ...` here (runtime.torchrun is torchrun ending in one line
+instead of a traceback on failure; OMP_NUM_THREADS=1 per process unless set) and returns its exit
+status. A multi-node plan cannot be started from one machine: it prints the
+torchrun command for every node (--nnodes, --node-rank, --rdzv-endpoint) and returns 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from planner.model import ConfigError
+from planner.plan import Plan
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="trident run", description="Train a plan with torchrun on this machine.")
+    ap.add_argument("plan")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="run.json to write")
+    ap.add_argument("--force", action="store_true", help="run even if the prediction says the plan does not fit")
+    ap.add_argument("--data", default="synthetic")
+    ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None)
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--rdzv-endpoint", default="NODE0_HOST:29500",
+                    help="host:port of node 0, for the commands printed for a multi-node plan")
+    return ap.parse_args(argv)
+
+
+def train_args(args: argparse.Namespace) -> list[str]:
+    """The runtime.train arguments that `trident run` passes through."""
+    out = ["--plan", args.plan, "--steps", str(args.steps), "--data", args.data]
+    for flag, value in (("--out", args.out), ("--data-dtype", args.data_dtype), ("--dtype", args.dtype),
+                        ("--checkpoint-dir", args.checkpoint_dir)):
+        if value is not None:
+            out += [flag, value]
+    if args.checkpoint_every:
+        out += ["--checkpoint-every", str(args.checkpoint_every)]
+    out += ["--resume"] * args.resume + ["--force"] * args.force
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_commands(plan: Plan, args: argparse.Namespace) -> list[str]:
+    """One torchrun command line per node of a multi-node plan."""
+    c = plan.cluster
+    return [shlex.join(["torchrun", "--nnodes", str(c.nodes), "--nproc-per-node", str(c.devices_per_node),
+                        "--node-rank", str(r), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+                        "-m", "runtime.train", *train_args(args)])
+            for r in range(c.nodes)]
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        plan = Plan.read(args.plan)
+        if plan.prediction and plan.prediction.get("fits") is False and not args.force:
+            raise ConfigError(f"{args.plan}: the prediction says this plan does not fit in device memory; "
+                              "pick another plan or pass --force to try anyway")
+    except ConfigError as exc:
+        print(f"trident: error: {exc}", file=sys.stderr)
+        return 2
+    if plan.cluster.nodes > 1:
+        print(f"# {args.plan} spans {plan.cluster.nodes} nodes; run on each node (from a checkout of trident):")
+        for cmd in node_commands(plan, args):
+            print(cmd)
+        return 0
+    cmd = [sys.executable, "-m", "runtime.torchrun", "--nproc-per-node", str(plan.mesh.world_size),
+           "--master-port", str(free_port()), "-m", "runtime.train", *train_args(args)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(cmd, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

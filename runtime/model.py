@@ -1,0 +1,215 @@
+"""The transformer the runtime trains: one implementation for the gpt and llama families.
+
+Layers are numbered as in the plan: module "0" of `layers` is the embedding, "1".."L" are the
+blocks, "L+1" is the final norm plus the output head. A pipeline stage deletes the layers it does
+not own; `forward` then runs any contiguous range (token ids in if it owns the embedding, hidden
+states otherwise; logits out if it owns the head).
+
+Attention reads its head count from the local width of the q/k/v projections, so the same code
+runs whole or tensor-parallel (heads / tp and kv_heads / tp per rank).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from planner.model import ConfigError, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [seq_len, head_dim / 2] of rotary position embeddings (Su et al. 2021)."""
+    d = cfg.dim_per_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(cfg.seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [b, s, heads, d] by the position angle."""
+    s = x.shape[1]
+    cos, sin = cos[:s].view(1, s, 1, -1), sin[:s].view(1, s, 1, -1)
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        bias_qkv = cfg.arch == "gpt" or cfg.qkv_bias
+        self.head_dim = cfg.dim_per_head
+        self.rope = cfg.arch == "llama"
+        self.wq = nn.Linear(cfg.hidden, cfg.q_dim, bias=bias_qkv)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_dim, bias=bias_qkv)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_dim, bias=bias_qkv)
+        self.wo = nn.Linear(cfg.q_dim, cfg.hidden, bias=cfg.arch == "gpt")
+        self.selective_recompute = False  # checkpoint only the attention core (SDPA)
+
+    def forward(self, x, cos=None, sin=None):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.selective_recompute and torch.is_grad_enabled():
+            out = checkpoint(_sdpa, q, k, v, use_reentrant=False)
+        else:
+            out = _sdpa(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.arch == "llama"
+        bias = cfg.arch == "gpt"
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=bias)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=bias)
+        if self.gated:
+            self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+
+    def forward(self, x):
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch == "gpt":
+        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+    return RMSNorm(cfg.hidden, cfg.norm_eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = _norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = _norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+
+        self.full_recompute = False  # checkpoint the whole block: keep only its input for backward
+
+    def _forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward(self, x, cos=None, sin=None):
+        if self.full_recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.arch == "gpt" else None
+
+    def forward(self, ids):
+        h = self.tok_embeddings(ids)
+        if self.pos_embeddings is not None:
+            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+            h = h + self.pos_embeddings(pos)
+        return h
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = _norm(cfg)
+        self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, h):
+        return self.output(self.norm(h))
+
+
+class Transformer(nn.Module):
+    """Layers [start, end) of a ModelConfig (the whole model by default)."""
+
+    def __init__(self, cfg: ModelConfig, start: int = 0, end: int | None = None):
+        super().__init__()
+        end = cfg.num_layers_total if end is None else end
+        self.cfg = cfg
+        self.layers = nn.ModuleDict()
+        for i in range(start, end):
+            kind = cfg.layer_kind(i)
+            self.layers[str(i)] = Embedding(cfg) if kind == "embedding" else Head(cfg) if kind == "head" else Block(cfg)
+        if cfg.tie_embeddings:
+            owns_embedding, owns_head = start == 0, end == cfg.num_layers_total
+            if owns_embedding != owns_head:
+                raise ConfigError("model.tie_embeddings: the embedding and the head are on different pipeline "
+                                  "stages; tied embeddings need them on one pp rank (set it false or pp=1)")
+            if owns_embedding:
+                self.layers[str(end - 1)].output.weight = self.layers["0"].tok_embeddings.weight
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        if cfg.arch == "llama":
+            self.rope_cos, self.rope_sin = rope_tables(cfg)
+
+    def init_buffers(self, device) -> None:
+        """Compute the RoPE tables (buffers are computed, never random)."""
+        if self.cfg.arch == "llama":
+            self.rope_cos, self.rope_sin = rope_tables(self.cfg, device=device)
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            if isinstance(layer, Block):
+                x = layer(x, self.rope_cos, self.rope_sin)
+            else:
+                x = layer(x)
+        return x
+
+
+
+def full_init(name: str, shape, seed: int, cfg: ModelConfig) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter `name`, from a generator seeded by
+    (seed, name) alone, so every plan starts from the same model: norm weights 1, biases 0,
+    other weights N(0, 0.02), residual output projections N(0, 0.02 / sqrt(2 L)) (GPT-2)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_weights(chunk: Transformer, seed: int) -> None:
+    """Fill a materialized (to_empty) chunk: each parameter gets its slice of the full tensor
+    full_init makes, whatever its DTensor placements; RoPE tables are computed."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in chunk.named_parameters():
+        full = full_init(name, tuple(p.shape), seed, chunk.cfg).to(p.dtype)
+        if isinstance(p, DTensor):
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
+    chunk.init_buffers(next(iter(chunk.parameters())).device)

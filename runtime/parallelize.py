@@ -1,0 +1,135 @@
+"""Apply a plan stage's parallelism to a model chunk, in torchtitan's order: TP, recompute, FSDP.
+
+Every function takes a plain `Transformer` chunk (runtime.model) and changes it in place:
+- apply_tp: DTensor tensor parallelism (Megatron-style column/row splits, Shoeybi et al. 2019)
+  with optional sequence parallelism (Korthikanti et al. 2022) through `parallelize_module`.
+- apply_recompute: per-layer activation checkpointing, "full" (whole block) or "selective"
+  (the attention core only).
+- apply_data_parallel: FSDP2 `fully_shard` for ZeRO 1-3, torch's composable `replicate` (FSDP2
+  machinery, replicated placement) for ZeRO 0; both keep every parameter a DTensor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from planner.model import ConfigError
+from runtime.model import Block, Embedding, Head, Transformer
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters held whole on every TP rank, but as Replicate DTensors so that a chunk never
+    mixes DTensor and plain parameters (foreach AdamW and norm clipping need one kind). Input and
+    output stay local tensors; the input is the same on every rank of the TP group."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def to_local(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, to_dtensor, to_local)
+
+
+def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    return {
+        "attention_norm": norm,
+        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "ffn_norm": norm,
+        "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard the chunk's layers over `tp_mesh`. The embedding is split by vocabulary rows
+    (RowwiseParallel), the head by vocabulary columns (ColwiseParallel); with `loss_parallel`
+    the head returns vocab-sharded DTensor logits for torch's vocab-parallel cross-entropy.
+    Between layers the hidden state is a local tensor, sequence-sharded under SP."""
+    cfg, tp = chunk.cfg, tp_mesh.size()
+    if cfg.vocab % tp:
+        raise ConfigError(f"model.vocab: {cfg.vocab} is not divisible by tp={tp}; the runtime splits the "
+                          "embedding and head by vocabulary, pad the vocabulary to a multiple of tp")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    for layer in chunk.layers.values():
+        if isinstance(layer, Embedding):
+            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)}
+            if layer.pos_embeddings is not None:
+                plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        elif isinstance(layer, Head):
+            plan = {
+                "norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
+                "output": ColwiseParallel(input_layouts=seq,
+                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel),
+            }
+        else:
+            plan = _block_plan(sequence_parallel)
+            if not layer.feed_forward.gated:
+                del plan["feed_forward.w3"]
+        parallelize_module(layer, tp_mesh, plan)
+    retie(chunk)
+
+
+def retie(chunk: Transformer) -> None:
+    """Tied embeddings: make the head's projection the embedding's weight again (TP and
+    materialization replace parameter objects)."""
+    if chunk.cfg.tie_embeddings and "0" in chunk.layers and str(chunk.cfg.layers + 1) in chunk.layers:
+        head, emb = chunk.layers[str(chunk.cfg.layers + 1)].output, chunk.layers["0"].tok_embeddings
+        if head.weight is not emb.weight:
+            head.weight = emb.weight
+
+
+def apply_recompute(chunk: Transformer, modes: dict[int, str]) -> None:
+    """`modes` maps a layer index to none | selective | full (the plan stage's recompute list)."""
+    for name, layer in chunk.layers.items():
+        mode = modes.get(int(name), "none")
+        if isinstance(layer, Block):
+            layer.full_recompute = mode == "full"
+            layer.attention.selective_recompute = mode == "selective"
+        elif mode != "none":
+            raise ConfigError(f"recompute: layer {name} is not a block; only blocks are recomputed")
+
+
+def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int) -> None:
+    """ZeRO 3: FSDP2 per block and root, parameters resharded after forward. ZeRO 1 and 2: the
+    same without resharding after forward (FSDP2 always shards gradients and optimizer state, so
+    they hold less than a ZeRO-1/2 plan counts, never more). ZeRO 0: `replicate` (all-reduced
+    gradients, everything replicated). Nothing to do when dp == 1."""
+    if dp_mesh.size() == 1:
+        return
+    if zero == 0:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        replicate(chunk, mesh=dp_mesh)
+        return
+    from torch.distributed.fsdp import fully_shard
+    reshard = zero == 3
+    for layer in chunk.layers.values():
+        if isinstance(layer, Block):
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard)

@@ -1,0 +1,40 @@
+"""Pipeline parallelism: which model chunks a pipeline rank holds, and the schedule that runs them.
+
+Chunk (stage) i of the plan lives on pipeline rank i % pp (torch.distributed.pipelining's
+loop-style placement for interleaved schedules); a chunk is built from the whole model by
+keeping only its layer range (runtime.model.Transformer(cfg, start, end)). Stage input and
+output shapes are inferred by torch from the first micro-batch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from planner.plan import Plan
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp_group, device: torch.device,
+                   loss_fn: Callable):
+    """The torch.distributed.pipelining schedule of this pipeline rank. `loss_fn` returns the mean
+    loss of one micro-batch; the schedule divides gradients by the number of micro-batches
+    (scale_grads), so they are those of the mean over the rank's batch."""
+    n_stages = len(plan.pipeline.stages)
+    stages = [PipelineStage(chunk, sid, n_stages, device, group=pp_group) for chunk, sid in zip(chunks, stage_ids)]
+    cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
+    if cls is ScheduleInterleaved1F1B:
+        return cls(stages, n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages[0], n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
+
+
+def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Tensor, targets: torch.Tensor) -> list:
+    """One step through the pipeline; returns the per-micro-batch losses (empty off the last stage)."""
+    losses: list = []
+    args = (inputs,) if 0 in stage_ids else ()
+    kwargs = {"target": targets, "losses": losses} if n_stages - 1 in stage_ids else {}
+    schedule.step(*args, return_outputs=False, **kwargs)
+    return losses

@@ -1,0 +1,355 @@
+"""torchrun entry: plan -> DeviceMesh -> model on meta -> parallelize -> materialize -> train -> run.json.
+
+    torchrun --nproc-per-node N -m runtime.train --plan plan.json [--steps S] [--out run.json]
+
+Bad input (an invalid plan, a world size other than the plan's, a plan predicted not to fit,
+a mismatched checkpoint) ends every rank with one line on stderr and exit status 2, checked
+before the process group starts wherever possible. `--plan` may name several plans of the same
+world size; they are trained one after another in the same processes (the tests use this to pay
+torchrun's start-up once), each writing OUT/<plan file stem>.json where OUT is then a directory.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.model import ConfigError
+from planner.plan import Plan
+from runtime import checkpoint as ckpt
+from runtime.data import local_rows, make_source
+from runtime.metrics import PeakMemory, environment, gather
+from runtime.model import Transformer, init_weights
+from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
+from runtime.pipeline import build_schedule, run_schedule
+
+BETAS = (0.9, 0.95)
+# FSDP2 warns when a chunk returns a view; nothing here modifies a chunk's output in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="runtime.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", nargs="+", required=True, help="plan.json (several: trained one after another)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--data", default="synthetic", help="synthetic, or a uint16/uint32 token file")
+    ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
+    ap.add_argument("--out", default=None, help="run.json (a directory when several plans are given)")
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                    help="compute dtype (default: the plan's on GPU, fp32 on CPU)")
+    return ap.parse_args(argv)
+
+
+def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
+    """Read and check a plan against this launch; ConfigError (one line) on anything wrong."""
+    plan = Plan.read(path)
+    if plan.mesh.world_size != world:
+        raise ConfigError(f"{path}: the plan needs {plan.mesh.world_size} processes (pp*dp*tp = "
+                          f"{plan.mesh.pp}*{plan.mesh.dp}*{plan.mesh.tp}) but {world} were launched; "
+                          f"use torchrun --nproc-per-node {plan.mesh.world_size} (or `trident run`)")
+    if plan.prediction and plan.prediction.get("fits") is False and not args.force:
+        raise ConfigError(f"{path}: the prediction says this plan does not fit in device memory; "
+                          "pick another plan or pass --force to try anyway")
+    t = plan.training
+    if t.dropout > 0:
+        raise ConfigError(f"training.dropout: {t.dropout}; the runtime does not implement dropout yet, set it to 0")
+    if plan.model.tie_embeddings and plan.stage_rank(0) != plan.stage_rank(len(plan.pipeline.stages) - 1):
+        raise ConfigError("model.tie_embeddings: the embedding and the head are on different pipeline ranks; "
+                          "tied embeddings need them on one rank (untie them or use pp=1)")
+    if plan.mesh.tp > 1 and plan.model.vocab % plan.mesh.tp:
+        raise ConfigError(f"model.vocab: {plan.model.vocab} is not divisible by tp={plan.mesh.tp}; the runtime "
+                          "splits the embedding and head by vocabulary, pad the vocabulary to a multiple of tp")
+    if plan.mesh.pp > 1 and plan.pipeline.schedule == "1f1b" and plan.pipeline.micro_batches < plan.mesh.pp:
+        raise ConfigError(f"pipeline.micro_batches: {plan.pipeline.micro_batches} is fewer than pp={plan.mesh.pp}, "
+                          "which torch's Schedule1F1B refuses; use gpipe or more micro-batches")
+    sp = {s.sequence_parallel for s in plan.pipeline.stages}
+    if len(sp) > 1:
+        raise ConfigError("pipeline.stages[*].sequence_parallel: the runtime needs the same value on every stage "
+                          "(stage boundaries carry sequence-sharded activations under SP)")
+    if sp == {True} and t.seq_len % plan.mesh.tp:
+        raise ConfigError(f"training.seq_len: {t.seq_len} is not divisible by tp={plan.mesh.tp}, which sequence "
+                          "parallelism needs")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume and not args.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir")
+    if args.steps < 1:
+        raise ConfigError(f"--steps: {args.steps} must be at least 1")
+    return plan
+
+
+def compute_dtype(plan: Plan, args, device: torch.device) -> str:
+    dtype = args.dtype or (plan.training.dtype if device.type == "cuda" else "fp32")
+    if dtype == "fp16":
+        raise ConfigError("training.dtype: fp16 needs loss scaling, which the runtime does not do; use bf16 "
+                          "(or --dtype bf16)")
+    return dtype
+
+
+def cross_entropy(logits, targets):
+    """Mean cross-entropy of a micro-batch (the pipeline's loss_fn)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device) -> float:
+    """Clip to a total norm over every parameter of the model, however it is split: each DTensor
+    gradient's norm is reduced over its own mesh (full_tensor of a scalar), the squares are summed
+    over this rank's chunks, then over the pipeline ranks. Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        n = torch.linalg.vector_norm(g, dtype=torch.float32)
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        sq += n.double() ** 2
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    total = float(sq.sqrt())
+    if max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+class Trainer:
+    """The model chunks, optimizers and schedule of one plan on this rank."""
+
+    def __init__(self, plan: Plan, args, device: torch.device):
+        self.plan, self.args, self.device = plan, args, device
+        m = plan.mesh
+        self.mesh = DeviceMesh(device.type, torch.arange(m.world_size).reshape([m.size(d) for d in m.order]),
+                               mesh_dim_names=tuple(m.order))
+        self.pp_rank = self.mesh["pp"].get_local_rank()
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.tp_rank = self.mesh["tp"].get_local_rank()
+        self.stage_ids = plan.stages_of_rank(self.pp_rank)
+        self.n_stages = len(plan.pipeline.stages)
+        self.loss_parallel = m.tp > 1 and m.pp == 1
+        self.dtype = compute_dtype(plan, args, device)
+        self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
+        t = plan.training
+        foreach = device.type == "cuda"
+        self.optimizers = [torch.optim.AdamW(c.parameters(), lr=t.lr, betas=BETAS, weight_decay=t.weight_decay,
+                                             foreach=foreach) for c in self.chunks]
+        self.schedule = None
+        if m.pp > 1:
+            self.schedule = build_schedule(plan, self.chunks, self.stage_ids, self.mesh["pp"].get_group(), device,
+                                           cross_entropy)
+
+    def _build_chunk(self, sid: int) -> Transformer:
+        st, cfg, m = self.plan.pipeline.stages[sid], self.plan.model, self.plan.mesh
+        with torch.device("meta"):
+            chunk = Transformer(cfg, st.start, st.end)
+        if m.tp > 1:
+            apply_tp(chunk, self.mesh["tp"], st.sequence_parallel, self.loss_parallel)
+        apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)})
+        apply_data_parallel(chunk, self.mesh["dp"], st.zero)
+        chunk.to_empty(device=self.device)
+        retie(chunk)  # to_empty gives plain tied parameters two copies
+        init_weights(chunk, self.plan.training.seed)
+        kinds = {type(p).__name__ for p in chunk.parameters()}
+        assert len(kinds) == 1, f"stage {sid} mixes parameter kinds {kinds}; foreach AdamW needs one kind"
+        return chunk
+
+    def _autocast(self):
+        """bf16 compute on fp32 master weights. The autocast weight cache is off: with FSDP2's
+        unsharded parameters it serves stale casts across micro-batches (losses drift from the
+        single-process run's), so each use casts afresh."""
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.dtype], cache_enabled=False)
+
+    def _set_grad_sync(self, sync: bool):
+        from torch.distributed.fsdp import FSDPModule
+        for c in self.chunks:
+            if isinstance(c, FSDPModule):
+                c.set_requires_gradient_sync(sync)
+
+    def step(self, batch: torch.Tensor) -> float:
+        """One optimizer step on the global batch [global_batch, seq_len + 1]; returns its mean loss."""
+        plan = self.plan
+        inputs, targets = local_rows(batch, self.dp_rank, plan.mesh.dp)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        n_micro = plan.pipeline.micro_batches
+        local_loss = torch.zeros((), dtype=torch.float64)
+        with self._autocast():
+            if self.schedule is not None:
+                losses = run_schedule(self.schedule, self.stage_ids, self.n_stages, inputs, targets)
+                if losses:
+                    local_loss += sum(float(l.detach()) for l in losses) / n_micro
+            else:
+                local_loss += self._accumulate(inputs.chunk(n_micro), targets.chunk(n_micro))
+        params = [p for c in self.chunks for p in c.parameters()]
+        self.grad_norm = clip_grad_norm(params, plan.training.grad_clip,
+                                        self.mesh["pp"].get_group() if plan.mesh.pp > 1 else None, self.device)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        # the loss of the step: mean over data-parallel ranks of the last stage's loss
+        owner = self.n_stages - 1 in self.stage_ids and self.tp_rank == 0
+        total = torch.tensor([float(local_loss) if owner else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return float(total) / plan.mesh.dp
+
+    def _accumulate(self, xs, ys) -> float:
+        from torch.distributed.tensor.parallel import loss_parallel
+        total = 0.0
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            self._set_grad_sync(i == len(xs) - 1)
+            ctx = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+            with ctx:
+                loss = cross_entropy(self.chunks[0](x), y) / len(xs)
+                loss.backward()
+            loss = loss.detach()
+            total += float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        return total
+
+
+def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = plan.training
+    trainer = Trainer(plan, args, device)
+    plan_hash = plan.content_hash()
+    source = make_source(args.data, t.seq_len, t.seed, plan.model.vocab, args.data_dtype)
+    start_step = 0
+    if args.checkpoint_dir:
+        found = ckpt.checkpoints(args.checkpoint_dir)
+        if args.resume and not found and rank == 0:
+            print(f"no checkpoint in {args.checkpoint_dir}; starting from step 0", flush=True)
+        if args.resume and found:
+            meta = ckpt.read_meta(found[-1], plan_hash)
+            if meta["next_step"] >= args.steps:
+                raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
+                                  "ask for more steps")
+            ckpt.load(found[-1], trainer.chunks, trainer.optimizers, trainer.stage_ids)
+            start_step = meta["next_step"]
+        elif found and not args.resume:
+            raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
+                              "to continue from it or choose an empty directory")
+    warmup = 1 if args.steps - start_step > 1 else 0
+    measure_at = start_step + warmup
+    peak = PeakMemory(device, trainer.chunks, trainer.optimizers)
+    losses, times, grad_norms = [], [], []
+    for step in range(start_step, args.steps):
+        batch = source.batch(step, t.global_batch)
+        ctx = peak.measure() if step == measure_at else contextlib.nullcontext()
+        dist.barrier()
+        t0 = time.perf_counter()
+        with ctx:
+            loss = trainer.step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        grad_norms.append(trainer.grad_norm)
+        if rank == 0:
+            print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  {times[-1] * 1000:.0f} ms", flush=True)
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, trainer.stage_ids,
+                      plan_hash, {"next_step": step + 1})
+    timed = times[warmup:] or times
+    peaks = gather(peak.bytes)
+    tokens = t.global_batch * t.seq_len
+    return {
+        "plan": str(plan_path),
+        "plan_hash": plan_hash,
+        "world_size": world,
+        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp, "order": plan.mesh.order},
+        "schedule": plan.pipeline.schedule,
+        "dtype": trainer.dtype,
+        "first_step": start_step,
+        "steps": len(losses),
+        "losses": losses,
+        "grad_norms": grad_norms,  # before clipping
+        "step_times_s": times,
+        "warmup_steps": warmup,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens * len(timed) / sum(timed),
+        "peak_memory_bytes": max((p for p in peaks if p is not None), default=None),
+        "peak_memory_bytes_per_rank": peaks,
+        "peak_memory_method": ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                               else "live tensor storages (runtime.metrics.LiveTensorBytes)"),
+        "environment": environment(backend, device),
+    }
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    """Rank 0 prints the one line; the others give it a moment first, since torchrun stops every
+    rank as soon as one exits."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"trident: error: {msg}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(1.0)
+    return code
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        plans = [(check_plan(p, args, world), p) for p in args.plan]
+        if len(plans) > 1 and args.checkpoint_dir:
+            raise ConfigError("--checkpoint-dir works with one --plan at a time")
+    except ConfigError as exc:
+        return _fail(str(exc))
+    if "RANK" not in os.environ:  # a one-process run without torchrun
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    try:
+        for plan, path in plans:
+            result = train(plan, path, args, device, backend)
+            if dist.get_rank() == 0 and args.out:
+                out = Path(args.out)
+                if len(plans) > 1:
+                    out.mkdir(parents=True, exist_ok=True)
+                    out = out / f"{Path(path).stem}.json"
+                out.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
+    except ConfigError as exc:
+        return _fail(str(exc))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    code = main()
+    # Leave without interpreter finalization: Gloo's worker threads can still hold work objects
+    # whose teardown aborts the process (SIGABRT, "terminate called without an active exception",
+    # about one run in twenty here; pytorch/pytorch#179291). Everything is written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

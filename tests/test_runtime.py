@@ -1,0 +1,214 @@
+"""The runtime trains every plan like one process: same losses, whatever the parallelism.
+
+Each torchrun launch costs seconds on a 2-core machine, so one launch trains several plans of the
+same world size in sequence (runtime.train accepts several --plan), and the single-process
+reference is computed once per model family. Helpers here are shared with test_runtime_cli.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.model import ZOO
+from planner.plan import Stage, build_plan
+
+REPO = Path(__file__).resolve().parent.parent
+SEQ_LEN = 32
+GLOBAL_BATCH = 8
+
+
+def write_plan(directory: Path, name: str, model="tiny", world: int = 1, **kw) -> Path:
+    """A CPU plan of a model (zoo name or ModelConfig) on one node of `world` devices, written to
+    directory/name.json."""
+    kw.setdefault("global_batch", GLOBAL_BATCH)
+    kw.setdefault("micro_batch", 2)
+    cfg = ZOO[model] if isinstance(model, str) else model
+    plan = build_plan(cfg, cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=world,
+                      seq_len=SEQ_LEN, dtype="fp32", **kw)
+    path = Path(directory) / f"{name}.json"
+    plan.write(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
+    return e
+
+
+def train(nproc: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """runtime.train with these arguments: in one plain process when nproc == 1, else torchrun."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "runtime.train", *map(str, args)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), "-m", "runtime.train", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def losses_of(run_json: Path) -> list[float]:
+    return json.loads(Path(run_json).read_text())["losses"]
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def assert_same_losses(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} losses, want {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= 1e-4 * abs(w), f"{what}: step {i + 1} loss {g!r} but one process gives {w!r}"
+
+
+# -------------------------------------------------------------------- the model itself
+@pytest.mark.parametrize("name", ["tiny", "tiny-gpt", "small"])
+def test_parameter_count_matches_the_planner(name):
+    import torch
+    from runtime.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ZOO[name])
+    assert sum(p.numel() for p in model.parameters()) == ZOO[name].num_parameters()
+
+
+def test_a_pipeline_chunk_keeps_only_its_layers():
+    import torch
+    from runtime.model import Transformer
+
+    cfg = ZOO["tiny"]
+    with torch.device("meta"):
+        chunk = Transformer(cfg, 2, 4)
+    assert list(chunk.layers) == ["2", "3"]
+
+
+# -------------------------------------------------------------------- training like one process
+STEPS = 5
+TIED_GPT = dataclasses.replace(ZOO["tiny-gpt"], name="tiny-gpt-tied", tie_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plans")
+    uneven = [Stage(layers=[0, 2], recompute=["none", "none"]), Stage(layers=[2, 6], recompute=["none"] * 4)]
+    return {
+        "ref": write_plan(d, "ref"),
+        "ref-gpt": write_plan(d, "ref-gpt", "tiny-gpt"),
+        # world 2: every feature at least once, both families
+        "zero3-dp2-full": write_plan(d, "zero3-dp2-full", world=2, zero=3, recompute="full"),
+        "tp2-sp-selective": write_plan(d, "tp2-sp-selective", world=2, tp=2, sequence_parallel=True,
+                                       recompute="selective", micro_batch=4),
+        "ref-gpt-tied": write_plan(d, "ref-gpt-tied", TIED_GPT),
+        "gpt-tied-tp2": write_plan(d, "gpt-tied-tp2", TIED_GPT, world=2, tp=2, micro_batch=4),
+        "gpt-pp2-gpipe": write_plan(d, "gpt-pp2-gpipe", "tiny-gpt", world=2, pp=2, schedule="gpipe"),
+        "pp2-1f1b-uneven": write_plan(d, "pp2-1f1b-uneven", world=2, pp=2, schedule="1f1b", stages=uneven),
+        "pp2-interleaved": write_plan(d, "pp2-interleaved", world=2, pp=2, schedule="interleaved-1f1b",
+                                      virtual_stages=2),
+        # world 8: pp2 x dp2 x tp2, plain data parallel (ZeRO 0) over tensor-parallel DTensors
+        "pp2-dp2-tp2": write_plan(d, "pp2-dp2-tp2", world=8, pp=2, tp=2, schedule="1f1b", zero=0,
+                                  micro_batch=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(plans, tmp_path_factory):
+    """Losses of the single-process runs, per model family."""
+    out = tmp_path_factory.mktemp("ref")
+    assert_ok(train(1, "--plan", plans["ref"], plans["ref-gpt"], plans["ref-gpt-tied"], "--steps", STEPS,
+                    "--out", out))
+    runs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("ref", "ref-gpt", "ref-gpt-tied")}
+    assert all(min(r["grad_norms"]) > 1.0 for r in runs.values())  # so that clipping is exercised
+    return {**{n: r["losses"] for n, r in runs.items()},
+            **{n + ".grad_norms": r["grad_norms"] for n, r in runs.items()}}
+
+
+def _reference_of(name: str) -> str:
+    return "ref-gpt-tied" if name.startswith("gpt-tied") else "ref-gpt" if name.startswith("gpt") else "ref"
+
+
+def test_every_two_rank_plan_trains_like_one_process(plans, reference, tmp_path):
+    names = ["zero3-dp2-full", "tp2-sp-selective", "gpt-tied-tp2", "gpt-pp2-gpipe", "pp2-1f1b-uneven",
+             "pp2-interleaved"]
+    assert_ok(train(2, "--plan", *[plans[n] for n in names], "--steps", STEPS, "--out", tmp_path))
+    for n in names:
+        assert_same_losses(losses_of(tmp_path / f"{n}.json"), reference[_reference_of(n)], n)
+        # the clipped gradient norm is the whole model's, however it is split
+        norms = json.loads((tmp_path / f"{n}.json").read_text())["grad_norms"]
+        assert_same_losses(norms, reference[_reference_of(n) + ".grad_norms"], f"{n} gradient norm")
+
+
+def test_pp2_dp2_tp2_on_eight_ranks_trains_like_one_process(plans, reference, tmp_path):
+    out = tmp_path / "run.json"
+    assert_ok(train(8, "--plan", plans["pp2-dp2-tp2"], "--steps", STEPS, "--out", out))
+    run = json.loads(out.read_text())
+    assert_same_losses(run["losses"], reference["ref"], "pp2-dp2-tp2")
+    assert run["world_size"] == 8 and len(run["peak_memory_bytes_per_rank"]) == 8
+    assert run["peak_memory_bytes"] == max(run["peak_memory_bytes_per_rank"]) > 0
+
+
+def test_run_json_reports_what_compare_needs(plans, reference, tmp_path):
+    out = tmp_path / "run.json"
+    assert_ok(train(1, "--plan", plans["ref"], "--steps", 3, "--out", out))
+    run = json.loads(out.read_text())
+    assert len(run["losses"]) == len(run["step_times_s"]) == 3
+    assert run["warmup_steps"] == 1 and run["tokens_per_s"] > 0
+    assert run["plan_hash"].startswith("sha256:") and run["environment"]["backend"] == "gloo"
+    # parameters + gradients + AdamW's two moments, all fp32, are live at the peak
+    assert run["peak_memory_bytes"] >= 4 * 4 * ZOO["tiny"].num_parameters()
+    assert run["losses"] == pytest.approx(reference["ref"][:3], rel=1e-6)
+
+
+def test_the_batch_of_a_step_depends_on_seed_and_step_only():
+    from runtime.data import SyntheticData
+
+    data = SyntheticData(vocab=512, seq_len=16, seed=0)
+    a, b = data.batch(0, 4), SyntheticData(vocab=512, seq_len=16, seed=0).batch(0, 4)
+    assert a.shape == (4, 17) and (a == b).all() and not (a == data.batch(1, 4)).all()
+
+
+def test_a_token_file_trains(plans, tmp_path):
+    import numpy as np
+
+    tokens = tmp_path / "train.bin"
+    np.random.default_rng(0).integers(0, 512, 10_000, dtype=np.uint16).tofile(tokens)
+    out = tmp_path / "run.json"
+    assert_ok(train(1, "--plan", plans["ref"], "--steps", 2, "--data", tokens, "--out", out))
+    assert len(losses_of(out)) == 2
+
+
+def test_bf16_autocast_with_fsdp_trains_like_one_process(plans, tmp_path):
+    """bf16 rounding differs with the reduction order, so the tolerance is bf16's, not fp32's."""
+    assert_ok(train(1, "--plan", plans["ref"], "--steps", 3, "--dtype", "bf16", "--out", tmp_path / "one.json"))
+    assert_ok(train(2, "--plan", plans["zero3-dp2-full"], "--steps", 3, "--dtype", "bf16", "--out",
+                    tmp_path / "two.json"))
+    want, got = losses_of(tmp_path / "one.json"), losses_of(tmp_path / "two.json")
+    assert got == pytest.approx(want, rel=2e-4)
+
+
+# -------------------------------------------------------------------- checkpoints
+def test_resume_gives_the_losses_of_an_uninterrupted_run(plans, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    plan = plans["zero3-dp2-full"]
+    assert_ok(train(2, "--plan", plan, "--steps", 6, "--checkpoint-dir", straight, "--checkpoint-every", 3,
+                    "--out", tmp_path / "straight.json"))
+    resumed.mkdir()
+    shutil.copytree(straight / "step-3", resumed / "step-3")
+    assert_ok(train(2, "--plan", plan, "--steps", 6, "--checkpoint-dir", resumed, "--resume",
+                    "--out", tmp_path / "resumed.json"))
+    want = losses_of(tmp_path / "straight.json")
+    got = losses_of(tmp_path / "resumed.json")
+    assert len(got) == 3
+    assert_same_losses(got, want[3:], "resumed")

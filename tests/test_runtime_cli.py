@@ -1,0 +1,163 @@
+"""Bad input ends the runtime fast with one clear line; `trident run` launches a plan."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from planner.model import ZOO
+from test_runtime import assert_ok, losses_of, train, write_plan
+
+from runtime import launch
+from runtime import train as runtime_train
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("trident: error:")]
+
+
+def run_main(capsys, *argv) -> tuple[int, list[str]]:
+    """runtime.train.main in this process: checks that end before the process group starts."""
+    code = runtime_train.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, error_lines(err)
+
+
+@pytest.fixture
+def plan1(tmp_path):
+    return write_plan(tmp_path, "one", world=1)
+
+
+def test_an_invalid_plan_is_one_line_naming_the_field(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    d = json.loads(write_plan(tmp_path, "good").read_text())
+    d["mesh"]["tp"] = 3
+    bad.write_text(json.dumps(d))
+    code, lines = run_main(capsys, "--plan", bad)
+    assert code != 0 and len(lines) == 1 and "mesh" in lines[0]
+
+
+def test_a_world_size_other_than_the_plans_is_refused(tmp_path, capsys):
+    code, lines = run_main(capsys, "--plan", write_plan(tmp_path, "dp2", world=2))
+    assert code != 0 and len(lines) == 1 and "needs 2 processes" in lines[0]
+
+
+def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
+    path = write_plan(tmp_path, "big")
+    d = json.loads(path.read_text())
+    d["prediction"] = {"fits": False}
+    path.write_text(json.dumps(d))
+    code, lines = run_main(capsys, "--plan", path)
+    assert code != 0 and len(lines) == 1 and "--force" in lines[0]
+    args = runtime_train.parse_args(["--plan", str(path), "--force"])
+    assert runtime_train.check_plan(str(path), args, world=1).prediction == {"fits": False}
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(dropout=0.1), "training.dropout"),
+    (dict(pp=2, model=dataclasses.replace(ZOO["tiny-gpt"], tie_embeddings=True)), "model.tie_embeddings"),
+    (dict(tp=2, model=dataclasses.replace(ZOO["tiny"], vocab=511)), "model.vocab"),
+])
+def test_what_the_runtime_cannot_do_is_refused_by_name(tmp_path, capsys, monkeypatch, change, field):
+    change = dict(change)
+    model = change.pop("model", "tiny")
+    world = change.get("pp", 1) * change.get("tp", 1)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    code, lines = run_main(capsys, "--plan", write_plan(tmp_path, "p", model, world=world, **change))
+    assert code != 0 and len(lines) == 1 and field in lines[0]
+
+
+def test_bad_input_under_torchrun_ends_every_rank_within_seconds(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format_version": 1}')
+    start = time.monotonic()
+    proc = train(2, "--plan", bad, timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - start < 30
+    assert error_lines(proc.stderr) == ["trident: error: plan.model: missing required field"]
+    assert "[rank" not in proc.stderr  # no rank died with a traceback
+
+
+# -------------------------------------------------------------------- checkpoints
+@pytest.fixture
+def saved(tmp_path, plan1):
+    """A one-step run of plan1 that left a checkpoint at step 1."""
+    ckpt = tmp_path / "ckpt"
+    assert_ok(train(1, "--plan", plan1, "--steps", 1, "--checkpoint-dir", ckpt, "--checkpoint-every", 1))
+    return ckpt
+
+
+def _snapshot(root):
+    return sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def test_a_checkpoint_of_another_plan_is_refused_and_kept(tmp_path, saved):
+    other = write_plan(tmp_path, "other", lr=1e-3)
+    before = _snapshot(saved)
+    proc = train(1, "--plan", other, "--steps", 2, "--checkpoint-dir", saved, "--resume", "--checkpoint-every", 1)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert str(saved / "step-1" / "trident.json") in lines[0] and "different plan" in lines[0]
+    assert _snapshot(saved) == before
+
+
+def test_a_corrupt_checkpoint_is_refused_and_kept(plan1, saved):
+    (saved / "step-1" / ".metadata").write_bytes(b"not a checkpoint")
+    before = _snapshot(saved)
+    proc = train(1, "--plan", plan1, "--steps", 2, "--checkpoint-dir", saved, "--resume", "--checkpoint-every", 1)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert str(saved / "step-1") in lines[0] and "Traceback" not in proc.stderr
+    assert _snapshot(saved) == before
+
+
+def test_a_fresh_run_does_not_overwrite_checkpoints(plan1, saved, capsys):
+    before = _snapshot(saved)
+    proc = train(1, "--plan", plan1, "--steps", 1, "--checkpoint-dir", saved, "--checkpoint-every", 1)
+    assert proc.returncode != 0 and "--resume" in error_lines(proc.stderr)[0]
+    assert _snapshot(saved) == before
+
+
+# -------------------------------------------------------------------- trident run
+def test_trident_run_trains_a_plan_with_torchrun(tmp_path):
+    out = tmp_path / "run.json"
+    plan = write_plan(tmp_path, "pp2", world=2, pp=2, schedule="1f1b")
+    assert launch.main([str(plan), "--steps", "2", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["world_size"] == 2 and len(losses_of(out)) == 2
+
+
+def test_a_failed_trident_run_ends_in_one_line_per_problem(tmp_path, capfd):
+    plan = write_plan(tmp_path, "dp2", world=2)
+    ckpt = tmp_path / "ckpt" / "step-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trident.json").write_text("{}")  # a checkpoint directory with a broken trident.json
+    code = launch.main([str(plan), "--steps", "2", "--checkpoint-dir", str(ckpt.parent), "--resume"])
+    err = capfd.readouterr().err
+    assert code != 0 and "Traceback" not in err
+    lines = error_lines(err)
+    assert len(lines) == 2 and "trident.json" in lines[0] and "training stopped" in lines[1]
+
+
+def test_trident_run_prints_the_command_of_every_node_of_a_multi_node_plan(tmp_path, capsys):
+    from planner.plan import build_plan
+
+    plan = build_plan(ZOO["tiny"], cluster_name="c", device="cpu", nodes=2, devices_per_node=2,
+                      global_batch=8, micro_batch=2, tp=2)
+    path = tmp_path / "two-nodes.json"
+    plan.write(path)
+    assert launch.main([str(path), "--steps", "3", "--rdzv-endpoint", "node0:29500"]) == 0
+    cmds = [line for line in capsys.readouterr().out.splitlines() if line.startswith("torchrun")]
+    assert len(cmds) == 2
+    for rank, cmd in enumerate(cmds):
+        assert f"--node-rank {rank}" in cmd and "--nnodes 2" in cmd and "--rdzv-endpoint node0:29500" in cmd
+        assert "--nproc-per-node 2" in cmd and f"--plan {path}" in cmd
+
+
+def test_trident_run_refuses_a_bad_plan_before_launching(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert launch.main([str(bad)]) != 0
+    assert len(error_lines(capsys.readouterr().err)) == 1
