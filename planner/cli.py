@@ -89,9 +89,74 @@ def cmd_estimate(args) -> int:
     return 0
 
 
-def cmd_run(args, rest) -> int:
-    from runtime.launch import main as run_main  # imports torch only when running
-    return run_main([args.plan, *rest])
+def _search_row(i, found) -> dict:
+    plan, est = found.plan, found.estimate
+    m, mesh, p = plan.model, plan.mesh, plan.pipeline
+    blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
+    rec = ",".join(f"{mode}:{blocks.count(mode)}" for mode in ("none", "selective", "full") if blocks.count(mode))
+    return {"#": i, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "order": "-".join(mesh.order),
+            "schedule": p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
+            "micro-batch": f"{plan.training.micro_batch}x{p.micro_batches}",
+            "zero": ",".join(str(z) for z in sorted({st.zero for st in p.stages})),
+            "sp": "on" if any(st.sequence_parallel for st in p.stages) else "off", "recompute": rec,
+            "step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}", "MFU": f"{est.mfu:.1%}",
+            "peak GiB": f"{est.peak_memory_bytes / GiB:.1f}", "needs GiB": f"{est.required_bytes / GiB:.1f}"}
+
+
+def cmd_search(args) -> int:
+    import time
+    from planner.search import search
+
+    model = load_model(args.model)
+    cluster = _cluster_for(args)
+    limit = args.memory_limit * GiB if args.memory_limit else None
+    t0, shown, tty = time.perf_counter(), [0.0], sys.stderr.isatty()
+
+    def progress(done, total, best):  # on a terminal, one self-overwriting line once past a second
+        now = time.perf_counter() - t0
+        if tty and now > 1.0 and now - shown[0] >= 0.5:
+            shown[0] = now
+            b = f", best {best:.4g} s" if best else ""
+            print(f"\rsearching: {done} of {total} configurations partitioned{b} ({now:.0f} s)  ",
+                  end="", file=sys.stderr, flush=True)
+
+    res = search(model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit,
+                 dtype=args.dtype, top=args.top, progress=progress)
+    if shown[0]:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    if res.best is None:
+        lim = limit if limit is not None else cluster.device.memory_bytes
+        need = (f"; the least memory a plan needs is {res.min_required_bytes / GiB:.1f} GiB per device"
+                if res.min_required_bytes else "")
+        print(f"trident: no plan of {model.name} fits in {lim / GiB:.1f} GiB per device on {cluster.world_size} GPUs "
+              f"with global batch {args.global_batch}{need}", file=sys.stderr)
+        return 3
+    for f in res.results:
+        f.plan.prediction = _prediction_dict(f.estimate)
+    best = res.best
+    if args.output:
+        best.plan.write(args.output)
+    if args.json:
+        out = best.estimate.to_dict()
+        out["alternatives"] = [{"degrees": {"tp": f.plan.mesh.tp, "pp": f.plan.mesh.pp, "dp": f.plan.mesh.dp,
+                                            "order": f.plan.mesh.order, "schedule": f.plan.pipeline.schedule,
+                                            "virtual_stages": f.plan.pipeline.virtual_stages,
+                                            "micro_batch": f.plan.training.micro_batch,
+                                            "micro_batches": f.plan.pipeline.micro_batches},
+                                "estimate": f.estimate.to_dict()} for f in res.results[1:]]
+        print(json.dumps(out, indent=2))
+        return 0
+    import pandas as pd
+    table = pd.DataFrame([_search_row(i + 1, f) for i, f in enumerate(res.results)])
+    print(describe_plan(best.plan))
+    print()
+    print(estimate_table(best.estimate))
+    print()
+    print(table.to_string(index=False))
+    print(f"\nsearched {res.configs} configurations ({res.expanded} partitioned, {res.priced} priced) in {res.elapsed_s:.2f} s")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,20 +193,44 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
 
-    r = sub.add_parser("run", help="train a plan with torchrun (options: see `trident run PLAN --help`)",
-                       add_help=False)
-    r.add_argument("plan")
-    r.set_defaults(func=cmd_run)
+    s = sub.add_parser("search", help="find the fastest plan that fits and write it")
+    s.add_argument("--model", required=True, help="zoo name, model JSON, or Hugging Face config.json")
+    s.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--gpus", type=_positive_int)
+    g.add_argument("--nodes", type=_positive_int)
+    s.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
+    s.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's seq_len")
+    s.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
+    s.add_argument("--top", type=_positive_int, default=5, help="show the best and the next K-1 plans")
+    s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    s.add_argument("-o", "--output", help="write the best plan here")
+    s.add_argument("--json", action="store_true", help="print the best estimate and the alternatives as JSON")
+    s.set_defaults(func=cmd_search)
+
+    sub.add_parser("run", help="train a plan with torchrun (options: `trident run --help`)", add_help=False)
+    sub.add_parser("profile", help="measure this machine (`profile cluster --nproc N -o F`) or a model "
+                   "(`profile model --model M --cluster-profile F --seq-len S -o F`) under torchrun", add_help=False)
+    sub.add_parser("compare", help="predicted vs measured: `compare plan.json run.json [--json] [--plot out.png]`",
+                   add_help=False)
     return ap
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # everything after `run` belongs to the launcher (runtime.launch)
+        from runtime.launch import main as run_main  # imports torch only when running
+        return run_main(argv[1:])
+    if argv[:1] == ["profile"]:  # `trident profile cluster|model ...` runs runtime.profile under torchrun
+        from runtime.profile import launch
+        rest = ["--nproc-per-node" if a == "--nproc" else a for a in argv[1:]]
+        return launch(rest)
+    if argv[:1] == ["compare"]:
+        from planner.compare_cli import main as compare_main
+        return compare_main(argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
-        if args.command == "run":
-            return cmd_run(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)

@@ -13,7 +13,8 @@ a reduce-scatter. A group inside one node pays the intra-node tier. A group span
 pays the inter-node tier; its bus bandwidth is per device (one NIC per GPU, rail-optimized, as
 in DGX nodes), so a ring with k members per node runs k rings over k NICs in parallel and
 reaches min(intra busbw, k * inter busbw). A profile may override alpha and busbw for a given
-group size (`by_group_size`), which a measured profile does.
+group size (`by_group_size`), which a measured profile does, and per message-size range
+(`by_group_size.N.segments`, piecewise fits written by `trident profile cluster`).
 """
 from __future__ import annotations
 
@@ -44,8 +45,15 @@ class AlphaBeta:
     alpha_s: float
     bus_bandwidth_bytes_per_s: float
     by_group_size: dict = field(default_factory=dict)  # {n: (alpha_s, busbw)}
+    segments: dict = field(default_factory=dict)  # {n: [(up_to_bytes or None, alpha_s, busbw), ...]}
 
-    def at(self, n: int) -> tuple[float, float]:
+    def at(self, n: int, nbytes: float | None = None) -> tuple[float, float]:
+        """(alpha, busbw) for a group of n; a measured profile may refine it by message size
+        (`by_group_size.N.segments`: piecewise fits, each up to a buffer size)."""
+        if nbytes is not None and n in self.segments:
+            for up_to, a, bw in self.segments[n]:
+                if up_to is None or nbytes <= up_to:
+                    return a, bw
         return self.by_group_size.get(n, (self.alpha_s, self.bus_bandwidth_bytes_per_s))
 
 
@@ -145,10 +153,10 @@ class ClusterSpec:
         per_node: dict[int, int] = {}
         for r in ranks:
             per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
-        intra_a, intra_bw = self.collectives[op]["intra_node"].at(n)
+        intra_a, intra_bw = self.collectives[op]["intra_node"].at(n, nbytes)
         if len(per_node) == 1:
             return intra_a + ring_factor(op, n) * nbytes / intra_bw
-        inter_a, inter_bw = self.collectives[op]["inter_node"].at(n)
+        inter_a, inter_bw = self.collectives[op]["inter_node"].at(n, nbytes)
         k = max(per_node.values())
         if op == "send_recv":
             return inter_a + nbytes / inter_bw
@@ -219,12 +227,29 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
             wt = f"{source}: collectives.{op}.{tier}"
             if not isinstance(ab, dict):
                 raise ConfigError(f"{wt}: missing; give alpha_s and bus_bandwidth_bytes_per_s")
-            by_n = {}
+            by_n, segs = {}, {}
             for n, v in (ab.get("by_group_size") or {}).items():
-                by_n[int(n)] = (_num(v, "alpha_s", f"{wt}.by_group_size.{n}", positive=False),
-                                _num(v, "bus_bandwidth_bytes_per_s", f"{wt}.by_group_size.{n}"))
+                wn = f"{wt}.by_group_size.{n}"
+                if not str(n).isdigit() or not isinstance(v, dict):
+                    raise ConfigError(f"{wn}: expected a group size mapped to an object with alpha_s and "
+                                      "bus_bandwidth_bytes_per_s")
+                by_n[int(n)] = (_num(v, "alpha_s", wn, positive=False), _num(v, "bus_bandwidth_bytes_per_s", wn))
+                if "segments" in v:
+                    if not isinstance(v["segments"], list) or not v["segments"]:
+                        raise ConfigError(f"{wn}.segments: expected a list of {{up_to_bytes, alpha_s, "
+                                          "bus_bandwidth_bytes_per_s}}, the last with up_to_bytes null")
+                    segs[int(n)] = []
+                    for k, sg in enumerate(v["segments"]):
+                        ws = f"{wn}.segments[{k}]"
+                        if not isinstance(sg, dict):
+                            raise ConfigError(f"{ws}: expected an object")
+                        up = sg.get("up_to_bytes")
+                        if up is not None:
+                            up = _num(sg, "up_to_bytes", ws)
+                        segs[int(n)].append((up, _num(sg, "alpha_s", ws, positive=False),
+                                             _num(sg, "bus_bandwidth_bytes_per_s", ws)))
             collectives[op][tier] = AlphaBeta(_num(ab, "alpha_s", wt, positive=False),
-                                              _num(ab, "bus_bandwidth_bytes_per_s", wt), by_n)
+                                              _num(ab, "bus_bandwidth_bytes_per_s", wt), by_n, segs)
     topo = d.get("topology")
     node_of_rank = None
     if topo is not None:

@@ -52,6 +52,8 @@ class LayerCost:
     activation_bytes: float  # kept from forward to backward
     replay_bytes: float  # extra held while this layer is recomputed and back-propagated
     params: float  # parameters this device holds for the layer
+    optimizer_s: float = 0.0  # measured optimizer step on the layer's parameters (model profile only)
+    dp_measured: dict | None = None  # measured data-parallel extras of the layer (model profile only)
 
 
 @dataclass
@@ -144,7 +146,11 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
     return 2 * ar, 2 * ar
 
 
-def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list) -> LayerCost:
+def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list,
+               model_profile=None) -> LayerCost:
+    if model_profile is not None:  # measured layers (planner.model_profile)
+        from planner.model_profile import profiled_layer_cost
+        return profiled_layer_cost(plan, cluster, index, stage, tp_ranks, model_profile)
     m, t = plan.model, plan.training
     b, s, tp, sp = t.micro_batch, t.seq_len, plan.mesh.tp, stage.sequence_parallel
     e = DTYPES[t.dtype]
@@ -214,8 +220,19 @@ def _model_state_bytes(t) -> tuple[int, int, int]:
 
 
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
-             keep_timeline: bool = False) -> Estimate:
-    """Predict step time, throughput and per-device memory of `plan` on `cluster`."""
+             keep_timeline: bool = False, model_profile=None) -> Estimate:
+    """Predict step time, throughput and per-device memory of `plan` on `cluster`.
+
+    With `model_profile` (planner.model_profile.ModelProfile, measured on this cluster) the layer
+    times and bytes come from its measurements instead of FLOPs and bytes moved (see
+    planner.model_profile.profiled_layer_cost), data-parallel extras from its measurement of the
+    runtime's replicate / FSDP wrapping where it has one, each pipeline operation adds its measured
+    overhead, the optimizer from its measured per-layer step, and the step adds the
+    runtime's own per-step synchronization (runtime_sync_s: the barrier that closes a timed step
+    and the loss all-reduce over the world, plus the gradient-norm all-reduce over pp ranks),
+    priced by the cluster profile."""
+    if model_profile is not None:
+        model_profile.check_plan(plan)
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     cluster = cluster.shaped_as(plan.cluster.nodes, plan.cluster.devices_per_node)
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
@@ -223,11 +240,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     pb, gb, ob = _model_state_bytes(t)
     bw = cluster.device.memory_bytes_per_s
     stage_times, stage_info = [], []
+    pipe_op = model_profile.pipeline_overhead(pipe.schedule) if (model_profile is not None and pp > 1) else 0.0
     for si, st in enumerate(pipe.stages):
         r = plan.stage_rank(si)
         tp_ranks = [mesh.rank(pp=r, dp=0, tp=i) for i in range(tp)]
         dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
-        costs = [layer_cost(plan, cluster, i, st, tp_ranks) for i in range(st.start, st.end)]
+        costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile) for i in range(st.start, st.end)]
         comp_f = sum(c.fwd_compute_s for c in costs)
         comp_b = sum(c.bwd_compute_s for c in costs)
         tpc_f = sum(c.fwd_tp_s for c in costs)
@@ -235,11 +253,19 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         params = sum(c.params for c in costs)
         grad_bytes = params * gb
         zero3_f = zero3_b = 0.0
+        measured_dp = dp > 1 and all(c.dp_measured for c in costs)
         if dp > 1 and st.zero == 3:  # gather parameters before forward and again before backward
             ag = cluster.collective_time("all_gather", params * e, dp_ranks)
             zero3_f = max(0.0, ag - comp_f)
             zero3_b = max(0.0, ag - comp_b)
-        if dp <= 1:
+        if measured_dp:  # the model profile measured the runtime's data-parallel wrapping itself
+            zero3_f = sum(c.dp_measured["forward_s"] for c in costs)
+            zero3_b = sum(c.dp_measured["backward_s"] for c in costs)
+            # FSDP (ZeRO >= 1) shards block by block, as measured layer by layer; replicate (ZeRO 0)
+            # all-reduces the whole chunk's gradients at once: one collective, priced by the cluster
+            sync = (cluster.collective_time("all_reduce", grad_bytes, dp_ranks) if st.zero == 0 else
+                    sum(c.dp_measured["backward_sync_s"] for c in costs))
+        elif dp <= 1:
             sync = 0.0
         elif st.zero == 0:
             sync = cluster.collective_time("all_reduce", grad_bytes, dp_ranks)
@@ -253,12 +279,13 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         prev = (si - 1) % pp
         send_back = cluster.p2p_time(act_msg, mesh.rank(pp=r, dp=0, tp=0), mesh.rank(pp=prev, dp=0, tp=0)) \
             if si > 0 else 0.0
-        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f, bwd_s=comp_b + tpc_b + zero3_b,
+        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f + pipe_op, bwd_s=comp_b + tpc_b + zero3_b + pipe_op,
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
                                fwd_compute_s=comp_f, bwd_compute_s=comp_b, fwd_tp_s=tpc_f, bwd_tp_s=tpc_b,
                                zero3_gather_exposed_s=(zero3_f + zero3_b) * mbs, grad_sync_s=sync,
-                               params=params, costs=costs))
+                               params=params, optimizer_s=sum(c.optimizer_s for c in costs),
+                               measured_dp=measured_dp, costs=costs))
     tl = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=True)
     tl0 = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=False) if pp > 1 else tl
 
@@ -269,21 +296,31 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         opt_params = sum(si["params"] / (dp if si["zero"] >= 1 else 1) for si in mine)
         # AdamW: read grad, both moments and the master copy, write them back and the parameter
         opt_s = opt_params * (gb + 2 * ob + pb) / bw
+        if model_profile is not None:  # measured at dp=1: per-tensor overheads dominate small layers
+            opt_s = sum(si["optimizer_s"] for si in mine)
         gather = 0.0
         if dp > 1:
             for si in mine:
-                if si["zero"] in (1, 2):
+                if si["zero"] in (1, 2) and not si["measured_dp"]:
                     dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         rank_total.append(tl.end_s[r] + opt_s + gather)
         per_rank.append((opt_s, gather))
+    sync = 0.0
+    if model_profile is not None:
+        everyone = list(range(mesh.world_size))
+        sync = 2 * cluster.collective_time("all_reduce", 8.0, everyone)  # barrier + loss all-reduce
+        if pp > 1:
+            sync += cluster.collective_time("all_reduce", 8.0, [mesh.rank(pp=i, dp=0, tp=0) for i in range(pp)])
+    rank_total = [x + sync for x in rank_total]
     step = max(rank_total)
     r = max(range(pp), key=lambda i: (rank_total[i], -i))
     mine = [stage_info[i] for i in plan.stages_of_rank(r)]
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
     zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
-    busy = compute + tp_time + zero3
+    pipe_overhead = 2 * pipe_op * mbs * len(mine)
+    busy = compute + tp_time + zero3 + pipe_overhead
     bubble = max(0.0, tl0.compute_end_s[r] - busy)
     p2p = max(0.0, tl.compute_end_s[r] - tl0.compute_end_s[r])
     dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
@@ -291,6 +328,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_exposed_s": dp_exposed,
                       "pipeline_bubble_s": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
                       "critical_pp_rank": r}
+    if model_profile is not None:
+        time_breakdown["runtime_sync_s"] = sync
+        time_breakdown["pipeline_overhead_s"] = pipe_overhead
 
     # memory, per pipeline rank
     mem_by_rank = []
@@ -344,11 +384,14 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         d = {k: v for k, v in si.items() if k != "costs"}
         d["memory"] = next(x for x in mem_by_rank if x["pp_rank"] == si["pp_rank"])["total_bytes"]
         stages_out.append(d)
+    priced_by = {"cluster_profile": {"name": cluster.name, "hash": cluster.profile_hash}}
+    if model_profile is not None:
+        priced_by["model_profile"] = {"name": model_profile.name, "hash": model_profile.profile_hash}
     return Estimate(
         step_time_s=step, tokens_per_s=tokens / step, model_tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / dev.peak_flops[t.dtype], peak_memory_bytes=peak, memory_limit_bytes=limit,
         required_bytes=required, fits=required <= limit, parameters=m.num_parameters(),
         breakdown={"time": time_breakdown, "memory": memory_breakdown,
                    "memory_per_pp_rank": [x["total_bytes"] for x in mem_by_rank],
-                   "bubble_fraction": bubble / step if step else 0.0},
+                   "bubble_fraction": bubble / step if step else 0.0, "priced_by": priced_by},
         stages=stages_out, timeline=tl if keep_timeline else None)

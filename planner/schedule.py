@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+BLOCKING_P2P = True  # ranks wait for their own pipeline sends (see simulate)
+
 
 @dataclass
 class StageTimes:
@@ -68,7 +70,9 @@ class Timeline:
 def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[tuple[str, int, int]]:
     """The (kind, stage, micro_batch) operations rank `rank` executes, in order."""
     p, v, m = pp, virtual_stages, micro_batches
-    if schedule == "gpipe" or p == 1:
+    if p == 1:  # no pipeline: each micro-batch runs forward then backward (gradient accumulation)
+        return [x for j in range(m) for x in (("F", 0, j), ("B", 0, j))]
+    if schedule == "gpipe":
         stages = [c * p + rank for c in range(v)]
         order = [("F", s, j) for s in stages for j in range(m)]
         return order + [("B", s, j) for s in reversed(stages) for j in range(m)]
@@ -100,7 +104,7 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
 
 
 def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
-             stages: list[StageTimes], p2p: bool = True, blocking_p2p: bool = True) -> Timeline:
+             stages: list[StageTimes], p2p: bool = True, blocking_p2p: bool = BLOCKING_P2P) -> Timeline:
     """Play the schedule; `stages` has pp * virtual_stages entries in model order. With
     `blocking_p2p` a rank waits for its own send to complete before its next operation, as
     torch.distributed.pipelining (which waits on batched send/recv work), Megatron-LM and DeepSpeed

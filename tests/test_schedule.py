@@ -56,3 +56,10 @@ def test_grad_sync_overlaps_remaining_backward():
     tl = simulate("1f1b", 2, 1, 4, st, p2p=False)
     assert tl.end_s[1] == pytest.approx(tl.compute_end_s[1] + 1.0) or tl.end_s[1] <= tl.compute_end_s[0] + 1.0
     assert tl.end_s[0] == pytest.approx(tl.compute_end_s[0] + 1.0)
+
+
+def test_without_a_pipeline_one_micro_batch_is_held_at_a_time():
+    # gradient accumulation runs forward and backward of each micro-batch in turn
+    assert peak_in_flight("gpipe", 1, 1, 8, 0) == 1
+    tl = simulate("1f1b", 1, 1, 4, [StageTimes(1.0, 2.0)])
+    assert tl.step_time_s == 12.0 and tl.bubble_fraction() == 0.0

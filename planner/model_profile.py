@@ -1,0 +1,313 @@
+"""Model profiles: measured per-layer times and bytes of one model on one cluster
+(profiles/models/NAME.json, written by `trident profile model`, i.e. runtime.profile model).
+
+Format (format_version 1):
+
+    {
+      "format_version": 1,
+      "name": "tiny@cpu-gloo-4",
+      "model": {...ModelConfig fields...},
+      "seq_len": 32,                      # sequence length the layers were timed at
+      "dtype": "fp32",                    # compute dtype of the measurement
+      "processes": 4,                     # processes running the measurement at once (see below)
+      "cluster_profile": {"name": "cpu-gloo-4", "hash": "sha256:..."},
+      "micro_batches": [1, 2, 4],         # micro-batch sizes measured
+      "entries": [
+        {"layer": "block", "tp": 2, "sequence_parallel": false, "recompute": "none",
+         "forward_s": [a, b], "backward_s": [a, b], "activation_bytes": [a, b],
+         "optimizer_s": 1.2e-4, "param_bytes": 123, "grad_bytes": 123,
+         "points": [[mb, forward_s, backward_s, activation_bytes], ...]},
+        ...
+      ],
+      "sources": {...}
+    }
+
+`forward_s`, `backward_s` and `activation_bytes` are linear fits a + b * micro_batch (least
+squares over `points`), so a plan may ask for a micro-batch size that was not measured.
+Times are per layer, per micro-batch, on one device, and include the layer's tensor-parallel
+communication as the runtime issues it (DTensor collectives on the profiled cluster);
+`backward_s` includes the replay of a recomputed block. `optimizer_s` is the runtime's gradient
+clipping and AdamW step on the layer's parameters. `layer` is embedding | block | head.
+Entries without recomputation may carry `data_parallel`: {"dp": D, "micro_batch": mb, "zero0" |
+"zero1" | "zero3": {forward_s, backward_s, backward_sync_s, optimizer_s}}, the layer wrapped as
+the runtime wraps it (replicate, FSDP2 without / with resharding after forward) on a dp group of
+D: extra forward and backward seconds per micro-batch over the unwrapped layer, the extra of the
+backward that synchronizes gradients (once per step), and the optimizer step on the wrapped
+parameters (replacing `optimizer_s`).
+An optional top-level `pipeline`: {"gpipe" | "1f1b": {"overhead_per_op_s": x, "step_s": ...}} is
+the measured per-operation overhead of torch.distributed.pipelining beyond compute and transfers
+(runtime.profile_model.measure_pipeline), added to every forward and backward of a pipelined plan.
+
+`processes` matters on a machine whose "devices" are processes sharing CPU cores: every rank of
+a `profile model` launch measures at once, so the times are those of a device when that many
+processes share the machine, and a plan should be priced with a profile measured at its own
+world size.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
+
+FORMAT_VERSION = 1
+LAYER_KINDS = ("embedding", "block", "head")
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles" / "models"
+
+
+def fit_linear(xs, ys, weights=None) -> tuple[float, float]:
+    """Least-squares a, b of y = a + b x (weighted if `weights`); one point gives (y, 0)."""
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    w = [1.0] * len(xs) if weights is None else [float(v) for v in weights]
+    sw = sum(w)
+    if len(set(xs)) < 2:
+        return sum(wi * y for wi, y in zip(w, ys)) / sw, 0.0
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys))
+    b = sxy / sxx
+    return my - b * mx, b
+
+
+def fit_alpha_beta(factor_bytes, times) -> tuple[float, float]:
+    """alpha (s) and bus bandwidth (B/s) of t = alpha + factor * S / busbw, least squares on the
+    relative error (weights 1/t^2, so small and large messages count alike); alpha >= 0 and
+    busbw > 0 enforced (refit through the origin or a pure-latency fit otherwise)."""
+    w = [1.0 / t ** 2 for t in times]
+    a, b = fit_linear(factor_bytes, times, w)
+    if b <= 0:  # no bandwidth term visible: latency only, a huge bandwidth
+        return sum(times) / len(times), 1e15
+    if a < 0:  # through the origin
+        b = sum(wi * x * y for wi, x, y in zip(w, factor_bytes, times)) / sum(wi * x * x for wi, x in zip(w, factor_bytes))
+        a = 0.0
+    return a, 1.0 / b
+
+
+def fit_segments(sizes, factor_bytes, times, tol: float = 0.15) -> list:
+    """Piecewise alpha-beta over message sizes: the fewest runs of consecutive sizes whose own fit
+    reproduces each of their points within `tol` (gloo and NCCL switch algorithms with the size,
+    so one line rarely fits 4 KiB .. 16 MiB). Returns [(up_to_bytes or None, alpha_s, busbw)], the
+    boundary between two runs at the geometric mean of their neighbouring sizes."""
+    n = len(sizes)
+
+    def seg(i, j):  # fit of points i..j-1 and its worst relative error
+        a, bw = fit_alpha_beta(factor_bytes[i:j], times[i:j])
+        err = max(abs(a + x / bw - t) / t for x, t in zip(factor_bytes[i:j], times[i:j]))
+        return err, a, bw
+
+    best = {0: (0, 0.0, [])}  # points covered -> (segments, worst error, fits)
+    for j in range(1, n + 1):
+        cands = []
+        for i in range(j):
+            err, a, bw = seg(i, j)
+            if err <= tol or j - i == 1:
+                k, worst, fits = best[i]
+                cands.append((k + 1, max(worst, err), fits + [(i, j, a, bw)]))
+        best[j] = min(cands, key=lambda c: (c[0], c[1]))
+    out = []
+    for i, j, a, bw in best[n][2]:
+        up_to = (sizes[j - 1] * sizes[j]) ** 0.5 if j < n else None
+        out.append((up_to, a, bw))
+    return out
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass
+class LayerFit:
+    forward_s: tuple
+    backward_s: tuple
+    activation_bytes: tuple
+    param_bytes: float
+    grad_bytes: float
+    optimizer_s: float = 0.0
+    points: list = field(default_factory=list)
+    data_parallel: dict = field(default_factory=dict)  # "dp", "zero0" / "zero1" / "zero3" -> extra seconds
+
+    def dp_overhead(self, zero: int) -> dict | None:
+        """The measured extra of running the layer under data parallelism at this ZeRO level
+        (forward_s, backward_s per micro-batch, backward_sync_s once per step, optimizer_s), or None."""
+        return self.data_parallel.get("zero0" if zero == 0 else "zero3" if zero == 3 else "zero1")
+
+    @staticmethod
+    def _at(ab, mb: int) -> float:
+        return max(0.0, ab[0] + ab[1] * mb)
+
+    def forward(self, mb: int) -> float:
+        return self._at(self.forward_s, mb)
+
+    def backward(self, mb: int) -> float:
+        return self._at(self.backward_s, mb)
+
+    def activations(self, mb: int) -> float:
+        return self._at(self.activation_bytes, mb)
+
+
+@dataclass
+class ModelProfile:
+    name: str
+    model: ModelConfig
+    seq_len: int
+    dtype: str
+    processes: int
+    cluster_name: str
+    cluster_hash: str
+    micro_batches: list
+    entries: dict  # (layer, tp, sp, recompute) -> LayerFit
+    pipeline: dict = field(default_factory=dict)  # schedule -> {"overhead_per_op_s": ...}
+    profile_hash: str = ""
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def lookup(self, layer: str, tp: int, sequence_parallel: bool, recompute: str) -> LayerFit:
+        sp = bool(sequence_parallel) and tp > 1
+        rec = recompute if layer == "block" else "none"
+        key = (layer, tp, sp, rec)
+        if key not in self.entries:
+            raise ConfigError(f"model profile {self.name}: no measurement of the {layer} at tp={tp}, "
+                              f"sequence_parallel={sp}, recompute={rec}; re-run `trident profile model` with "
+                              f"--tp including {tp}")
+        return self.entries[key]
+
+    def pipeline_overhead(self, schedule: str) -> float:
+        """Measured seconds per pipeline operation (F or B) of torch.distributed.pipelining beyond
+        compute and transfers; interleaved 1F1B takes 1F1B's. 0 when not measured."""
+        key = "1f1b" if schedule == "interleaved-1f1b" else schedule
+        return float((self.pipeline.get(key) or {}).get("overhead_per_op_s", 0.0))
+
+    def check_plan(self, plan) -> None:
+        """ConfigError (one line) when the plan is not the model / seq_len / dtype profiled."""
+        if plan.model != self.model:
+            raise ConfigError(f"model profile {self.name}: profiles model {self.model.name!r} but the plan trains "
+                              f"{plan.model.name!r} (or another config); profile the plan's model")
+        if plan.training.seq_len != self.seq_len:
+            raise ConfigError(f"model profile {self.name}: measured at seq_len {self.seq_len} but the plan uses "
+                              f"{plan.training.seq_len}; profile with --seq-len {plan.training.seq_len}")
+        if plan.training.dtype != self.dtype:
+            raise ConfigError(f"model profile {self.name}: measured in {self.dtype} but the plan computes in "
+                              f"{plan.training.dtype}")
+
+
+def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list,
+                        profile) -> LayerCost:
+    """A layer priced from a model profile (planner.model_profile): forward and backward times from
+    the measured fits at the plan's micro-batch size. The measured times include the TP collectives
+    the runtime issued while they were measured; so that TP communication is not counted twice and
+    still shows in the breakdown, the cluster profile's prediction of those collectives (tp_comm,
+    below) is subtracted from the measured time to give the compute term, the TP term keeping the
+    prediction (capped at the measured time, so that a layer's total is always what was measured).
+    Activation and parameter bytes are the measured ones."""
+    from planner.cost import LayerCost, tp_comm
+    from planner.plan import DTYPES
+    m, t = plan.model, plan.training
+    b, s, sp = t.micro_batch, t.seq_len, stage.sequence_parallel
+    e = DTYPES[t.dtype]
+    kind = m.layer_kind(index)
+    rec = stage.recompute[index - stage.start]
+    fit = profile.lookup(kind, plan.mesh.tp, sp, rec)
+    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
+    if rec == "full":
+        tp_b += tp_f
+    fwd, bwd = fit.forward(b), fit.backward(b)
+    tp_f, tp_b = min(tp_f, fwd), min(tp_b, bwd)
+    act = fit.activations(b)
+    replay = 0.0
+    if rec != "none":
+        replay = max(0.0, profile.lookup(kind, plan.mesh.tp, sp, "none").activations(b) - act)
+    dpm = None
+    if plan.mesh.dp > 1:
+        dpm = profile.lookup(kind, plan.mesh.tp, sp, "none").dp_overhead(stage.zero)
+    opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
+    return LayerCost(fwd - tp_f, bwd - tp_b, tp_f, tp_b, act, replay, fit.param_bytes / e, opt, dpm)
+
+
+def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
+    """Parse and check a model profile; every error is one line naming the field."""
+    def need(cond, fld, msg):
+        if not cond:
+            raise ConfigError(f"{source}: {fld}: {msg}")
+
+    need(isinstance(d, dict), "profile", "expected a JSON object")
+    fv = d.get("format_version")
+    need(fv == FORMAT_VERSION, "format_version",
+         f"{fv!r} is not supported (this trident reads {FORMAT_VERSION}); re-run `trident profile model`")
+    for key in ("name", "model", "seq_len", "dtype", "cluster_profile", "entries"):
+        need(key in d, key, "missing")
+    try:
+        model = ModelConfig.from_dict(d["model"], where="model")
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    need(isinstance(d["seq_len"], int) and d["seq_len"] > 0, "seq_len", f"{d['seq_len']!r} must be a positive integer")
+    need(d["dtype"] in ("fp32", "bf16", "fp16"), "dtype", f"{d['dtype']!r}; use fp32, bf16 or fp16")
+    procs = d.get("processes", 1)
+    need(isinstance(procs, int) and procs > 0, "processes", f"{procs!r} must be a positive integer")
+    cp = d["cluster_profile"]
+    need(isinstance(cp, dict) and isinstance(cp.get("name"), str) and isinstance(cp.get("hash", ""), str),
+         "cluster_profile", "expected {\"name\": ..., \"hash\": ...}")
+    need(isinstance(d["entries"], list) and d["entries"], "entries", "expected a non-empty list of layer measurements")
+    entries = {}
+    for i, e in enumerate(d["entries"]):
+        w = f"entries[{i}]"
+        need(isinstance(e, dict), w, "expected an object")
+        need(e.get("layer") in LAYER_KINDS, f"{w}.layer", f"{e.get('layer')!r}; use one of {', '.join(LAYER_KINDS)}")
+        need(isinstance(e.get("tp"), int) and not isinstance(e.get("tp"), bool) and e["tp"] > 0, f"{w}.tp",
+             f"{e.get('tp')!r} must be a positive integer")
+        need(isinstance(e.get("sequence_parallel", False), bool), f"{w}.sequence_parallel", "must be true or false")
+        rec = e.get("recompute", "none")
+        need(rec in RECOMPUTE_MODES, f"{w}.recompute", f"{rec!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+        fits = []
+        for fld in ("forward_s", "backward_s", "activation_bytes"):
+            v = e.get(fld)
+            need(isinstance(v, list) and len(v) == 2 and all(_num(x) for x in v), f"{w}.{fld}",
+                 f"{v!r} must be a fit [a, b] of a + b * micro_batch")
+            fits.append(tuple(float(x) for x in v))
+        for fld in ("param_bytes", "grad_bytes"):
+            need(_num(e.get(fld)) and e[fld] >= 0, f"{w}.{fld}", f"{e.get(fld)!r} must be a non-negative number")
+        opt = e.get("optimizer_s", 0.0)
+        need(_num(opt) and opt >= 0, f"{w}.optimizer_s", f"{opt!r} must be a non-negative number")
+        key = (e["layer"], e["tp"], bool(e.get("sequence_parallel", False)), rec)
+        need(key not in entries, w, f"duplicates the measurement of {key}")
+        dpm = e.get("data_parallel", {})
+        need(isinstance(dpm, dict), f"{w}.data_parallel", "expected an object")
+        for z, v in dpm.items():
+            if z in ("dp", "micro_batch"):
+                need(isinstance(v, int) and v > 0, f"{w}.data_parallel.{z}", f"{v!r} must be a positive integer")
+                continue
+            need(z in ("zero0", "zero1", "zero3") and isinstance(v, dict), f"{w}.data_parallel.{z}",
+                 "expected zero0, zero1 or zero3 with forward_s, backward_s, backward_sync_s, optimizer_s")
+            for fld in ("forward_s", "backward_s", "backward_sync_s", "optimizer_s"):
+                need(_num(v.get(fld)) and v[fld] >= 0, f"{w}.data_parallel.{z}.{fld}",
+                     f"{v.get(fld)!r} must be a non-negative number")
+        entries[key] = LayerFit(*fits, float(e["param_bytes"]), float(e["grad_bytes"]), float(opt),
+                                e.get("points", []), dpm)
+    pipe = d.get("pipeline", {})
+    need(isinstance(pipe, dict), "pipeline", "expected an object of schedule -> {overhead_per_op_s}")
+    for sched in ("gpipe", "1f1b"):
+        if sched in pipe:
+            v = pipe[sched].get("overhead_per_op_s") if isinstance(pipe[sched], dict) else None
+            need(_num(v) and v >= 0, f"pipeline.{sched}.overhead_per_op_s", f"{v!r} must be a non-negative number")
+    return ModelProfile(name=str(d["name"]), model=model, seq_len=d["seq_len"], dtype=d["dtype"], processes=procs,
+                        cluster_name=cp["name"], cluster_hash=cp.get("hash", ""),
+                        micro_batches=list(d.get("micro_batches", [])), entries=entries, pipeline=pipe, raw=d)
+
+
+def load_model_profile(spec) -> ModelProfile:
+    """A path, or a name under profiles/models/."""
+    path = Path(spec)
+    if not path.exists():
+        path = PROFILE_DIR / f"{spec}.json"
+    if not path.exists():
+        raise ConfigError(f"--model-profile: {spec!r} is neither a file nor a profile in {PROFILE_DIR}")
+    text = path.read_bytes()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model-profile: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    prof = model_profile_from_dict(data, source=str(path))
+    prof.profile_hash = "sha256:" + hashlib.sha256(text).hexdigest()
+    return prof

@@ -1,0 +1,268 @@
+"""The inner problem of the search, for one mesh and schedule configuration: the layer partition
+into pp * v stages and, per stage, its ZeRO level and how many of its blocks are recomputed fully,
+selectively or not at all (blocks are identical, so only the counts matter).
+
+Stage options and their costs are planner.stages'.
+
+Candidates: every partition x option assignment when there are few (`exhaustive_limit`), which is
+exact; otherwise a dynamic programme over stages in which each (stage, block count) takes its
+cheapest option that fits (a Galvatron-style knapsack over recompute counts): a min-max pass gives
+the best bottleneck T*, min-sum passes under thresholds T >= T* (Alpa's enumeration of the
+bottleneck) give more partitions, a local search moves blocks between neighbouring stages to
+account for the pipeline's fill and drain, the best are also tried with one ZeRO level
+throughout, and the even split with one ZeRO level and recompute mode throughout is always a
+candidate. With v > 1 the DP gives each chunk 1/v of its rank's memory (safe, not exact); every
+candidate's memory is then checked exactly (the schedule's micro-batches in flight per chunk).
+Each candidate gets the lower bound LB of planner.search's docstring.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from planner.model import RECOMPUTE_MODES
+from planner.plan import Plan, Stage, even_stages
+from planner.stages import TOL, StageCosts
+
+
+class Inner(StageCosts):
+    """One configuration: candidate assignments (partition + per-stage options) and their plans."""
+
+    # -------------------------------------------------------------- candidates
+    def k_range(self, s, kcap):
+        if self.S == 1:
+            return [self.L] if self.L <= kcap else []
+        lo = 0 if s in (0, self.S - 1) else 1
+        hi = self.L if self.L <= 48 else min(self.L, 2 * math.ceil(self.L / self.S) + 2)
+        return list(range(lo, min(hi, kcap) + 1))
+
+    def options(self, kcap, share=False):
+        """opts[s][k] = (menu, option indices whose memory can fit, sorted by c). With v > 1 a rank's
+        memory depends on all its chunks: without `share` an option is kept when it fits on its own
+        (necessary), with `share` only when it fits in 1/v of the rank's budget (sufficient)."""
+        cfg, ctx = self.cfg, self.ctx
+        opts = [dict() for _ in range(self.S)]
+        groups: dict = {}
+        for s in range(self.S):
+            groups.setdefault(self.flags(s), []).append(s)
+        for flags, ss in groups.items():
+            cnt = np.array([self.maxcnt[s % cfg.pp][s // cfg.pp] for s in ss])[:, None]
+            if cfg.v == 1 or not share:
+                extra, lim = self.act_grad, ctx.lim_eff * (1 + TOL)
+            else:
+                extra, lim = 0.0, (ctx.lim_eff - self.act_grad) / cfg.v * (1 + TOL)
+            kr = {s: set(self.k_range(s, kcap)) for s in ss}
+            for k in sorted(set().union(*kr.values())):
+                mn = self.menu(k, *flags)
+                if "order" not in mn:  # options by c, and their memory parts in that order
+                    mn["order"] = o = np.argsort(mn["c"], kind="stable")
+                    mn["mem_sorted"] = ((mn["fixed"] + mn["replay"])[o], mn["act"][o])
+                order, (fixed_rep, act) = mn["order"], mn["mem_sorted"]
+                fits = (fixed_rep + extra)[None, :] + cnt * act[None, :] <= lim
+                anyfit = fits.any(axis=1)
+                for i, s in enumerate(ss):
+                    if anyfit[i] and k in kr[s]:
+                        opts[s][k] = (mn, order[fits[i]])
+        return opts
+
+    def candidates(self, bound=math.inf, quick=False):
+        """[(LB, assignment)] for this configuration, assignment = [(k, menu, option)], leaving out
+        what provably cannot beat `bound` (a stage of k blocks takes at least m k w_block)."""
+        lc, mbs = self.lc, self.cfg.micro_batches
+        wblk = min(x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in lc["blk"].values())
+        kcap = self.L if not math.isfinite(bound) or wblk <= 0 else int(bound / (mbs * wblk) * (1 + TOL)) + 1
+        self.exhaustive = True
+        if self.ctx.space.uneven and self.S > 1 and math.comb(self.L + 1, self.S - 1) > 100 * self.ctx.space.exhaustive_limit:
+            self.exhaustive = False  # far too many partitions to enumerate, whatever fits
+            return self._dp(self.options(kcap, share=self.cfg.v > 1), bound, quick) + \
+                ([] if quick and self.cfg.v == 1 else self._uniform())
+        opts = self.options(kcap)
+        if not self.ctx.space.uneven:
+            sizes = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
+                     for st in even_stages(self.ctx.model, self.cfg.pp, self.cfg.v)]
+            if any(k not in opts[i] for i, k in enumerate(sizes)):
+                return []
+            if math.prod(len(opts[i][k][1]) for i, k in enumerate(sizes)) <= self.ctx.space.exhaustive_limit:
+                return self._enumerate(opts, fixed_sizes=sizes)
+            self.exhaustive = False
+            alts = [self._assign(opts, sizes, z) for z in (None, *self.zeros)]
+            return [(lb, a) for a in alts if a for lb in [self.evaluate(a)] if lb is not None]
+        count = np.zeros(self.L + 1)  # assignments per blocks used so far
+        count[0] = 1.0
+        for s in range(self.S):
+            new = np.zeros(self.L + 1)
+            for k, (_, ok) in opts[s].items():
+                new[k:] += count[:self.L + 1 - k] * len(ok)
+            count = new
+        self.exhaustive = count[self.L] <= self.ctx.space.exhaustive_limit
+        if self.exhaustive:
+            return self._enumerate(opts)
+        if self.cfg.v == 1:
+            return self._dp(opts, bound, quick) + ([] if quick else self._uniform())
+        return self._dp(self.options(kcap, share=True), bound, quick) + self._uniform()
+
+    def _uniform(self):
+        """The even split with one ZeRO level and one recompute mode throughout (the least
+        recomputation that fits): a safety net for the DP, which prices stages by c rather than by
+        the schedule and, for v > 1, splits a rank's memory evenly over its chunks."""
+        sizes = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
+                 for st in even_stages(self.ctx.model, self.cfg.pp, self.cfg.v)]
+        out = []
+        for z in self.zeros:
+            for mode in [x for x in RECOMPUTE_MODES if x in self.modes]:
+                picks = {key: self._uniform_option(*key, z, mode) for key in {(k, *self.flags(s)) for s, k in enumerate(sizes)}}
+                assign = [(k, *picks[(k, *self.flags(s))]) for s, k in enumerate(sizes)]
+                if all(a[2] is not None for a in assign):
+                    lb = self.evaluate(assign)
+                    if lb is not None:
+                        out.append((lb, assign))
+                        break  # more recomputation is slower
+        return out
+
+    def _uniform_option(self, k, emb, head, z, mode):
+        """(menu, option) of k blocks all in `mode` at ZeRO level z, or (when that combination was
+        dropped as dominated) the fastest option at z holding no more activations and replay."""
+        mn = self.menu(k, emb, head)
+        want = np.array([k if RECOMPUTE_MODES[j] == mode else 0 for j in range(3)])
+        combo = np.nonzero((mn["cb"] == want).all(axis=1))[0]
+        if not len(combo):
+            return mn, None
+        _, _, _, blk_act, blk_rep, _ = self.blocks(k)
+        act = blk_act[combo[0]] + (mn["act"][0] - blk_act[mn["combo"][0]])  # + embedding / head
+        hit = np.nonzero((mn["zero"] == z) & (mn["act"] <= act * (1 + TOL)) & (mn["replay"] <= blk_rep[combo[0]]))[0]
+        return mn, (int(hit[np.argmin(mn["b"][hit])]) if len(hit) else None)
+
+    def _enumerate(self, opts, fixed_sizes=None):
+        out = []
+        reach = [set() for _ in range(self.S + 1)]  # blocks used before stage s from which L is reachable
+        reach[self.S].add(self.L)
+        for s in range(self.S - 1, -1, -1):
+            ks = [fixed_sizes[s]] if fixed_sizes else list(opts[s])
+            reach[s] = {j - k for j in reach[s + 1] for k in ks if k in opts[s] and j - k >= 0}
+
+        def rec(s, used, acc):
+            if s == self.S:
+                if used == self.L:
+                    lb = self.evaluate(acc)
+                    if lb is not None:
+                        out.append((lb, list(acc)))
+                return
+            ks = [fixed_sizes[s]] if fixed_sizes else opts[s]
+            for k in ks:
+                if k not in opts[s] or used + k not in reach[s + 1]:
+                    continue
+                mn, ok = opts[s][k]
+                for i in ok:
+                    acc.append((k, mn, int(i)))
+                    rec(s + 1, used + k, acc)
+                    acc.pop()
+        rec(0, 0, [])
+        return out
+
+    def _dp(self, opts, bound=math.inf, quick=False):
+        S, L = self.S, self.L
+        INF = math.inf
+        cost = np.full((S, L + 1), INF)
+        for s in range(S):
+            for k, (mn, ok) in opts[s].items():
+                cost[s, k] = mn["c"][ok[0]]
+
+        cols = np.arange(L + 1)
+        ks_of = [np.array(sorted(opts[s]), dtype=int) if opts[s] else np.array([0]) for s in range(S)]
+        for s in range(S):
+            if not opts[s]:
+                cost[s, 0] = INF
+
+        def run(T=None):
+            """min-max (T None) or min-sum under threshold T; returns (value, sizes)."""
+            c = cost if T is None else np.where(cost <= T * (1 + TOL), cost, INF)
+            pad = np.full(2 * L + 1, INF)  # pad[L + j] = value after the previous stages with j blocks
+            pad[L] = 0.0
+            back = np.zeros((S, L + 1), dtype=int)
+            for s in range(S):
+                ks = ks_of[s]
+                prev = pad[L + cols[None, :] - ks[:, None]]  # (len(ks), L + 1)
+                cand = np.maximum(prev, c[s, ks][:, None]) if T is None else prev + c[s, ks][:, None]
+                arg = cand.argmin(axis=0)
+                pad[L:] = cand[arg, cols]
+                back[s] = ks[arg]
+            val = pad[L:]
+            if not np.isfinite(val[L]):
+                return INF, None
+            sizes, j = [], L
+            for s in range(S - 1, -1, -1):
+                sizes.append(int(back[s, j]))
+                j -= sizes[-1]
+            return val[L], sizes[::-1]
+
+        tstar, sizes = run()
+        if sizes is None or (self.cfg.v == 1 and self.L <= 48 and tstar >= bound * (1 - TOL)):
+            return []  # for v = 1 every stage's c is a lower bound, so T* is one for the configuration
+        finite = np.unique(cost[np.isfinite(cost)])
+        Ts = finite[(finite >= tstar * (1 - TOL)) & (finite <= tstar * 1.5)]
+        if len(Ts) > 12:
+            Ts = Ts[np.unique(np.linspace(0, len(Ts) - 1, 12).astype(int))]
+        seen, out = set(), []
+        for T in [tstar] if quick else [tstar, *Ts]:
+            _, sz = run(T)
+            if sz is None or tuple(sz) in seen:
+                continue
+            seen.add(tuple(sz))
+            assign = self._assign(opts, sz)
+            lb = self.evaluate(assign)
+            if lb is not None:
+                out.append((lb, assign))
+        if quick:
+            return out
+        for lb, assign in sorted(out, key=lambda x: x[0])[:2]:  # the same with one ZeRO level throughout
+            for z in self.zeros:
+                alt = self._assign(opts, [k for k, _, _ in assign], z)
+                if alt and [i for _, _, i in alt] != [i for _, _, i in assign]:
+                    alb = self.evaluate(alt)
+                    if alb is not None:
+                        out.append((alb, alt))
+        if S <= 16:  # the DP ignores the pipeline's fill and drain: polish the best by moving blocks
+            for lb, assign in [x for x in sorted(out, key=lambda x: x[0])[:2] if x[0] < bound * 1.1]:
+                sz = [k for k, _, _ in assign]
+                improved = True
+                while improved:
+                    improved = False
+                    for s, d in itertools.product(range(S - 1), (1, -1)):
+                        new = list(sz)
+                        new[s] -= d
+                        new[s + 1] += d
+                        if tuple(new) in seen or any(k not in opts[i] for i, k in enumerate(new)):
+                            continue
+                        seen.add(tuple(new))
+                        cand = self._assign(opts, new)
+                        nlb = self.evaluate(cand)
+                        if nlb is not None and nlb < lb:
+                            lb, sz, improved = nlb, new, True
+                            out.append((nlb, cand))
+        return out
+
+    @staticmethod
+    def _assign(opts, sizes, zero=None):
+        """Each stage with its cheapest option (by c) that fits (and has ZeRO level `zero`)."""
+        out = []
+        for s, k in enumerate(sizes):
+            mn, ok = opts[s][k]
+            if zero is not None:
+                ok = ok[mn["zero"][ok] == zero]
+                if not len(ok):
+                    return None
+            out.append((k, mn, int(ok[0])))
+        return out
+
+    def to_plan(self, assign, build) -> Plan:
+        stages, start = [], 0
+        for s, (k, mn, i) in enumerate(assign):
+            emb, head = self.flags(s)
+            nn, ns, nf = (int(x) for x in mn["cb"][mn["combo"][i]])
+            rec = (["none"] if emb else []) + ["full"] * nf + ["selective"] * ns + ["none"] * nn + (["none"] if head else [])
+            stages.append(Stage(layers=[start, start + len(rec)], zero=int(mn["zero"][i]), recompute=rec,
+                                sequence_parallel=self.cfg.sp))
+            start += len(rec)
+        return build(self.cfg, stages)

@@ -1,0 +1,263 @@
+"""What a pipeline stage costs under one mesh and schedule configuration, and lower bounds.
+
+A stage holds k identical blocks (plus the embedding and/or the head); its options are a ZeRO level
+and how many of its blocks are recomputed fully, selectively or not at all (only the counts
+matter). Every option is priced from the cached per-layer costs of planner.cost (layer_cost), the
+way planner.cost.estimate adds them up: forward f, backward b (recomputation, exposed ZeRO-3
+gathers), gradient sync, optimizer, ZeRO-1/2 gather, and memory (model state by ZeRO level,
+activations x micro-batches in flight, replay, buffers). Options dominated within their ZeRO level
+(no faster backward for no fewer activations, same replay) are dropped.
+
+The bounds are those of planner.search's docstring: `config_bound` and `balance_bound` for a whole
+configuration, `evaluate` (exact memory check and LB) for one assignment.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+from planner.cost import DDP_BUCKET_BYTES
+from planner.model import RECOMPUTE_MODES
+from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
+TOL = 1e-9
+
+
+class StageCosts:
+    """One configuration: stage option menus and bounds (planner.partition.Inner searches them)."""
+
+    def __init__(self, ctx, cfg):
+        self.ctx, self.cfg = ctx, cfg
+        m = ctx.model
+        self.L = m.layers
+        self.S = cfg.pp * cfg.v
+        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1)
+        z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
+        self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
+        self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
+        t = ctx.train
+        self.act_grad = 2 * ctx.e * cfg.micro_batch * t.seq_len * m.hidden
+        self.head_logits = 4.0 * cfg.micro_batch * t.seq_len * math.ceil(m.vocab / cfg.tp)
+
+    def setup(self):
+        """Collective costs of the data-parallel group and the activations in flight."""
+        self.ag, self.ar, self.rs = self.ctx.collectives(self.cfg)
+        self.flight, self.maxcnt, _ = self.ctx.in_flight(self.cfg)
+        cfg, m, t = self.cfg, self.ctx.model, self.ctx.train
+        msg = self.ctx.e * cfg.micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
+        mesh = SimpleNamespace(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
+        p2p = [self.ctx.cluster.p2p_time(msg, _rank(mesh, r, 0, 0), _rank(mesh, (r + 1) % cfg.pp, 0, 0))
+               for r in range(cfg.pp)]
+        back = [self.ctx.cluster.p2p_time(msg, _rank(mesh, r, 0, 0), _rank(mesh, (r - 1) % cfg.pp, 0, 0))
+                for r in range(cfg.pp)]
+        # the forward chain to stage r waits for each send s -> s+1, the backward chain for s+1 -> s
+        self.lag = [p2p[s] + back[(s + 1) % cfg.pp] for s in range(cfg.pp)]
+        # a rank that waits for its own sends (blocking point-to-point) also spends them serially
+        S = self.S
+        self.sends = [(p2p[s % cfg.pp] if s < S - 1 else 0.0) + (back[s % cfg.pp] if s > 0 else 0.0)
+                      if BLOCKING_P2P else 0.0 for s in range(S)]
+        return self
+
+    # -------------------------------------------------------------- menus
+    def combos(self, k):
+        """(n_none, n_selective, n_full) block counts a stage of k blocks may use, as an array."""
+        g = self.ctx.space.recompute_granularity if not self.cfg.recompute else "plan"
+        key = (k, self.modes, g)
+        if key not in self.ctx._combos:
+            idx = [RECOMPUTE_MODES.index(x) for x in self.modes]
+            if k == 0:
+                out = [(0, 0, 0)]
+            elif g in ("plan", "stage"):
+                out = [tuple(k if j == i else 0 for j in range(3)) for i in idx]
+            else:
+                out = [(a, bb, k - a - bb) for a in range(k + 1) for bb in range(k + 1 - a)
+                       if all(n == 0 or j in idx for j, n in enumerate((a, bb, k - a - bb)))]
+            self.ctx._combos[key] = np.array(out, dtype=float)
+        return self.ctx._combos[key]
+
+    def blocks(self, k):
+        """Block part of a stage of k blocks per recompute combination: (combos, backward compute,
+        backward TP time, activations, replay bytes, the combinations not dominated without ZeRO-3)."""
+        cfg = self.cfg
+        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, self.modes,
+               self.ctx.space.recompute_granularity if not cfg.recompute else "plan", k)
+        if key not in self.ctx._blocks:
+            cb = self.combos(k)
+            blk = [self.lc["blk"][r] for r in RECOMPUTE_MODES]
+            col = lambda a: np.array([getattr(x, a) for x in blk])
+            comp_b, tp_b, act = cb @ col("bwd_compute_s"), cb @ col("bwd_tp_s"), cb @ col("activation_bytes")
+            replay = np.max(np.where(cb > 0, col("replay_bytes")[None, :], 0.0), axis=1)
+            self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, _pareto(comp_b + tp_b, act, replay))
+        return self.ctx._blocks[key]
+
+    def menu(self, k, emb, head):
+        """Options of a stage with k blocks (+ embedding / head): arrays over (zero, combo), without
+        dominated ones (same ZeRO level and replay, no faster backward for no fewer activations)."""
+        local = self.__dict__.setdefault("_local_menus", {})
+        if (k, emb, head) in local:
+            return local[(k, emb, head)]
+        cfg = self.cfg
+        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, cfg.dp, cfg.order,
+               self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head)
+        if key in self.ctx._menus:
+            local[(k, emb, head)] = self.ctx._menus[key]
+            return local[(k, emb, head)]
+        ctx, lc = self.ctx, self.lc
+        ends = ([lc["emb"]] if emb else []) + ([lc["head"]] if head else [])
+        cb, comp_b, tp_b, act, replay, plain = self.blocks(k)
+        blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
+        e_sum = lambda a: sum(getattr(x, a) for x in ends)
+        comp_f = k * blk[0].fwd_compute_s + e_sum("fwd_compute_s")
+        comp_b = comp_b + e_sum("bwd_compute_s")
+        tp_f = k * blk[0].fwd_tp_s + e_sum("fwd_tp_s")
+        tp_b = tp_b + e_sum("bwd_tp_s")
+        act = act + e_sum("activation_bytes")
+        plist = [x.params for x in ends] + [blk[0].params] * min(k, 2)
+        P = k * blk[0].params + sum(x.params for x in ends)
+        dp, e = cfg.dp, ctx.e
+        n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
+        arr = np.empty((10, n_all))
+        at = 0
+        for z in self.zeros:
+            ag = self.ag(P * e) if (z == 3 and dp > 1) else 0.0
+            f = comp_f + tp_f + max(0.0, ag - comp_f)
+            b = comp_b + tp_b + np.maximum(0.0, ag - comp_b)
+            keep = _pareto(b, act, replay) if ag > comp_b.min() else plain  # exposure reorders
+            sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
+            opt = P / (dp if z >= 1 else 1) * (ctx.gb + 2 * ctx.ob + ctx.pb) / ctx.bw
+            gather = self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0
+            fixed = (P * ctx.pb / (dp if z == 3 else 1) + P * ctx.gb / (dp if (z >= 2 and cfg.micro_batches == 1) else 1)
+                     + P * ctx.ob / (dp if z >= 1 else 1))
+            if z == 3 and dp > 1:
+                fixed += sum(sorted(plist, reverse=True)[:2]) * ctx.pb
+            if z == 0 and dp > 1:
+                fixed += 2 * DDP_BUCKET_BYTES
+            fixed += self.head_logits if head else 0.0
+            sl = slice(at, at + len(keep))
+            at += len(keep)
+            for row, val in enumerate((f, b[keep], sync, opt, gather, fixed, act[keep], replay[keep], z, keep)):
+                arr[row, sl] = val
+        arr = arr[:, :at]
+        menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo"), arr))
+        menu["combo"] = menu["combo"].astype(int)
+        menu["cb"] = cb
+        menu["c"] = cfg.micro_batches * (menu["f"] + menu["b"]) + menu["sync"] + menu["opt"] + menu["gather"]
+        self.ctx._menus[key] = local[(k, emb, head)] = menu
+        return menu
+
+    def flags(self, s):
+        return s == 0, s == self.S - 1
+
+    # -------------------------------------------------------------- bounds
+    def config_bound(self):
+        """(lower bound on step time, lower bound on per-device memory) for any inner choice."""
+        ctx, cfg, lc, m = self.ctx, self.cfg, self.lc, self.ctx.model
+        w = lambda x: x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
+        wtot = w(lc["emb"]) + w(lc["head"]) + self.L * min(w(lc["blk"][r]) for r in self.modes)
+        P = lc["emb"].params + lc["head"].params + self.L * lc["blk"]["none"].params
+        dp, mbs, p = cfg.dp, cfg.micro_batches, cfg.pp
+        # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
+        # parameters (alpha + beta P), and for v = 1 each rank has one stage.
+        ag, ar, rs = ctx.collectives(cfg)
+        segmented = any(getattr(x, "segments", None) for op in ctx.cluster.collectives.values() for x in op.values())
+        ab = lambda f: (0.0, 0.0) if segmented else (f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0))
+        alphas, betas = [], []
+        for z in self.zeros:
+            a_s, b_s = ab(ar if z == 0 else rs) if dp > 1 else (0.0, 0.0)
+            a_g, b_g = ab(ag) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
+            alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
+            betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
+                         + (ctx.gb + 2 * ctx.ob + ctx.pb) / ctx.bw / (dp if z >= 1 else 1))
+        lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
+        if cfg.v == 1 and p > 1:
+            lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
+        state = min(ctx.pb / (dp if z == 3 else 1) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
+                    + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros)
+        return lb, P * state / p + self.act_grad
+
+    def balance_bound(self, bound=math.inf):
+        """A lower bound on m x (the busiest rank's work per micro-batch) that respects memory, or inf
+        when no partition can fit. Relaxation: blocks may be split fractionally over ranks and
+        take any recompute mode; rank r holds at least kappa_r micro-batches of its activations and
+        at least the cheapest ZeRO state of its parameters. For a per-rank work budget U, rank r can
+        take at most max n0 + n1 + n2 s.t. sum n_i t_i <= U, sum n_i (s + kappa_r a_i) <= M (an LP
+        whose optimum uses at most two modes); bisect on the smallest U that places all L blocks."""
+        ctx, cfg, lc = self.ctx, self.cfg, self.lc
+        _, _, kappa = ctx.in_flight(cfg)
+        blk = [lc["blk"][r] for r in self.modes]
+        t = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
+        a = np.array([x.activation_bytes for x in blk])
+        dp, mbs = cfg.dp, cfg.micro_batches
+        state = min(ctx.pb / (dp if z == 3 else 1) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
+                    + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros) * blk[0].params
+        M = ctx.lim_eff * (1 + TOL) - self.act_grad
+        mem = state + kappa[:, None] * a[None, :]  # (ranks, modes)
+        pairs = [(i, j) for i in range(len(t)) for j in range(i + 1, len(t))]
+
+        def cap(U):
+            best = np.max(np.minimum(U / t[None, :], M / mem), axis=1)
+            for i, j in pairs:  # both constraints tight: solve for n_i, n_j
+                det = t[i] * mem[:, j] - t[j] * mem[:, i]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ni = (U * mem[:, j] - t[j] * M) / det
+                    nj = (t[i] * M - U * mem[:, i]) / det
+                ok = (det != 0) & (ni >= 0) & (nj >= 0)
+                best = np.where(ok, np.maximum(best, ni + nj), best)
+            return np.maximum(best, 0.0).sum()
+
+        if M <= 0 or cap(t.max() * self.L * 2) < self.L * (1 - 1e-9):
+            return math.inf
+        if math.isfinite(bound) and cap(bound / mbs) < self.L * (1 - 1e-9):
+            return bound  # cannot beat the incumbent: that is all the caller needs to know
+        lo, hi = 0.0, t.max() * self.L
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if cap(mid) >= self.L * (1 - 1e-9) else (mid, hi)
+        return mbs * lo
+
+    def evaluate(self, assign):
+        """Exact LB and memory check of an assignment [(k, menu, option index) per stage]."""
+        cfg, p, mbs = self.cfg, self.cfg.pp, self.cfg.micro_batches
+        W = [0.0] * p
+        tail = [0.0] * p
+        pre, pref = [], 0.0
+        for s, (k, mn, i) in enumerate(assign):
+            r = s % p
+            fb = mn["f"][i] + mn["b"][i]
+            W[r] += fb + self.sends[s]
+            tail[r] += mn["opt"][i] + mn["gather"][i]
+            if s < p:
+                pre.append(pref)
+                pref += fb + self.lag[s]
+        sync = [assign[r][1]["sync"][assign[r][2]] for r in range(p)]
+        lb2 = max(mbs * W[r] + sync[r] + tail[r] for r in range(p))
+        lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
+        for r in range(p):
+            mine = assign[r::p]
+            fixed = sum(mn["fixed"][i] for _, mn, i in mine)
+            acts = np.array([mn["act"][i] for _, mn, i in mine])
+            peak = float((self.flight[r] @ acts).max())
+            rep = max(mn["replay"][i] for _, mn, i in mine)
+            if fixed + peak + rep + self.act_grad > self.ctx.lim_eff * (1 + TOL):
+                return None
+        return max(lb1, lb2)
+
+
+def _pareto(b, act, replay):
+    """Indices not dominated in (b, act) within their replay class."""
+    keep = []
+    for cls in np.unique(replay):
+        idx = np.nonzero(replay == cls)[0]
+        idx = idx[np.lexsort((act[idx], b[idx]))]
+        a = act[idx]
+        prev = np.concatenate(([np.inf], np.minimum.accumulate(a)[:-1]))
+        keep.append(idx[a < prev])
+    return np.sort(np.concatenate(keep))
+
+
+def _rank(mesh, pp, dp, tp):
+    r, co = 0, {"pp": pp, "dp": dp, "tp": tp}
+    for d in mesh.order:
+        r = r * getattr(mesh, d) + co[d]
+    return r

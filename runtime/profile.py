@@ -1,0 +1,402 @@
+"""torchrun entry: measure this cluster and a model, and write profiles the planner reads.
+
+    torchrun --nproc-per-node N -m runtime.profile cluster -o profiles/hardware/NAME.json [--quick]
+    torchrun --nproc-per-node N -m runtime.profile model --model tiny --cluster-profile P --seq-len 32 \
+        [--micro-batches 1,2,4] [--tp 1,2,4] -o profiles/models/NAME.json
+
+`cluster` writes a ClusterSpec JSON (planner.cluster reads it) with "kind": "measured":
+- device: the matmul rate (fp32; on CPU "peak" is the best rate of a large square matmul, and
+  matmul_efficiency is the median rate at transformer-like shapes over that peak), memory
+  bandwidth (a large copy; recorded as achieved, efficiency 1), capacity (/proc/meminfo or
+  sysconf, divided among the processes of a node), all measured on every rank at once;
+- for all_reduce, all_gather, reduce_scatter, all_to_all and send_recv and every power-of-two
+  group size n <= N (all groups of that size running at once), the median time of a message-size
+  sweep, fitted by least squares to t = alpha + factor(n) * S / busbw (planner.cluster) and
+  stored under `by_group_size`, with piecewise fits by message size under its `segments`; the
+  per-tier default is the largest group's fit;
+- topology.node_of_rank from the hostnames; on one node the inter_node tier copies the intra-node
+  fit (said so in `sources`);
+- overlap_slowdown: matmul time while a large all-reduce runs in the background over matmul
+  time alone.
+`model` is in runtime/profile_model.py (the format is in planner/model_profile.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.cluster import ring_factor
+from planner.model_profile import fit_alpha_beta, fit_segments
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+SIZES = [4 * 4**i * 1024 for i in range(7)]  # 4 KiB .. 16 MiB
+QUICK_SIZES = [4 * 4**i * 1024 for i in range(5)]  # 4 KiB .. 1 MiB
+
+
+class Progress:
+    """A one-line text progress bar on rank 0 (stderr)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            n = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r[{'#' * n}{' ' * (30 - n)}] {self.done}/{self.total} "
+                             f"{time.perf_counter() - self.t0:5.1f}s {what:<32}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _median_time(fn, repeats: int, group=None) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _mean_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+# ------------------------------------------------------------------ device
+def matmul_rate(m: int, n: int, k: int, budget_s: float = 0.15) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) fp32 product over a short loop."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    best, end = 0.0, time.perf_counter() + budget_s
+    while True:
+        t0 = time.perf_counter()
+        a @ b
+        dt = time.perf_counter() - t0
+        best = max(best, 2.0 * m * n * k / dt)
+        if time.perf_counter() > end:
+            return best
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s of a 64 MiB fp32 copy (reads and writes counted), best of a few."""
+    src = torch.randn(16 * 2**20)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def memory_capacity() -> tuple[int, str]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024, "/proc/meminfo MemTotal"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "os.sysconf(SC_PHYS_PAGES)"
+
+
+def overlap_slowdown() -> float:
+    """Matmul time while a 16 MiB all-reduce runs (gloo's own thread) over matmul time alone."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def work():
+        for _ in range(20):
+            a @ b
+    dist.barrier()
+    alone = statistics.median(_timed(work) for _ in range(5))
+    buf = torch.ones(4 * 2**20)
+    dist.barrier()
+    times = []
+    for _ in range(5):
+        h = dist.all_reduce(buf, async_op=True)
+        times.append(_timed(work))
+        h.wait()
+    return max(1.0, _mean_over_ranks(statistics.median(times) / alone))
+
+
+# ------------------------------------------------------------------ collectives
+def _collective(op: str, nbytes: int, group, n: int, peer: int | None):
+    """A closure running collective `op` on an S = nbytes buffer (the planner's S: the all-reduce
+    buffer, the all-gather output, the reduce-scatter input)."""
+    elems = max(n, nbytes // 4 // n * n)
+    if op == "all_reduce":
+        buf = torch.ones(elems)
+        return lambda: dist.all_reduce(buf, group=group)
+    if op == "all_gather":
+        out, inp = torch.empty(elems), torch.ones(elems // n)
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if op == "reduce_scatter":
+        out, inp = torch.empty(elems // n), torch.ones(elems)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    if op == "all_to_all":
+        out, inp = torch.empty(elems), torch.ones(elems)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    buf = torch.ones(elems)
+    rank = dist.get_rank()
+
+    def sendrecv():  # even members send to the odd ones
+        if rank < peer:
+            dist.send(buf, peer)
+        else:
+            dist.recv(buf, peer)
+    return sendrecv
+
+
+def sweep(sizes, repeats: int, progress: Progress) -> dict:
+    """{op: {n: [(factor * S, seconds), ...]}} for every power-of-two group size."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ns = [2**i for i in range(1, world.bit_length()) if 2**i <= world]
+    groups = {}
+    for n in ns:  # every rank creates every group, in the same order
+        for start in range(0, world - world % n, n):
+            g = dist.new_group(list(range(start, start + n)))
+            if start <= rank < start + n:
+                groups[n] = g
+    out = {}
+    for op in OPS:
+        out[op] = {}
+        for n in ([2] if op == "send_recv" else ns):
+            pts = []
+            for s in sizes * 2:  # two passes: a size disturbed in one pass is timed again later
+                in_group = n in groups
+                if op == "send_recv":
+                    peer = rank ^ 1 if (rank ^ 1) < world else None
+                    in_group = peer is not None
+                    fn = _collective(op, s, None, 2, peer) if in_group else (lambda: None)
+                else:
+                    fn = _collective(op, s, groups.get(n), n, None) if in_group else (lambda: None)
+                fn()  # warm-up (and connection setup)
+                reps = repeats if s >= 2**20 else 3 * repeats
+                t = _max_over_ranks(_median_time(fn, reps))
+                pts.append((ring_factor(op, n) * (s // 4 // n * n * 4 if op != "send_recv" else s), t, s))
+                progress.step(f"{op} n={n} {s // 1024} KiB")
+            out[op][n] = monotone([min(a, b, key=lambda p: p[1]) for a, b in zip(pts[:len(sizes)], pts[len(sizes):])])
+    return out
+
+
+def monotone(pts: list) -> list:
+    """A larger message cannot take less time than a smaller one: a size timed slower than a larger
+    size was disturbed (other processes on the cores), so it takes the larger size's time."""
+    out, best = [], float("inf")
+    for x, t, s in reversed(pts):
+        best = min(best, t)
+        out.append((x, best, s))
+    return out[::-1]
+
+
+def profile_cluster(args) -> dict | None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    order = list(dict.fromkeys(hosts))
+    node_of_rank = [order.index(h) for h in hosts]
+    nodes = len(order)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    n_points = 2 * len(sizes) * (1 + 4 * len([2**i for i in range(1, world.bit_length()) if 2**i <= world]))
+    progress = Progress(n_points + 2, rank == 0)
+
+    # device, every rank at once (a device here is a process; they share the machine's cores)
+    peak = _mean_over_ranks(max(matmul_rate(s, s, s) for s in (512, 1024)))
+    shapes = [(256, 384, 128), (256, 128, 384), (512, 512, 512), (1024, 1536, 512), (256, 4096, 512)]
+    achieved = _mean_over_ranks(statistics.median(matmul_rate(*s, budget_s=0.05) for s in shapes))
+    bw = _mean_over_ranks(memory_bandwidth())
+    progress.step("device")
+    slow = overlap_slowdown()
+    progress.step("overlap")
+    mem, mem_src = memory_capacity()
+    points = sweep(sizes, 5 if args.quick else 9, progress)
+    if rank != 0:
+        return None
+
+    colls, fits_out = {}, {}
+    for op, by_n in points.items():
+        by = {}
+        for n, pts in by_n.items():
+            xs, ts, ss = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+            a, bw_ = fit_alpha_beta(xs, ts)
+            segs = [{"up_to_bytes": up, "alpha_s": sa, "bus_bandwidth_bytes_per_s": sb}
+                    for up, sa, sb in fit_segments(ss, xs, ts)]
+            by[str(n)] = {"alpha_s": a, "bus_bandwidth_bytes_per_s": bw_, "segments": segs}
+        top = by[str(max(by_n))]
+        tier = {"alpha_s": top["alpha_s"], "bus_bandwidth_bytes_per_s": top["bus_bandwidth_bytes_per_s"],
+                "by_group_size": by}
+        colls[op] = {"intra_node": tier, "inter_node": json.loads(json.dumps(tier))}
+        fits_out[op] = {str(n): [[s, t] for _, t, s in pts] for n, pts in by_n.items()}
+    per_node = max(node_of_rank.count(i) for i in range(nodes))
+    name = args.name or f"cpu-gloo-{world}"
+    mm_src = ("measured: fp32 torch.matmul on every rank at once; 'peak' is the best rate of a square "
+              "512/1024 matmul on this CPU (no datasheet peak for a CPU process), averaged over ranks")
+    return {
+        "format_version": 1,
+        "name": name,
+        "description": f"measured: {world} gloo processes on {nodes} host(s) ({', '.join(order)}), "
+                       f"torch {torch.__version__}, {os.cpu_count()} CPUs",
+        "kind": "measured",
+        "devices_per_node": per_node,
+        "nodes": nodes,
+        "device": {
+            "name": f"cpu process ({local_world} per host)",
+            "memory_bytes": int(mem // per_node),
+            "peak_flops": {"fp32": peak},
+            "matmul_efficiency": {"fp32": min(1.0, achieved / peak)},
+            "memory_bandwidth_bytes_per_s": bw,
+            "memory_bandwidth_efficiency": 1.0,
+            "reserved_bytes": 0,
+            "allocator_overhead_fraction": 0.0,
+        },
+        "tiers": {"intra_node": {"link": "gloo over loopback TCP"}, "inter_node": {"link": "gloo over TCP"}},
+        "collectives": colls,
+        "topology": {"node_of_rank": node_of_rank},
+        "overlap_slowdown": slow,
+        "sweep": fits_out,
+        "sources": {
+            "device.peak_flops.fp32": mm_src,
+            "device.matmul_efficiency.fp32": "measured: median fp32 rate at transformer-like shapes "
+                                             f"{shapes} over the measured peak above",
+            "device.memory_bandwidth_bytes_per_s": "measured: best of 5 copies of a 64 MiB fp32 tensor, "
+                                                   "2 x 64 MiB moved, every rank at once; efficiency 1 "
+                                                   "because this is the achieved rate",
+            "device.memory_bytes": f"measured: {mem_src} divided by the {per_node} processes of a host",
+            "device.reserved_bytes": "assumption: 0 on CPU (no device context; LiveTensorBytes counts tensors only)",
+            "collectives": "measured: the smaller of two medians over repeats (max over ranks; two passes over "
+                           "the sizes), made non-decreasing in the size (runtime.profile.monotone), of a sweep of "
+                           f"{sizes[0] // 1024} KiB .. {sizes[-1] // 1024} KiB, all groups of a size at once; "
+                           "fit t = alpha + factor(n) * S / busbw by least squares on relative error "
+                           "(planner.model_profile.fit_alpha_beta), and piecewise over runs of sizes where one "
+                           "line does not reproduce every point within 15% (by_group_size.N.segments, "
+                           "planner.model_profile.fit_segments: gloo switches algorithms with the size); "
+                           "the tier default is the largest group's fit; "
+                           "raw points under 'sweep'",
+            "collectives.*.inter_node": ("copied from the intra-node fit: every rank ran on one host, so there "
+                                         "is no inter-node link to measure") if nodes == 1 else
+                                        "measured on groups spanning hosts",
+            "overlap_slowdown": "measured: 20 matmuls of 256^3 with and without a 16 MiB all-reduce running "
+                                "asynchronously, median of 5, mean over ranks",
+            "topology.node_of_rank": "measured: socket.gethostname() of every rank",
+        },
+    }
+
+
+def _init() -> None:
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="runtime.profile", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("cluster", help="measure devices and collectives")
+    c.add_argument("-o", "--out", required=True)
+    c.add_argument("--name", default=None, help="profile name (default cpu-gloo-N)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
+    m = sub.add_parser("model", help="measure per-layer times and bytes of a model")
+    m.add_argument("--model", required=True)
+    m.add_argument("--cluster-profile", required=True)
+    m.add_argument("--seq-len", type=int, required=True)
+    m.add_argument("--micro-batches", default="1,2,4")
+    m.add_argument("--tp", default="1")
+    m.add_argument("--repeats", type=int, default=7)
+    m.add_argument("--name", default=None)
+    m.add_argument("-o", "--out", required=True)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from planner.model import ConfigError
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.what == "cluster" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise ConfigError("profile cluster: needs at least 2 processes to time collectives; "
+                              "launch it with torchrun --nproc-per-node N (N >= 2)")
+        if args.what == "model":
+            from runtime.profile_model import check_args
+            check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"trident: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    _init()
+    try:
+        if args.what == "cluster":
+            out = profile_cluster(args)
+        else:
+            from runtime.profile_model import profile_model
+            out = profile_model(args)
+        if out is not None:
+            from planner.plan import dumps
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(dumps(out))
+            print(f"wrote {args.out}", flush=True)
+        dist.barrier()
+        return 0
+    except ConfigError as exc:
+        print(f"trident: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(argv) -> int:
+    """`trident profile cluster|model ARGS [--nproc-per-node N]`: run this module under torchrun
+    with N processes on this machine (default 4; a free port; OMP_NUM_THREADS=1 per process unless
+    set), through runtime.torchrun so that a failure ends in one line. Returns its exit status."""
+    import subprocess
+    argv = list(argv)
+    nproc = "4"
+    if "--nproc-per-node" in argv:
+        i = argv.index("--nproc-per-node")
+        if i + 1 >= len(argv) or not argv[i + 1].isdigit() or int(argv[i + 1]) < 1:
+            print("trident: error: --nproc-per-node needs a positive integer", file=sys.stderr)
+            return 2
+        nproc = argv[i + 1]
+        del argv[i:i + 2]
+    parse_args(argv)  # bad arguments: one usage message here, not one per rank
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "runtime.torchrun", "--nproc-per-node", nproc, "--master-port", str(port),
+           "-m", "runtime.profile", *argv]
+    return subprocess.run(cmd, env=env).returncode
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # see runtime/train.py: gloo teardown can abort at interpreter exit

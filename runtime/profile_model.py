@@ -1,0 +1,289 @@
+"""`runtime.profile model`: per-layer forward, backward (with recomputation) and optimizer time, and
+parameter, gradient and activation bytes of a model, measured with the runtime's own modules
+(runtime.model) under the runtime's own tensor parallelism (runtime.parallelize.apply_tp on a
+tp sub-mesh) and recomputation (apply_recompute). The JSON format is planner/model_profile.py's.
+
+Every rank measures at once (the world is split into groups of `tp` ranks), so the times are
+those of a device while all N processes of the launch are busy, as in a training run on N.
+Activation bytes are the bytes of tensors a layer's forward creates and keeps alive (saved for
+backward, and its output, which is the next layer's input), counted exactly on CPU by
+runtime.metrics.LiveTensorBytes, the counter run.json's peak memory uses.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.model import ConfigError, load_model
+from planner.model_profile import FORMAT_VERSION, fit_linear
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} must be a comma-separated list of positive integers") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ConfigError(f"{flag}: {text!r} must be a comma-separated list of positive integers")
+    return sorted(set(vals))
+
+
+def check_args(args, world: int) -> None:
+    """Validate before the process group starts; ConfigError with one line otherwise."""
+    from planner.cluster import load_cluster
+    model = load_model(args.model)
+    args.model_config = dataclasses.replace(model, tie_embeddings=False) if model.tie_embeddings else model
+    args.mbs = _ints(args.micro_batches, "--micro-batches")
+    args.tps = _ints(args.tp, "--tp")
+    if args.seq_len < 1 or args.seq_len > model.seq_len:
+        raise ConfigError(f"--seq-len: {args.seq_len} must be between 1 and the model's seq_len {model.seq_len}")
+    for tp in args.tps:
+        if world % tp:
+            raise ConfigError(f"--tp: {tp} does not divide the {world} processes launched")
+        for fld in ("heads", "kv_heads", "ffn_hidden", "vocab"):
+            if getattr(model, fld) % tp:
+                raise ConfigError(f"--tp: {tp} does not divide model.{fld}={getattr(model, fld)}")
+        if tp > 1 and args.seq_len % tp:
+            raise ConfigError(f"--seq-len: {args.seq_len} is not divisible by tp={tp} (sequence parallelism)")
+    if args.repeats < 3:
+        raise ConfigError(f"--repeats: {args.repeats}; use at least 3")
+    args.cluster = load_cluster(args.cluster_profile)
+
+
+def _bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t._local_tensor if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _build(cfg, kind: str, tp_mesh, sp: bool, rec: str, dp_mesh=None, zero: int = 0):
+    from runtime.model import Transformer, init_weights
+    from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp
+    index = {"embedding": 0, "block": 1, "head": cfg.layers + 1}[kind]
+    with torch.device("meta"):
+        chunk = Transformer(cfg, index, index + 1)
+    if tp_mesh.size() > 1:
+        apply_tp(chunk, tp_mesh, sp, loss_parallel=True)
+    apply_recompute(chunk, {index: rec})
+    if dp_mesh is not None:
+        apply_data_parallel(chunk, dp_mesh, zero)
+    chunk.to_empty(device=torch.device("cpu"))
+    init_weights(chunk, 0)
+    return chunk
+
+
+def _inputs(cfg, kind: str, mb: int, s: int, tp: int, tp_rank: int, sp: bool):
+    """The layer's input, the same on every rank of a TP group (sequence-sharded under SP)."""
+    g = torch.Generator().manual_seed(1000 + mb)
+    ids = torch.randint(0, cfg.vocab, (mb, s), generator=g)
+    if kind == "embedding":
+        return ids, None
+    x = torch.randn(mb, s, cfg.hidden, generator=g)
+    if sp and tp > 1:
+        x = x.chunk(tp, dim=1)[tp_rank].contiguous()
+    return x.requires_grad_(True), ids
+
+
+def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None):
+    """Median forward and backward seconds of `repeats` passes after one warm-up. `sync` (FSDP
+    modules only): whether gradients are synchronized, as the runtime's last micro-batch does."""
+    from torch.distributed.fsdp import FSDPModule
+    from runtime.train import cross_entropy
+    if sync is not None and isinstance(chunk, FSDPModule):
+        chunk.set_requires_gradient_sync(sync)
+    fwd, bwd = [], []
+    for i in range(repeats + 1):
+        if x.grad is not None:
+            x.grad = None
+        dist.barrier()
+        with lp():
+            t0 = time.perf_counter()
+            out = chunk(x)
+            if kind == "head":
+                out = cross_entropy(out, targets)
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out) if kind != "head" else None)
+            t2 = time.perf_counter()
+        if i:  # the first is a warm-up
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        del out
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _time_optimizer(params, repeats) -> float:
+    from runtime.train import clip_grad_norm
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        clip_grad_norm(params, 1.0, None, torch.device("cpu"))
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
+    """Extra forward / backward time per micro-batch, the extra of the gradient-synchronizing
+    backward, and the optimizer step, of the layer wrapped as the runtime wraps it for ZeRO 0
+    (replicate), 1-2 and 3 (FSDP2) on the dp sub-mesh, over the unwrapped layer's `plain` times."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    tp_mesh, dp_mesh = mesh2d["tp"], mesh2d["dp"]
+    tp = tp_mesh.size()
+    lp = loss_parallel if (kind == "head" and tp > 1) else contextlib.nullcontext
+    out = {"dp": dp_mesh.size(), "micro_batch": mb}
+    for zero in (0, 1, 3):
+        chunk = _build(cfg, kind, tp_mesh, sp, "none", dp_mesh, zero)
+        x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
+        f, b_nosync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=False)
+        f2, b_sync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=True)
+        opt = _time_optimizer(list(chunk.parameters()), repeats)
+        vals = torch.tensor([min(f, f2), b_nosync, b_sync, opt], dtype=torch.float64)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        f, b_nosync, b_sync, opt = (float(v) for v in vals)
+        out[f"zero{zero}"] = {"forward_s": max(0.0, f - plain[0]), "backward_s": max(0.0, b_nosync - plain[1]),
+                              "backward_sync_s": max(0.0, b_sync - b_nosync), "optimizer_s": opt}
+    return out
+
+
+def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, repeats: int) -> dict:
+    from torch.distributed.tensor.parallel import loss_parallel
+    from runtime.metrics import LiveTensorBytes
+    from runtime.train import cross_entropy
+    tp_mesh = mesh2d["tp"]
+    tp = tp_mesh.size()
+    chunk = _build(cfg, kind, tp_mesh, sp, rec)
+    params = list(chunk.parameters())
+    lp = loss_parallel if (kind == "head" and tp > 1) else contextlib.nullcontext
+    points = []
+    for mb in mbs:
+        x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
+
+        def forward():
+            out = chunk(x)
+            if kind == "head":
+                out = cross_entropy(out, targets)
+            return out
+        f, b = _time_passes(chunk, kind, x, targets, lp, repeats)
+        counter = LiveTensorBytes()
+        with lp(), counter:
+            out = forward()
+            act = counter.current_bytes
+        with lp():
+            out.backward(torch.ones_like(out) if kind != "head" else None)
+        del out
+        points.append([mb, f, b, act])
+    grad_bytes = _bytes(p.grad for p in params)
+    opt_s = _time_optimizer(params, repeats)
+    # the slowest rank sets the pace: max over ranks of every measured time
+    vals = torch.tensor([v for p in points for v in p[1:3]] + [opt_s], dtype=torch.float64)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    for i, p in enumerate(points):
+        p[1], p[2] = float(vals[2 * i]), float(vals[2 * i + 1])
+    xs = [p[0] for p in points]
+    dp = {}
+    if mesh2d["dp"].size() > 1 and rec == "none":
+        dp = {"data_parallel": measure_data_parallel(cfg, kind, mesh2d, sp, s, mbs[0], repeats, points[0][1:3])}
+    return {
+        "layer": kind, "tp": tp, "sequence_parallel": sp, "recompute": rec,
+        "forward_s": list(fit_linear(xs, [p[1] for p in points])),
+        "backward_s": list(fit_linear(xs, [p[2] for p in points])),
+        "activation_bytes": list(fit_linear(xs, [p[3] for p in points])),
+        "optimizer_s": float(vals[-1]),
+        "param_bytes": _bytes(params), "grad_bytes": grad_bytes,
+        "points": points, **dp,
+    }
+
+
+def measure_pipeline(world: int, cluster, repeats: int, m: int = 8) -> dict:
+    """Overhead per pipeline operation of torch.distributed.pipelining here: two-stage pipelines of
+    a trivial layer (Linear 8x8 on [1, 8] micro-batches, all rank pairs at once) run GPipe and 1F1B
+    over m micro-batches; the overhead is the per-operation time that makes the planner's schedule
+    simulator (with the cluster profile's send/recv times) reproduce the measured step."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from planner.schedule import StageTimes, simulate
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(world // 2, 2), mesh_dim_names=("dp", "pp"))
+    me = mesh["pp"].get_local_rank()
+    msg = 4 * 8
+    send = cluster.p2p_time(msg, 0, 1)
+    out = {"pp": 2, "micro_batches": m, "message_bytes": msg}
+    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        torch.manual_seed(0)
+        stage = PipelineStage(torch.nn.Linear(8, 8), me, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+        sched = cls(stage, n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean(), scale_grads=True)
+        x, t = torch.randn(m, 8), torch.randn(m, 8)
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            sched.step(x) if me == 0 else sched.step(target=t, losses=[])
+            dist.barrier(group=mesh["pp"].get_group())
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        vals = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        measured = float(vals)
+
+        def played(o):
+            st = [StageTimes(o, o, send_fwd_s=send, send_bwd_s=send) for _ in range(2)]
+            return simulate(name, 2, 1, m, st).step_time_s
+        base, slope = played(0.0), (played(1e-3) - played(0.0)) / 1e-3
+        out[name] = {"step_s": measured, "overhead_per_op_s": max(0.0, (measured - base) / slope)}
+    return out
+
+
+def profile_model(args) -> dict | None:
+    cfg, world, rank = args.model_config, dist.get_world_size(), dist.get_rank()
+    configs = []
+    for tp in args.tps:
+        for sp in ([False] if tp == 1 else [False, True]):
+            configs += [("embedding", tp, sp, "none"), ("head", tp, sp, "none")]
+            configs += [("block", tp, sp, rec) for rec in ("none", "selective", "full")]
+    from runtime.profile import Progress
+    progress = Progress(len(configs), rank == 0)
+    meshes = {tp: DeviceMesh("cpu", torch.arange(world).reshape(world // tp, tp), mesh_dim_names=("dp", "tp"))
+              for tp in args.tps}
+    entries = []
+    for kind, tp, sp, rec in configs:
+        entries.append(measure(cfg, kind, meshes[tp], sp, rec, args.mbs, args.seq_len, args.repeats))
+        progress.step(f"{kind} tp={tp}{' sp' if sp else ''} {rec}")
+    pipeline = measure_pipeline(world, args.cluster, args.repeats) if world % 2 == 0 else None
+    if rank != 0:
+        return None
+    c = args.cluster
+    return {
+        "format_version": FORMAT_VERSION,
+        "name": args.name or f"{cfg.name}@{c.name}",
+        "model": load_model(args.model).to_dict(),
+        "seq_len": args.seq_len,
+        "dtype": "fp32",
+        "processes": world,
+        "cluster_profile": {"name": c.name, "hash": c.profile_hash},
+        "micro_batches": args.mbs,
+        "entries": entries,
+        **({"pipeline": pipeline} if pipeline else {}),
+        "sources": {
+            "times": f"measured: median of {args.repeats} forward+backward passes after one warm-up, every rank at "
+                     "once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
+            "activation_bytes": "measured: live bytes created by one forward and kept until its backward "
+                                "(runtime.metrics.LiveTensorBytes), output included",
+            "optimizer_s": "measured: runtime.train.clip_grad_norm + AdamW(foreach=False).step on the layer's "
+                           "parameters, as the runtime runs them on CPU",
+            "pipeline": "measured: runtime.profile_model.measure_pipeline (two-stage GPipe and 1F1B of a trivial "
+                        "layer; the per-operation overhead that makes planner.schedule reproduce it)",
+            "runtime": f"torch {torch.__version__}, gloo, fp32, loss-parallel head under TP",
+        },
+    }

@@ -1,0 +1,206 @@
+"""The profiler and the closed loop: measured cluster and model profiles, pricing with them, compare.
+
+Two short torchrun launches (2 gloo processes): a quick cluster sweep and a model profile at tp 1, 2.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from planner.cluster import cluster_from_dict, load_cluster
+from planner.compare_cli import main as compare_main
+from planner.cost import estimate
+from planner.model import ZOO, ConfigError
+from planner.model_profile import fit_alpha_beta, fit_linear, fit_segments, load_model_profile, model_profile_from_dict
+from planner.plan import build_plan
+from tests.test_runtime import REPO, env, free_port
+
+import subprocess
+import sys
+
+
+def torchrun(nproc, *args, timeout=120):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "-m", "runtime.profile", *map(str, args)]
+    e = env()
+    e["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cluster_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "cpu-gloo-2.json"
+    proc = torchrun(2, "cluster", "--quick", "-o", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_profile(cluster_profile):
+    out = cluster_profile.parent / "tiny.json"
+    proc = torchrun(2, "model", "--model", "tiny", "--cluster-profile", cluster_profile, "--seq-len", 32,
+                    "--micro-batches", "1,2", "--tp", "1,2", "--repeats", 3, "-o", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+# ------------------------------------------------------------------ fits
+def test_alpha_beta_fit_recovers_a_line():
+    xs = [4096 * 4**i for i in range(6)]
+    ts = [1e-4 + x / 2e9 for x in xs]
+    a, bw = fit_alpha_beta(xs, ts)
+    assert a == pytest.approx(1e-4, rel=1e-6) and bw == pytest.approx(2e9, rel=1e-6)
+    assert fit_linear([1, 2, 4], [3, 5, 9]) == pytest.approx((1, 2))
+
+
+def test_piecewise_fit_follows_an_algorithm_switch():
+    xs = [4096 * 4**i for i in range(7)]
+    ts = [1e-4 + x / 2e9 if x < 100_000 else 2e-3 + x / 1e9 for x in xs]
+    segs = fit_segments(xs, xs, ts)
+    assert len(segs) == 2 and segs[-1][0] is None
+    for x, t in zip(xs, ts):
+        up, a, bw = next(s for s in segs if s[0] is None or x <= s[0])
+        assert a + x / bw == pytest.approx(t, rel=0.15)
+
+
+# ------------------------------------------------------------------ cluster profile
+def test_measured_cluster_profile_reproduces_its_own_sweep(cluster_profile):
+    d = json.loads(cluster_profile.read_text())
+    c = load_cluster(str(cluster_profile))
+    assert d["kind"] == "measured" and d["topology"]["node_of_rank"] == [0, 0]
+    assert c.overlap_slowdown >= 1.0 and 0 < c.device.matmul_efficiency["fp32"] <= 1
+    assert c.device.memory_bytes > 0 and c.device.memory_bandwidth_bytes_per_s > 0
+    assert "inter_node" in d["sources"]["collectives.*.inter_node"] or "copied" in d["sources"]["collectives.*.inter_node"]
+    for op, by_n in d["sweep"].items():
+        for n, pts in by_n.items():
+            for size, t in pts:
+                got = c.collective_time(op, size, list(range(int(n))))
+                assert got == pytest.approx(t, rel=0.15), f"{op} n={n} {size} B: fit {got} vs measured {t}"
+
+
+def _one_line_error(fn, *words):
+    with pytest.raises(ConfigError) as exc:
+        fn()
+    msg = str(exc.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_a_bad_cluster_profile_gives_one_line_naming_the_field(cluster_profile, tmp_path):
+    good = json.loads(cluster_profile.read_text())
+    bad = copy.deepcopy(good)
+    del bad["collectives"]["all_gather"]
+    _one_line_error(lambda: cluster_from_dict(bad, "p.json"), "collectives.all_gather")
+    bad = copy.deepcopy(good)
+    bad["collectives"]["all_reduce"]["intra_node"]["by_group_size"]["2"]["segments"][0]["alpha_s"] = "x"
+    _one_line_error(lambda: cluster_from_dict(bad, "p.json"), "segments[0]", "alpha_s")
+    bad = copy.deepcopy(good)
+    bad["device"]["matmul_efficiency"]["fp32"] = 3.0
+    _one_line_error(lambda: cluster_from_dict(bad, "p.json"), "matmul_efficiency")
+    f = tmp_path / "broken.json"
+    f.write_text("{not json")
+    _one_line_error(lambda: load_cluster(str(f)), "not valid JSON")
+
+
+def test_the_profiler_refuses_bad_arguments_in_one_line(capsys):
+    from runtime.profile import main
+    assert main(["model", "--model", "tiny", "--cluster-profile", "dgx-a100-80gb", "--seq-len", "32",
+                 "--tp", "3", "-o", "x.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--tp" in err
+    assert main(["model", "--model", "tiny", "--cluster-profile", "nope", "--seq-len", "32", "-o", "x.json"]) == 2
+    assert "--cluster" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ model profile
+def test_model_profile_round_trips_and_prices_a_plan(model_profile, cluster_profile):
+    mp = load_model_profile(str(model_profile))
+    again = model_profile_from_dict(json.loads(json.dumps(mp.raw)))
+    assert again.entries.keys() == mp.entries.keys() and mp.processes == 2 and mp.seq_len == 32
+    assert mp.profile_hash.startswith("sha256:") and mp.cluster_hash == load_cluster(str(cluster_profile)).profile_hash
+    block = mp.lookup("block", 2, True, "full")
+    assert block.param_bytes < mp.lookup("block", 1, False, "none").param_bytes
+    assert block.activations(2) < mp.lookup("block", 2, True, "none").activations(2)
+    cluster = load_cluster(str(cluster_profile))
+    for kw in (dict(tp=2, sequence_parallel=True, recompute="full", micro_batch=2),
+               dict(pp=2, schedule="1f1b", micro_batch=1), dict(zero=3, micro_batch=3)):
+        plan = build_plan(ZOO["tiny"], cluster_name=cluster.name, device=cluster.device.name, nodes=1,
+                          devices_per_node=2, global_batch=12 if kw.get("micro_batch") == 3 else 8, seq_len=32,
+                          dtype="fp32", profile_hash=cluster.profile_hash, **kw)
+        est = estimate(plan, cluster, model_profile=mp)
+        assert math.isfinite(est.step_time_s) and est.step_time_s > 0 and est.peak_memory_bytes > 0
+        assert est.breakdown["priced_by"]["model_profile"]["hash"] == mp.profile_hash
+        assert "runtime_sync_s" in est.breakdown["time"]
+    # without the profile the same call still works, and prices differently
+    assert estimate(plan, cluster).step_time_s != est.step_time_s
+
+
+def test_a_bad_model_profile_gives_one_line_naming_the_field(model_profile, tmp_path):
+    good = json.loads(model_profile.read_text())
+    for mutate, words in [
+        (lambda d: d.pop("seq_len"), ["seq_len", "missing"]),
+        (lambda d: d.update(format_version=7), ["format_version"]),
+        (lambda d: d["entries"][0].update(layer="mlp"), ["entries[0].layer"]),
+        (lambda d: d["entries"][1].update(forward_s=[1.0]), ["entries[1].forward_s"]),
+        (lambda d: d["entries"][2].update(param_bytes=-1), ["entries[2].param_bytes"]),
+        (lambda d: d["model"].update(hidden="big"), ["model.hidden"]),
+    ]:
+        bad = copy.deepcopy(good)
+        mutate(bad)
+        _one_line_error(lambda: model_profile_from_dict(bad, "m.json"), "m.json", *words)
+    mp = model_profile_from_dict(good)
+    plan = build_plan(ZOO["tiny"], cluster_name="x", device="x", nodes=1, devices_per_node=4, global_batch=8,
+                      micro_batch=1, seq_len=32, tp=4, dtype="fp32")
+    _one_line_error(lambda: mp.lookup("block", 4, False, "none"), "tp=4")
+    plan16 = build_plan(ZOO["tiny"], cluster_name="x", device="x", nodes=1, devices_per_node=1, global_batch=8,
+                        micro_batch=1, seq_len=16, dtype="fp32")
+    _one_line_error(lambda: mp.check_plan(plan16), "seq_len")
+    assert plan.mesh.tp == 4
+
+
+# ------------------------------------------------------------------ compare
+def _plan_and_run(tmp_path, prediction=True):
+    from planner.cluster import load_cluster as lc
+    cluster = lc("dgx-a100-80gb")
+    plan = build_plan(ZOO["tiny"], cluster_name=cluster.name, device=cluster.device.name, nodes=1,
+                      devices_per_node=2, global_batch=8, micro_batch=2, seq_len=32, tp=2, dtype="fp32",
+                      profile_hash=cluster.profile_hash)
+    if prediction:
+        plan.prediction = estimate(plan, cluster).to_dict()
+    plan.write(tmp_path / "plan.json")
+    run = {"losses": [6.3, 6.2, 6.1], "step_times_s": [0.5, 0.1, 0.12], "warmup_steps": 1,
+           "peak_memory_bytes": 3_000_000, "peak_memory_bytes_per_rank": [3_000_000, 2_900_000],
+           "world_size": 2, "plan_hash": plan.content_hash()}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    return plan
+
+
+@pytest.mark.parametrize("with_prediction", [True, False])
+def test_compare_prints_predicted_against_measured(tmp_path, capsys, with_prediction):
+    plan = _plan_and_run(tmp_path, with_prediction)
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pred = estimate(plan, load_cluster("dgx-a100-80gb")).step_time_s
+    assert out["predicted_step_time_s"] == pytest.approx(pred)
+    assert out["measured_step_time_s"] == pytest.approx(0.11)
+    assert out["step_time_error"] == pytest.approx((pred - 0.11) / 0.11)
+    assert out["measured_peak_memory_bytes"] == 3_000_000
+    assert out["memory_error"] == pytest.approx((out["predicted_peak_memory_bytes"] - 3e6) / 3e6)
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--plot",
+                         str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0 and "step time" in capsys.readouterr().out
+
+
+def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["plan_hash"] = "sha256:other"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "plan_hash" in err

@@ -1,0 +1,226 @@
+"""The search: it finds what an exhaustive enumeration finds, and what it returns always fits."""
+import dataclasses
+import itertools
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from planner.cli import main
+from planner.cluster import load_cluster
+from planner.cost import estimate
+from planner.model import ZOO
+from planner.plan import Stage, build_plan
+from planner.search import SearchSpace, search
+
+GiB = 2**30
+A100 = load_cluster("dgx-a100-80gb")
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def compositions(blocks, stages):
+    """Block counts per stage: the first and last stages (embedding, head) may hold none."""
+    if stages == 1:
+        yield (blocks,)
+        return
+    for cuts in itertools.combinations(range(blocks + 1), stages - 1):
+        sizes = [b - a for a, b in zip((0, *cuts), (*cuts, blocks))]
+        if all(s >= 1 for s in sizes[1:-1]):
+            yield tuple(sizes)
+
+
+def stages_of(model, sizes, per_stage):
+    """per_stage: (zero, recompute, sequence parallel) of each stage."""
+    out, start = [], 0
+    for i, (k, (zero, rec, sp)) in enumerate(zip(sizes, per_stage)):
+        n = k + (i == 0) + (i == len(sizes) - 1)
+        modes = iter(rec) if isinstance(rec, tuple) else itertools.repeat(rec)  # a tuple: one mode per block
+        recs = ["none" if model.layer_kind(l) != "block" else next(modes) for l in range(start, start + n)]
+        out.append(Stage(layers=[start, start + n], zero=zero, recompute=recs, sequence_parallel=sp))
+        start += n
+    return out
+
+
+def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options):
+    """The fastest fitting plan over every configuration and partition of the restricted space."""
+    world, dpn, best = cluster.world_size, cluster.devices_per_node, None
+    for tp, pp in itertools.product(divisors(dpn), divisors(world)):
+        if world % (tp * pp) or any(x % tp for x in (model.heads, model.kv_heads, model.ffn_hidden)):
+            continue
+        if pp > model.layers + 2 or (space.tp and tp not in space.tp) or (space.pp and pp not in space.pp):
+            continue
+        dp = world // (tp * pp)
+        if gbs % dp:
+            continue
+        for b in divisors(gbs // dp):
+            if space.micro_batch and b not in space.micro_batch:
+                continue
+            m = gbs // (dp * b)
+            scheds = [("1f1b", 1)] if pp == 1 else [(s, 1) for s in space.schedules
+                                                    if s == "gpipe" or (s == "1f1b" and m >= pp)]
+            if pp > 1 and "interleaved-1f1b" in space.schedules and m % pp == 0:
+                scheds += [("interleaved-1f1b", v) for v in space.virtual_stages if pp * v <= model.layers + 2]
+            orders = space.orders if (pp > 1 and dp > 1) else space.orders[:1]
+            sps = [s for s in space.sequence_parallel if tp > 1 or not s] or [False]
+            for (sched, v), order, sp in itertools.product(scheds, orders, sps):
+                S = pp * v
+                for sizes in compositions(model.layers, S):
+                    for per in per_stage_options(S, dp, sizes):
+                        plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name,
+                                          nodes=cluster.nodes, devices_per_node=dpn, global_batch=gbs, micro_batch=b,
+                                          seq_len=seq, tp=tp, pp=pp, dp=dp, schedule=sched, virtual_stages=v,
+                                          order=list(order), stages=stages_of(model, sizes, [(*x, sp) for x in per]))
+                        est = estimate(plan, cluster, memory_limit_bytes=limit)
+                        if est.fits and (best is None or est.step_time_s < best.step_time_s):
+                            best = est
+    return best
+
+
+def plan_level(zeros, recs):
+    def options(S, dp, sizes):
+        for z, r in itertools.product(zeros if dp > 1 else zeros[:1], recs):
+            yield [(z, r)] * S
+    return options
+
+
+def stage_level(zeros, recs):
+    def options(S, dp, sizes):
+        per = list(itertools.product(zeros if dp > 1 else zeros[:1], recs))
+        yield from itertools.product(per, repeat=S)
+    return options
+
+
+def layer_level(zeros, recs):
+    """Per stage a ZeRO level and, per block, a recompute mode (only the counts matter to the cost
+    model, so every multiset of modes once)."""
+    def options(S, dp, sizes):
+        per_stage = [list(itertools.product(zeros if dp > 1 else zeros[:1],
+                                            itertools.combinations_with_replacement(recs, k))) for k in sizes]
+        yield from itertools.product(*per_stage)
+    return options
+
+
+def shrunk(layers, hidden=1024):
+    return dataclasses.replace(ZOO["llama2-7b"], name="shrunk", layers=layers, hidden=hidden, ffn_hidden=hidden * 3,
+                               heads=8, kv_heads=8, vocab=8000, seq_len=1024)
+
+
+def check_same(model, cluster, gbs, seq, limit, space, options):
+    found = search(model, cluster, global_batch=gbs, seq_len=seq, memory_limit_bytes=limit, space=space)
+    want = brute_force(model, cluster, gbs, seq, limit, space, options)
+    if want is None:
+        assert found.best is None
+    else:
+        assert found.best is not None, f"search found nothing; brute force {want.step_time_s}"
+        assert found.best.estimate.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(layers=st.integers(2, 6), gpus=st.sampled_from([2, 4, 8]), gbs=st.sampled_from([4, 8]),
+       limit=st.sampled_from([3.0, 6.0, 80.0]))
+def test_search_equals_exhaustive_enumeration(layers, gpus, gbs, limit):
+    """Plan-level ZeRO and recompute, every partition (uneven too), mesh, micro-batch, schedule, order."""
+    space = SearchSpace(zero=(0, 3), zero_per_stage=False, recompute=("none", "full"), recompute_granularity="plan",
+                        virtual_stages=(2,), sequence_parallel=(False, True))
+    check_same(shrunk(layers), A100.shaped_as(1, gpus), gbs, 1024, limit * GiB, space,
+               plan_level((0, 3), ("none", "full")))
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(layers=st.integers(3, 6), gpus=st.sampled_from([4, 8]), limit=st.sampled_from([3.0, 6.0, 80.0]))
+def test_dynamic_programme_alone_is_close_to_exhaustive(layers, gpus, limit):
+    """With enumeration switched off (what large instances use) the result stays within 3%."""
+    space = SearchSpace(zero=(0, 3), zero_per_stage=False, recompute=("none", "full"), recompute_granularity="plan",
+                        virtual_stages=(2,), exhaustive_limit=0)
+    model, cluster = shrunk(layers), A100.shaped_as(1, gpus)
+    found = search(model, cluster, global_batch=8, seq_len=1024, memory_limit_bytes=limit * GiB, space=space)
+    want = brute_force(model, cluster, 8, 1024, limit * GiB, space, plan_level((0, 3), ("none", "full")))
+    assert (found.best is None) == (want is None)
+    if want is not None:
+        assert found.best.estimate.step_time_s <= want.step_time_s * 1.03
+
+
+@pytest.mark.parametrize("limit", [2.5, 4.0, 80.0])
+def test_per_stage_choices_equal_exhaustive_enumeration(limit):
+    """ZeRO level and recompute mode chosen per stage (16 GPUs over two nodes, 8 layers)."""
+    space = SearchSpace(tp=(4,), pp=(2,), micro_batch=(1,), zero=(1, 3), zero_per_stage=True,
+                        recompute=("none", "full"), recompute_granularity="stage", schedules=("1f1b",),
+                        sequence_parallel=(True,))
+    check_same(shrunk(8, 512), A100.with_nodes(2), 8, 1024, limit * GiB, space,
+               stage_level((1, 3), ("none", "full")))
+
+
+@pytest.mark.parametrize("limit", [1.2, 1.3, 1.4, 1.5, 80.0])
+def test_interleaved_per_stage_recompute_equals_exhaustive_enumeration(limit):
+    """Interleaved 1F1B (two chunks per rank, whose memory adds up on the rank), recompute per stage."""
+    space = SearchSpace(tp=(2,), pp=(2,), micro_batch=(4,), zero=(3,), zero_per_stage=False,
+                        recompute=("none", "full"), recompute_granularity="stage", schedules=("interleaved-1f1b",),
+                        virtual_stages=(2,), sequence_parallel=(True,), orders=(("pp", "dp", "tp"),))
+    check_same(shrunk(6, 512), A100.shaped_as(1, 8), 32, 1024, limit * GiB, space,
+               stage_level((3,), ("none", "full")))
+
+
+@pytest.mark.parametrize("limit", [1.1, 1.2, 1.21, 80.0])
+def test_per_layer_recompute_equals_exhaustive_enumeration(limit):
+    """Recompute chosen per layer (none / selective / full counts per stage), ZeRO per stage."""
+    space = SearchSpace(tp=(2,), pp=(2,), micro_batch=(2,), zero=(0, 3), recompute_granularity="layer",
+                        schedules=("1f1b",), sequence_parallel=(False,), orders=(("pp", "dp", "tp"),))
+    check_same(shrunk(4, 512), A100.shaped_as(1, 8), 8, 1024, limit * GiB, space,
+               layer_level((0, 3), ("none", "selective", "full")))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from(["tiny", "small", "llama2-7b", "gpt-1.7b"]), layers=st.integers(2, 12),
+       gpus=st.sampled_from([1, 2, 4, 8, 16]), gbs=st.sampled_from([1, 4, 8, 32]),
+       limit=st.floats(0.5, 80.0), seq=st.sampled_from([64, 256, 1024]))
+def test_returned_plans_fit(name, layers, gpus, gbs, limit, seq):
+    model = dataclasses.replace(ZOO[name], layers=layers)
+    cluster = A100.shaped_as(1, gpus) if gpus < 8 else A100.with_nodes(gpus // 8)
+    seq = min(seq, model.seq_len)
+    space = SearchSpace(virtual_stages=(2,), max_priced_per_config=2, exhaustive_limit=300)
+    res = search(model, cluster, global_batch=gbs, seq_len=seq, memory_limit_bytes=limit * GiB, space=space, top=3)
+    for f in res.results:
+        again = estimate(f.plan, cluster, memory_limit_bytes=limit * GiB)
+        assert again.fits and again.required_bytes <= limit * GiB
+        assert again.step_time_s == f.estimate.step_time_s
+    if not res.results:
+        assert res.min_required_bytes is None or res.min_required_bytes > limit * GiB
+
+
+def test_top_k_are_distinct_and_sorted():
+    res = search(shrunk(4), A100.shaped_as(1, 8), global_batch=8, seq_len=1024, top=4)
+    times = [f.estimate.step_time_s for f in res.results]
+    assert len(times) == 4 and times == sorted(times)
+    assert len({f.config for f in res.results}) == 4
+
+
+def test_cli_search_writes_a_plan_that_estimate_reproduces(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["search", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
+            "--seq-len", "2048", "--memory-limit", "36", "--top", "3", "-o", str(out), "--json"]
+    assert main(args) == 0
+    found = json.loads(capsys.readouterr().out)
+    alternatives = found.pop("alternatives")
+    assert len(alternatives) == 2 and all(a["estimate"]["fits"] for a in alternatives)
+    assert alternatives[0]["estimate"]["step_time_s"] >= found["step_time_s"]
+    assert main(["estimate", str(out), "--memory-limit", "36", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == found
+    assert json.loads(out.read_text())["prediction"]["step_time_s"] == found["step_time_s"]
+    assert found["fits"] and found["required_memory_bytes"] <= 36 * GiB
+
+
+def test_cli_search_table(capsys):
+    assert main(["search", "--model", "small", "--cluster", "dgx-h100-80gb", "--gpus", "4", "--global-batch", "8",
+                 "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "MFU" in text and "tokens/s" in text and "peak GiB" in text
+
+
+def test_cli_nothing_fits_is_one_line_and_exit_3(capsys):
+    rc = main(["search", "--model", "llama2-70b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16"])
+    assert rc == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no plan" in err[0] and "GiB" in err[0] and "least memory" in err[0]
