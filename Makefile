@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+TRIDENT := OMP_NUM_THREADS=1 $(VENV)/bin/trident
 OUT ?= out/demo
 
 .PHONY: install test demo benchmarks clean
@@ -21,17 +22,25 @@ test: install
 
 demo: install
 	@mkdir -p $(OUT)
-	@echo "== 1. a hand-made plan for Llama 2 70B on 8 DGX A100 nodes, predicted =="
-	$(VENV)/bin/trident plan --model llama2-70b --cluster dgx-a100-80gb --nodes 8 --global-batch 512 \
-	    --micro-batch 1 --seq-len 4096 --tp 8 --pp 4 --schedule interleaved-1f1b --virtual-stages 5 \
-	    --recompute selective --sequence-parallel --zero 1 -o $(OUT)/llama2-70b.plan.json
+	@echo "== 1. profile this machine as a 4-process CPU cluster (gloo) =="
+	$(TRIDENT) profile cluster --nproc 4 -o $(OUT)/cpu4.json
+	@echo "== 2. profile the tiny model on it (real runtime modules, TP 1/2/4) =="
+	$(TRIDENT) profile model --nproc 4 --model tiny --cluster-profile $(OUT)/cpu4.json --seq-len 64 \
+	    --tp 1,2,4 --micro-batches 1,2,4 -o $(OUT)/tiny.model.json
+	@echo "== 3. search the fastest plan that fits, priced by the measured profiles =="
+	$(TRIDENT) search --model tiny --cluster $(OUT)/cpu4.json --model-profile $(OUT)/tiny.model.json --gpus 4 \
+	    --global-batch 16 --dtype fp32 --top 5 -o $(OUT)/plan.json
+	@echo "== 4. train that plan with torchrun =="
+	$(TRIDENT) run $(OUT)/plan.json --steps 30 --out $(OUT)/run.json
+	@echo "== 5. predicted vs measured =="
+	$(TRIDENT) compare $(OUT)/plan.json $(OUT)/run.json --cluster-profile $(OUT)/cpu4.json \
+	    --model-profile $(OUT)/tiny.model.json --plot $(OUT)/compare.png
 	@echo
-	@echo "== 2. the tiny model as a 4-process CPU job: plan, then train it with torchrun =="
-	$(VENV)/bin/trident plan --model tiny --cluster dgx-a100-80gb --gpus 4 --global-batch 8 --micro-batch 1 \
-	    --tp 2 --pp 2 --schedule 1f1b --dtype fp32 -o $(OUT)/tiny.plan.json
-	OMP_NUM_THREADS=1 $(VENV)/bin/trident run $(OUT)/tiny.plan.json --steps 10 --out $(OUT)/tiny.run.json
+	@echo "== and planning for a cluster you do not have: Llama 2 70B on 8 DGX A100 nodes =="
+	$(TRIDENT) search --model llama2-70b --cluster dgx-a100-80gb --nodes 8 --global-batch 512 --seq-len 4096 \
+	    --top 3 -o $(OUT)/llama2-70b.plan.json
 	@echo
-	@echo "demo outputs are in $(OUT)/"
+	@echo "demo outputs (profiles, plans, run record, picture) are in $(OUT)/"
 
 benchmarks: install
 	$(PY) benchmarks/published.py

@@ -36,8 +36,15 @@ def _cluster_for(args):
     return cluster.with_nodes(args.gpus // cluster.devices_per_node)
 
 
-def _attach_prediction(plan: Plan, cluster, limit) -> tuple[Plan, object]:
-    est = estimate(plan, cluster, memory_limit_bytes=limit)
+def _model_profile(args):
+    if not getattr(args, "model_profile", None):
+        return None
+    from planner.model_profile import load_model_profile
+    return load_model_profile(args.model_profile)
+
+
+def _attach_prediction(plan: Plan, cluster, limit, model_profile=None) -> tuple[Plan, object]:
+    est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=model_profile)
     plan.prediction = _prediction_dict(est)
     return plan, est
 
@@ -67,7 +74,7 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash)
-    plan, est = _attach_prediction(plan, cluster, limit)
+    plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args))
     if args.output:
         plan.write(args.output)
     _print_estimate(plan, est, args.json)
@@ -84,7 +91,7 @@ def cmd_estimate(args) -> int:
         print(f"note: cluster profile {cluster.name} changed since this plan was priced "
               f"({plan.cluster.profile_hash[:19]} -> {cluster.profile_hash[:19]})", file=sys.stderr)
     limit = args.memory_limit * GiB if args.memory_limit else None
-    est = estimate(plan, cluster, memory_limit_bytes=limit)
+    est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=_model_profile(args))
     _print_estimate(plan, est, args.json)
     return 0
 
@@ -120,8 +127,13 @@ def cmd_search(args) -> int:
             print(f"\rsearching: {done} of {total} configurations partitioned{b} ({now:.0f} s)  ",
                   end="", file=sys.stderr, flush=True)
 
+    mp = _model_profile(args)
     res = search(model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit,
-                 dtype=args.dtype, top=args.top, progress=progress)
+                 dtype=args.dtype, top=max(args.top, 12) if mp else args.top, progress=progress)
+    if mp is not None:  # rank the analytic finalists by the measured layer times
+        for f in res.results:
+            f.estimate = estimate(f.plan, cluster, memory_limit_bytes=limit, model_profile=mp)
+        res.results = sorted((f for f in res.results if f.estimate.fits), key=lambda f: f.estimate.step_time_s)[:args.top]
     if shown[0]:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     if res.best is None:
@@ -183,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", help="write the plan file here")
+    p.add_argument("--model-profile", default=None,
+                   help="price layer times from a measured model profile (`trident profile model`)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -190,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("plan")
     e.add_argument("--cluster", help="price with this profile instead of the plan's")
     e.add_argument("--memory-limit", type=float, default=None, help="GiB per device")
+    e.add_argument("--model-profile", default=None,
+                   help="price layer times from a measured model profile (`trident profile model`)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
 
@@ -205,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top", type=_positive_int, default=5, help="show the best and the next K-1 plans")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     s.add_argument("-o", "--output", help="write the best plan here")
+    s.add_argument("--model-profile", default=None,
+                   help="price layer times from a measured model profile (`trident profile model`)")
     s.add_argument("--json", action="store_true", help="print the best estimate and the alternatives as JSON")
     s.set_defaults(func=cmd_search)
 

@@ -38,7 +38,6 @@ from planner.schedule import StageTimes, peak_in_flight, simulate
 
 ADAM_STATE_BYTES = 8  # two float32 moments per parameter
 MASTER_BYTES = 4  # float32 master copy under mixed precision
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP default bucket_cap_mb, two buckets in flight
 BWD_ELEMENTWISE_FACTOR = 1.5  # backward of a memory-bound op moves 3 tensors to the forward's 2
 
 
@@ -352,7 +351,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                 biggest = sorted((c.params for c in si["costs"]), reverse=True)[:2]
                 other += sum(biggest) * pb
             if st.zero == 0 and dp > 1:
-                other += 2 * DDP_BUCKET_BYTES
+                other += P * gb  # replicate (FSDP2) all-reduces the chunk's gradients from one flat buffer
             replay = max(replay, max((c.replay_bytes for c in si["costs"]), default=0.0))
         # gradients of the activation flowing back (output and input of the layer in backward)
         act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden

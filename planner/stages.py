@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.cost import DDP_BUCKET_BYTES
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
@@ -131,8 +130,8 @@ class StageCosts:
                      + P * ctx.ob / (dp if z >= 1 else 1))
             if z == 3 and dp > 1:
                 fixed += sum(sorted(plist, reverse=True)[:2]) * ctx.pb
-            if z == 0 and dp > 1:
-                fixed += 2 * DDP_BUCKET_BYTES
+            if z == 0 and dp > 1:  # replicate all-reduces the chunk's gradients from one flat buffer
+                fixed += P * ctx.gb
             fixed += self.head_logits if head else 0.0
             sl = slice(at, at + len(keep))
             at += len(keep)
