@@ -171,17 +171,22 @@ def cmd_search(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="trident", description="Plan, predict and run parallel training of large models.")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("plan", help="build a hand-made plan and predict it")
+def _add_problem_args(p) -> None:
+    """What `plan` and `search` share: the model, the cluster and its size, the global batch."""
     p.add_argument("--model", required=True, help="zoo name, model JSON, or Hugging Face config.json")
     p.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--gpus", type=_positive_int)
     g.add_argument("--nodes", type=_positive_int)
     p.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="trident", description="Plan, predict and run parallel training of large models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="build a hand-made plan and predict it")
+    _add_problem_args(p)
     p.add_argument("--micro-batch", type=_positive_int, required=True, help="sequences per micro-batch")
     p.add_argument("--tp", type=_positive_int, default=1)
     p.add_argument("--pp", type=_positive_int, default=1)
@@ -210,12 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("search", help="find the fastest plan that fits and write it")
-    s.add_argument("--model", required=True, help="zoo name, model JSON, or Hugging Face config.json")
-    s.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path")
-    g = s.add_mutually_exclusive_group(required=True)
-    g.add_argument("--gpus", type=_positive_int)
-    g.add_argument("--nodes", type=_positive_int)
-    s.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
+    _add_problem_args(s)
     s.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's seq_len")
     s.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
     s.add_argument("--top", type=_positive_int, default=5, help="show the best and the next K-1 plans")

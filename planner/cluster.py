@@ -266,21 +266,28 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
         overlap_slowdown=float(d.get("overlap_slowdown", 1.0)), raw=d)
 
 
-def load_cluster(spec: str, nodes: int | None = None) -> ClusterSpec:
-    """A shipped profile name (profiles/hardware/NAME.json) or a path to a profile JSON."""
+def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:
+    """(path, parsed JSON, "sha256:..." of the bytes) of a profile given as a path or as a name
+    of a file in `directory`; one-line ConfigError naming `flag` otherwise."""
     path = Path(spec)
     if not path.exists():
-        path = PROFILE_DIR / f"{spec}.json"
+        path = directory / f"{spec}.json"
     if not path.exists():
-        shipped = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
-        raise ConfigError(f"--cluster: {spec!r} is neither a file nor a shipped profile ({', '.join(shipped)})")
+        known = sorted(p.stem for p in directory.glob("*.json"))
+        raise ConfigError(f"{flag}: {spec!r} is neither a file nor a profile in {directory} ({', '.join(known)})")
     text = path.read_bytes()
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--cluster: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise ConfigError(f"{flag}: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return path, data, "sha256:" + hashlib.sha256(text).hexdigest()
+
+
+def load_cluster(spec: str, nodes: int | None = None) -> ClusterSpec:
+    """A shipped profile name (profiles/hardware/NAME.json) or a path to a profile JSON."""
+    path, data, digest = read_profile(spec, PROFILE_DIR, "--cluster")
     cluster = cluster_from_dict(data, source=str(path))
-    cluster.profile_hash = "sha256:" + hashlib.sha256(text).hexdigest()
+    cluster.profile_hash = digest
     if nodes is not None:
         cluster = cluster.with_nodes(nodes)
     return cluster

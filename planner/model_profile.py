@@ -45,8 +45,6 @@ world size.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,16 +296,8 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
 
 def load_model_profile(spec) -> ModelProfile:
     """A path, or a name under profiles/models/."""
-    path = Path(spec)
-    if not path.exists():
-        path = PROFILE_DIR / f"{spec}.json"
-    if not path.exists():
-        raise ConfigError(f"--model-profile: {spec!r} is neither a file nor a profile in {PROFILE_DIR}")
-    text = path.read_bytes()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--model-profile: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    from planner.cluster import read_profile
+    path, data, digest = read_profile(spec, PROFILE_DIR, "--model-profile")
     prof = model_profile_from_dict(data, source=str(path))
-    prof.profile_hash = "sha256:" + hashlib.sha256(text).hexdigest()
+    prof.profile_hash = digest
     return prof
