@@ -104,6 +104,8 @@ TIED_GPT = dataclasses.replace(ZOO["tiny-gpt"], name="tiny-gpt-tied", tie_embedd
 def plans(tmp_path_factory):
     d = tmp_path_factory.mktemp("plans")
     uneven = [Stage(layers=[0, 2], recompute=["none", "none"]), Stage(layers=[2, 6], recompute=["none"] * 4)]
+    mixed = [Stage(layers=[0, 2], zero=0, recompute=["none", "full"]),
+             Stage(layers=[2, 6], zero=3, recompute=["selective", "none", "full", "none"])]
     return {
         "ref": write_plan(d, "ref"),
         "ref-gpt": write_plan(d, "ref-gpt", "tiny-gpt"),
@@ -120,6 +122,9 @@ def plans(tmp_path_factory):
         # world 8: pp2 x dp2 x tp2, plain data parallel (ZeRO 0) over tensor-parallel DTensors
         "pp2-dp2-tp2": write_plan(d, "pp2-dp2-tp2", world=8, pp=2, tp=2, schedule="1f1b", zero=0,
                                   micro_batch=2),
+        # what the search writes: an uneven split, ZeRO and recompute chosen per stage and per layer
+        "pp2-dp2-tp2-mixed": write_plan(d, "pp2-dp2-tp2-mixed", world=8, pp=2, tp=2, schedule="1f1b",
+                                        micro_batch=2, stages=mixed),
     }
 
 
@@ -151,9 +156,10 @@ def test_every_two_rank_plan_trains_like_one_process(plans, reference, tmp_path)
 
 
 def test_pp2_dp2_tp2_on_eight_ranks_trains_like_one_process(plans, reference, tmp_path):
-    out = tmp_path / "run.json"
-    assert_ok(train(8, "--plan", plans["pp2-dp2-tp2"], "--steps", STEPS, "--out", out))
-    run = json.loads(out.read_text())
+    assert_ok(train(8, "--plan", plans["pp2-dp2-tp2"], plans["pp2-dp2-tp2-mixed"], "--steps", STEPS,
+                    "--out", tmp_path))
+    assert_same_losses(losses_of(tmp_path / "pp2-dp2-tp2-mixed.json"), reference["ref"], "pp2-dp2-tp2-mixed")
+    run = json.loads((tmp_path / "pp2-dp2-tp2.json").read_text())
     assert_same_losses(run["losses"], reference["ref"], "pp2-dp2-tp2")
     assert run["world_size"] == 8 and len(run["peak_memory_bytes_per_rank"]) == 8
     assert run["peak_memory_bytes"] == max(run["peak_memory_bytes_per_rank"]) > 0
