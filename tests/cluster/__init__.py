@@ -1,0 +1,1 @@
+"""Test harnesses that emulate a cluster on one machine (see netns.py)."""
