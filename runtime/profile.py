@@ -14,8 +14,11 @@
   sweep, fitted by least squares to t = alpha + factor(n) * S / busbw (planner.cluster) and
   stored under `by_group_size`, with piecewise fits by message size under its `segments`; the
   per-tier default is the largest group's fit;
-- topology.node_of_rank from the hostnames; on one node the inter_node tier copies the intra-node
-  fit (said so in `sources`);
+- topology.node_of_rank from the hostnames and torchrun's node rank (GROUP_RANK), so that nodes
+  sharing a host name (network namespaces of one machine) are told apart; the intra_node tier is
+  fitted on groups inside a node, the inter_node tier, with more than one node, on groups spanning
+  the nodes (group_layout; its busbw per device, as planner.cluster prices it); on one node the
+  inter_node tier copies the intra-node fit (said so in `sources`);
 - overlap_slowdown: matmul time while a large all-reduce runs in the background over matmul
   time alone.
 `model` is in runtime/profile_model.py (the format is in planner/model_profile.py).
@@ -169,35 +172,72 @@ def _collective(op: str, nbytes: int, group, n: int, peer: int | None):
     return sendrecv
 
 
-def sweep(sizes, repeats: int, progress: Progress) -> dict:
-    """{op: {n: [(factor * S, seconds), ...]}} for every power-of-two group size."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ns = [2**i for i in range(1, world.bit_length()) if 2**i <= world]
+def group_layout(node_of_rank: list) -> dict:
+    """The groups the sweep times: {"intra": {n: [groups]}, "cross": {n: [groups]}}.
+
+    "intra": for every power-of-two n up to the smallest node's process count, each node's ranks
+    cut into groups of n (on one node: the contiguous groups of every size up to the world).
+    "cross" (only with more than one node): the ranks ordered node-minor (local index, then node),
+    cut into groups of n for every power-of-two n <= world; each spans every node with the same
+    number of members per node where the sizes divide (2 nodes x 2: {0,2},{1,3} and {0,1,2,3})."""
+    world = len(node_of_rank)
+    nodes = sorted(set(node_of_rank))
+    members = {nd: [r for r in range(world) if node_of_rank[r] == nd] for nd in nodes}
+    per_node = min(len(m) for m in members.values())
+    out = {"intra": {}}
+    for i in range(1, per_node.bit_length()):
+        n = 2**i
+        out["intra"][n] = [m[s:s + n] for nd in nodes for m in [members[nd]] for s in range(0, len(m) - len(m) % n, n)]
+    if len(nodes) > 1:
+        local = {r: members[node_of_rank[r]].index(r) for r in range(world)}
+        interleaved = sorted(range(world), key=lambda r: (local[r], nodes.index(node_of_rank[r])))
+        out["cross"] = {}
+        for i in range(1, world.bit_length()):
+            n = 2**i
+            out["cross"][n] = [sorted(interleaved[s:s + n]) for s in range(0, world - world % n, n)]
+    return out
+
+
+def group_points(layout: dict) -> int:
+    return sum(len(OPS) - (0 if 2 in by_n else 1) + (len(OPS) - 1) * (len(by_n) - 1) for by_n in layout.values())
+
+
+def sweep(sizes, repeats: int, progress: Progress, layout: dict) -> dict:
+    """{kind: {op: {n: [(factor * S, seconds, S), ...]}}} for every group size of each kind of
+    group_layout (all groups of a size running at once)."""
+    rank = dist.get_rank()
     groups = {}
-    for n in ns:  # every rank creates every group, in the same order
-        for start in range(0, world - world % n, n):
-            g = dist.new_group(list(range(start, start + n)))
-            if start <= rank < start + n:
-                groups[n] = g
+    for kind, by_n in layout.items():  # every rank creates every group, in the same order
+        for n, gs in by_n.items():
+            for members in gs:
+                g = dist.new_group(members)
+                if rank in members:
+                    groups[(kind, n)] = (g, members)
     out = {}
-    for op in OPS:
-        out[op] = {}
-        for n in ([2] if op == "send_recv" else ns):
-            pts = []
-            for s in sizes * 2:  # two passes: a size disturbed in one pass is timed again later
-                in_group = n in groups
-                if op == "send_recv":
-                    peer = rank ^ 1 if (rank ^ 1) < world else None
-                    in_group = peer is not None
-                    fn = _collective(op, s, None, 2, peer) if in_group else (lambda: None)
-                else:
-                    fn = _collective(op, s, groups.get(n), n, None) if in_group else (lambda: None)
-                fn()  # warm-up (and connection setup)
-                reps = repeats if s >= 2**20 else 3 * repeats
-                t = _max_over_ranks(_median_time(fn, reps))
-                pts.append((ring_factor(op, n) * (s // 4 // n * n * 4 if op != "send_recv" else s), t, s))
-                progress.step(f"{op} n={n} {s // 1024} KiB")
-            out[op][n] = monotone([min(a, b, key=lambda p: p[1]) for a, b in zip(pts[:len(sizes)], pts[len(sizes):])])
+    for kind, by_n in layout.items():
+        out[kind] = {}
+        for op in OPS:
+            out[kind][op] = {}
+            for n in ([2] if op == "send_recv" else by_n):
+                if n not in by_n:
+                    continue
+                pts = []
+                for s in sizes * 2:  # two passes: a size disturbed in one pass is timed again later
+                    g, members = groups.get((kind, n), (None, None))
+                    if g is None:
+                        fn = lambda: None  # noqa: E731
+                    elif op == "send_recv":  # the lower member sends to the higher one
+                        peer = members[1] if rank == members[0] else members[0]
+                        fn = _collective(op, s, None, 2, peer)
+                    else:
+                        fn = _collective(op, s, g, n, None)
+                    fn()  # warm-up (and connection setup)
+                    reps = repeats if s >= 2**20 else 3 * repeats
+                    t = _max_over_ranks(_median_time(fn, reps))
+                    pts.append((ring_factor(op, n) * (s // 4 // n * n * 4 if op != "send_recv" else s), t, s))
+                    progress.step(f"{kind} {op} n={n} {s // 1024} KiB")
+                out[kind][op][n] = monotone([min(a, b, key=lambda p: p[1])
+                                             for a, b in zip(pts[:len(sizes)], pts[len(sizes):])])
     return out
 
 
@@ -211,17 +251,31 @@ def monotone(pts: list) -> list:
     return out[::-1]
 
 
+def node_key() -> str:
+    """What tells this rank's node apart: the host name, and the node rank torchrun gives each
+    node's agent (GROUP_RANK) where set, so that nodes sharing a host name (containers, network
+    namespaces of one machine) still count as distinct nodes."""
+    group = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f"/node{group}" if group is not None else "")
+
+
+def per_node_of(members: list, node_of_rank: list) -> int:
+    """The most members of `members` on one node."""
+    nodes = [node_of_rank[r] for r in members]
+    return max(nodes.count(x) for x in set(nodes))
+
+
 def profile_cluster(args) -> dict | None:
     world, rank = dist.get_world_size(), dist.get_rank()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     hosts = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, node_key())
     order = list(dict.fromkeys(hosts))
     node_of_rank = [order.index(h) for h in hosts]
     nodes = len(order)
+    layout = group_layout(node_of_rank)
     sizes = QUICK_SIZES if args.quick else SIZES
-    n_points = 2 * len(sizes) * (1 + 4 * len([2**i for i in range(1, world.bit_length()) if 2**i <= world]))
-    progress = Progress(n_points + 2, rank == 0)
+    progress = Progress(2 * len(sizes) * group_points(layout) + 2, rank == 0)
 
     # device, every rank at once (a device here is a process; they share the machine's cores)
     peak = _mean_over_ranks(max(matmul_rate(s, s, s) for s in (512, 1024)))
@@ -232,24 +286,37 @@ def profile_cluster(args) -> dict | None:
     slow = overlap_slowdown()
     progress.step("overlap")
     mem, mem_src = memory_capacity()
-    points = sweep(sizes, 5 if args.quick else 9, progress)
+    points = sweep(sizes, 5 if args.quick else 9, progress, layout)
     if rank != 0:
         return None
 
     colls, fits_out = {}, {}
-    for op, by_n in points.items():
-        by = {}
-        for n, pts in by_n.items():
-            xs, ts, ss = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
-            a, bw_ = fit_alpha_beta(xs, ts)
-            segs = [{"up_to_bytes": up, "alpha_s": sa, "bus_bandwidth_bytes_per_s": sb}
-                    for up, sa, sb in fit_segments(ss, xs, ts)]
-            by[str(n)] = {"alpha_s": a, "bus_bandwidth_bytes_per_s": bw_, "segments": segs}
-        top = by[str(max(by_n))]
-        tier = {"alpha_s": top["alpha_s"], "bus_bandwidth_bytes_per_s": top["bus_bandwidth_bytes_per_s"],
-                "by_group_size": by}
-        colls[op] = {"intra_node": tier, "inter_node": json.loads(json.dumps(tier))}
-        fits_out[op] = {str(n): [[s, t] for _, t, s in pts] for n, pts in by_n.items()}
+    for op in OPS:
+        tiers = {}
+        for kind, tier_name in (("intra", "intra_node"), ("cross", "inter_node")):
+            if kind not in points or not points[kind][op]:
+                continue
+            by = {}
+            for n, pts in points[kind][op].items():
+                xs, ts, ss = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+                a, bw_ = fit_alpha_beta(xs, ts)
+                # planner.cluster prices a group spanning nodes at min(intra, k * inter busbw), k its
+                # members per node (one NIC per device): store the per-device figure, measured / k
+                k = 1 if kind == "intra" or op == "send_recv" else per_node_of(layout[kind][n][0], node_of_rank)
+                segs = [{"up_to_bytes": up, "alpha_s": sa, "bus_bandwidth_bytes_per_s": sb / k}
+                        for up, sa, sb in fit_segments(ss, xs, ts)]
+                by[str(n)] = {"alpha_s": a, "bus_bandwidth_bytes_per_s": bw_ / k, "segments": segs}
+                if k != 1:
+                    by[str(n)]["members_per_node"] = k
+                fits_out.setdefault(op, {})[str(n) if kind == "intra" else f"{n}x"] = [[s, t] for _, t, s in pts]
+            top = by[str(max(points[kind][op]))]
+            tiers[tier_name] = {"alpha_s": top["alpha_s"], "bus_bandwidth_bytes_per_s": top["bus_bandwidth_bytes_per_s"],
+                                "by_group_size": by}
+        if "inter_node" not in tiers:
+            tiers["inter_node"] = json.loads(json.dumps(tiers["intra_node"]))
+        if "intra_node" not in tiers:  # one process per node: no group inside a node to time
+            tiers["intra_node"] = json.loads(json.dumps(tiers["inter_node"]))
+        colls[op] = tiers
     per_node = max(node_of_rank.count(i) for i in range(nodes))
     name = args.name or f"cpu-gloo-{world}"
     mm_src = ("measured: fp32 torch.matmul on every rank at once; 'peak' is the best rate of a square "
@@ -297,10 +364,16 @@ def profile_cluster(args) -> dict | None:
                            "raw points under 'sweep'",
             "collectives.*.inter_node": ("copied from the intra-node fit: every rank ran on one host, so there "
                                          "is no inter-node link to measure") if nodes == 1 else
-                                        "measured on groups spanning hosts",
+                                        ("measured on groups spanning nodes, all groups of a size at once (ranks "
+                                         "ordered node-minor and cut into groups: runtime.profile.group_layout); "
+                                         "busbw is per device: the measured busbw over the group's members per "
+                                         "node (planner.cluster prices a spanning group at min(intra, k * inter)); "
+                                         "the tier default is the largest spanning group's fit; raw points under "
+                                         "'sweep' as 'Nx'"),
             "overlap_slowdown": "measured: 20 matmuls of 256^3 with and without a 16 MiB all-reduce running "
                                 "asynchronously, median of 5, mean over ranks",
-            "topology.node_of_rank": "measured: socket.gethostname() of every rank",
+            "topology.node_of_rank": "measured: socket.gethostname() of every rank, with torchrun's node rank "
+                                     "(GROUP_RANK) where set",
         },
     }
 
