@@ -34,7 +34,7 @@ from planner.compare import compare  # noqa: E402
 from planner.cost import estimate  # noqa: E402
 from planner.model import ZOO  # noqa: E402
 from planner.model_profile import load_model_profile  # noqa: E402
-from planner.plan import build_plan  # noqa: E402
+from planner.build import build_plan  # noqa: E402
 
 SEQ, GB = 32, 8
 MODEL = "tiny"

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from planner.cluster import load_cluster  # noqa: E402
 from planner.cost import estimate  # noqa: E402
 from planner.model import ConfigError, ModelConfig  # noqa: E402
-from planner.plan import build_plan  # noqa: E402
+from planner.build import build_plan  # noqa: E402
 
 DEFAULT_CSV = ROOT.parent / "shared" / "reference" / "published_runs.csv"
 BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b"}  # published/trained before May 2022

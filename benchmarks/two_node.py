@@ -211,7 +211,7 @@ def tp2_plans(res, cluster) -> list:
     with defaults where the search kept none), the one with the search's pp and dp first, then a
     default tp2 x pp2 plan (1f1b, micro-batch 1: the most TP traffic per step) where it differs."""
     from planner.model import ZOO
-    from planner.plan import build_plan
+    from planner.build import build_plan
 
     def default(pp):
         return build_plan(ZOO["tiny"], cluster_name=cluster.name, device="cpu", nodes=NODES, devices_per_node=PER_NODE,

@@ -8,7 +8,8 @@ import sys
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.model import ConfigError, load_model
-from planner.plan import SCHEDULES, Plan, build_plan
+from planner.plan import SCHEDULES, Plan
+from planner.build import build_plan
 from planner.report import describe_plan, estimate_table
 
 GiB = 2**30

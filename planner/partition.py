@@ -23,7 +23,8 @@ import math
 import numpy as np
 
 from planner.model import RECOMPUTE_MODES
-from planner.plan import Plan, Stage, even_stages
+from planner.plan import Plan, Stage
+from planner.build import even_stages
 from planner.stages import TOL, StageCosts
 
 

@@ -41,7 +41,8 @@ from planner.cluster import ClusterSpec
 from planner.cost import Estimate, _model_state_bytes, estimate, layer_cost
 from planner.model import RECOMPUTE_MODES, ModelConfig
 from planner.partition import Inner
-from planner.plan import DTYPES, SCHEDULES, Plan, Training, build_plan, even_stages
+from planner.plan import DTYPES, SCHEDULES, Plan, Training
+from planner.build import build_plan, even_stages
 from planner.schedule import rank_order
 from planner.stages import TOL, _rank
 

@@ -4,7 +4,7 @@ import pytest
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.model import ZOO
-from planner.plan import build_plan
+from planner.build import build_plan
 
 A100 = load_cluster("dgx-a100-80gb")
 

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from planner.model import ZOO, ConfigError
-from planner.plan import FORMAT_VERSION, Plan, build_plan, even_stages
+from planner.plan import FORMAT_VERSION, Plan
+from planner.build import build_plan, even_stages
 
 
 def make(**kw):

@@ -15,7 +15,7 @@ from planner.compare_cli import main as compare_main
 from planner.cost import estimate
 from planner.model import ZOO, ConfigError
 from planner.model_profile import fit_alpha_beta, fit_linear, fit_segments, load_model_profile, model_profile_from_dict
-from planner.plan import build_plan
+from planner.build import build_plan
 from tests.test_runtime import REPO, env, free_port
 
 import subprocess

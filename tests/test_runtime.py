@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from planner.model import ZOO
-from planner.plan import Stage, build_plan
+from planner.plan import Stage
+from planner.build import build_plan
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ_LEN = 32

@@ -142,7 +142,7 @@ def test_a_failed_trident_run_ends_in_one_line_per_problem(tmp_path, capfd):
 
 
 def test_trident_run_prints_the_command_of_every_node_of_a_multi_node_plan(tmp_path, capsys):
-    from planner.plan import build_plan
+    from planner.build import build_plan
 
     plan = build_plan(ZOO["tiny"], cluster_name="c", device="cpu", nodes=2, devices_per_node=2,
                       global_batch=8, micro_batch=2, tp=2)

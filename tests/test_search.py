@@ -10,7 +10,8 @@ from planner.cli import main
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.model import ZOO
-from planner.plan import Stage, build_plan
+from planner.plan import Stage
+from planner.build import build_plan
 from planner.search import SearchSpace, search
 
 GiB = 2**30
