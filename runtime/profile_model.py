@@ -252,7 +252,7 @@ def profile_model(args) -> dict | None:
         for sp in ([False] if tp == 1 else [False, True]):
             configs += [("embedding", tp, sp, "none"), ("head", tp, sp, "none")]
             configs += [("block", tp, sp, rec) for rec in ("none", "selective", "full")]
-    from runtime.profile import Progress
+    from runtime.comm_sweep import Progress
     progress = Progress(len(configs), rank == 0)
     meshes = {tp: DeviceMesh("cpu", torch.arange(world).reshape(world // tp, tp), mesh_dim_names=("dp", "tp"))
               for tp in args.tps}
