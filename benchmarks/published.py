@@ -6,6 +6,8 @@ that fits in device memory, over the micro-batch size (where the column is empty
 virtual stages (interleaved rows), the recompute mode (where empty) and the ZeRO level.
 Attention is unfused (materialized softmax) for runs published before FlashAttention (Dao et al.,
 May 2022) and fused after; GPT runs use Megatron-LM's default dropout of 0.1, Llama none.
+Where the authors published their launch scripts or framework, the row takes what they state
+(RUN_SETTINGS below, each with its source) instead of searching.
 
 Published TFLOP/s count model FLOPs the Megatron way (recomputed forward included under full
 recompute); where a row gives no step time, the published step time is model FLOPs / (TFLOP/s x
@@ -33,6 +35,25 @@ from planner.build import build_plan  # noqa: E402
 DEFAULT_CSV = ROOT.parent / "shared" / "reference" / "published_runs.csv"
 BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b"}  # published/trained before May 2022
 
+# Megatron-LM's scripts for the SC21 paper, examples/sc21/run_table_1.sh at tag v2.6 (commit
+# 3860e99526, 2021-08-27; added in de7dc40f88 "scripts for sc21"): per model size MBS,
+# --num-layers-per-virtual-pipeline-stage (v = layers / pp / that) and --DDP-impl. `torch` is
+# PyTorch DDP, whose bucketed all-reduce overlaps the backward; `local` is Megatron's own DDP,
+# which all-reduces the gradient buffer from train_step after forward_backward_func returns
+# (megatron/training.py and megatron/model/distributed.py at tag v2.5): not overlapped.
+_SC21 = {  # model: (micro_batch, virtual_stages, DDP impl)
+    "gpt-1.7b": (16, 1, "torch"), "gpt-3.6b": (16, 1, "torch"), "gpt-7.5b": (16, 1, "torch"),
+    "gpt-18.4b": (8, 1, "torch"), "gpt-39.1b": (4, 1, "local"), "gpt-76.1b": (2, 3, "local"),
+    "gpt-145.6b": (2, 2, "local"), "gpt-310.1b": (1, 2, "local"), "gpt-529.6b": (1, 3, "local"),
+    "gpt-1008b": (1, 1, "local")}
+RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=v, overlap_grad_reduce=ddp == "torch")
+                for m, (b, v, ddp) in _SC21.items()}
+# MT-NLG trained with DeepSpeed's pipeline engine (Smith et al. 2022, section 2.3): its
+# TrainSchedule issues ReduceGrads after the last micro-batch (not overlapped) and runs the
+# 1F1B steps in lock-step with blocking neighbour send/recv (deepspeed/runtime/pipe/schedule.py
+# and p2p.py at tag v0.5.8, 2021-11-30).
+RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, lockstep=True)
+
 
 def row_model(row) -> ModelConfig:
     arch = row["arch"]
@@ -45,11 +66,15 @@ def candidates(row, model, gpus):
     tp, pp, dp = int(row["tp"]), int(row["pp"]), int(row["dp"])
     gbs = int(row["global_batch"])
     per_dp = gbs // dp
+    known = RUN_SETTINGS.get((row["source"], row["model"]), {})
     mbs = [int(row["micro_batch"])] if row["micro_batch"] else [b for b in (1, 2, 4, 8, 16) if per_dp % b == 0]
+    mbs = [known["micro_batch"]] if "micro_batch" in known else mbs
     sched = row["schedule"]
     vs = [1]
     if sched == "interleaved-1f1b" and pp > 1:
         vs = [v for v in range(1, 9) if pp * v <= model.num_layers_total]
+    vs = [known["virtual_stages"]] if "virtual_stages" in known else vs
+    how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep") if k in known}
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
     # Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3 separately);
     # MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; Llama 3 does not say: search.
@@ -58,7 +83,7 @@ def candidates(row, model, gpus):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
         yield dict(micro_batch=b, virtual_stages=v, recompute=rec, zero=zero, tp=tp, pp=pp, dp=dp,
-                   schedule=sched, global_batch=gbs)
+                   schedule=sched, global_batch=gbs, **how)
 
 
 def predict_row(row):

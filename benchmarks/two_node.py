@@ -24,9 +24,9 @@ loopback (the "NVLink" tier), across nodes through the shaped link (the "InfiniB
    --no-model-profile): on a CPU the FLOP-based one misses the per-operator overhead. Exit 1 when the measured order
    contradicts the predicted one (both decisive: more than TIE = 10% apart) or a run fails; 2 when two nodes cannot be emulated here.
 
-The link is shaped with tbf where the kernel has no netem (no delay then): messages up to its
-burst (~200 KB at 400 Mbit/s) pass at loopback speed, so the whole-sweep inter-node fit is faster than the rate and
-the rate shows in the largest-message segment of the fit, which is what is compared with rate/8/2.
+The link is shaped with tbf where the kernel has no netem (no delay then), with a burst of 4 KB
+(tests/cluster/netns.py), so that the rate holds from small messages on; the rate is compared with
+the largest-message segment of the inter-node fit (rate/8/2 per device).
 
 --tiers-only: the older table, an all-reduce of --mbytes timed on the intra-node pairs and on the
 cross-node pairs (tests/cluster/allreduce_tiers.py) for each of --rates.
@@ -134,11 +134,9 @@ def tier_report(d: dict, rate_mbit: float, shaping: str = "tbf") -> dict:
     ratio = x2 / implied
     out.update(implied_per_device_busbw=implied, inter_over_implied=ratio, within_20pct=abs(ratio - 1) <= 0.2)
     print(f"    shaping: {rate_mbit:g} Mbit/s = {link / 1e6:.0f} MB/s each way, shared by the {PER_NODE} ranks of a "
-          f"node -> {implied / 1e6:.1f} MB/s per device; the measured inter-node busbw (n=2, messages past the "
-          f"tbf burst) is {x2 / 1e6:.1f} MB/s = {ratio:.2f} x that ({'within' if out['within_20pct'] else 'NOT within'}"
-          f" 20%); the whole-sweep fit is {out['inter_node_2']['busbw'] / 1e6:.1f} MB/s"
-          + (f" because messages up to the tbf burst (~{max(64 * 1024, link / 250) / 1e3:.0f} KB) pass at loopback "
-             "speed" if shaping == "tbf" else ""))
+          f"node -> {implied / 1e6:.1f} MB/s per device; the measured inter-node busbw (n=2, largest-message "
+          f"segment) is {x2 / 1e6:.1f} MB/s = {ratio:.2f} x that ({'within' if out['within_20pct'] else 'NOT within'}"
+          f" 20%); the whole-sweep fit is {out['inter_node_2']['busbw'] / 1e6:.1f} MB/s")
     print(f"    intra / inter busbw (n=2, whole-sweep fits): {out['intra_node_2']['busbw'] / out['inter_node_2']['busbw']:.0f} x"
           f"; intra / inter time of the largest all-reduce: {_largest_ratio(d):.0f} x")
     return out
@@ -209,21 +207,22 @@ def variants(base, cluster):
 def tp2_plans(res, cluster) -> list:
     """The plans whose placement is compared: the search's best tp2 x pp2 and tp2 x dp2 plans (built
     with defaults where the search kept none), the one with the search's pp and dp first, then a
-    default tp2 x pp2 plan (1f1b, micro-batch 1: the most TP traffic per step) where it differs."""
+    default tp2 x pp2 GPipe plan with one micro-batch of the whole batch (TP messages of 8 x 64
+    tokens x 128 x 4 B = 256 KB: the most TP traffic per message)."""
     from planner.model import ZOO
     from planner.build import build_plan
 
-    def default(pp):
+    def default(pp, mb=1, schedule="1f1b"):
         return build_plan(ZOO["tiny"], cluster_name=cluster.name, device="cpu", nodes=NODES, devices_per_node=PER_NODE,
-                          global_batch=GLOBAL_BATCH, micro_batch=1, seq_len=ZOO["tiny"].seq_len, tp=2, pp=pp,
-                          dtype="fp32")
+                          global_batch=GLOBAL_BATCH, micro_batch=mb, seq_len=ZOO["tiny"].seq_len, tp=2, pp=pp,
+                          dtype="fp32", schedule=schedule)
     out = []
     for pp, dp in ((2, 1), (1, 2)):
         f = next((f for f in res.results if (f.plan.mesh.tp, f.plan.mesh.pp, f.plan.mesh.dp) == (2, pp, dp)), None)
         out.append(f.plan if f else default(pp))
     best = res.best.plan.mesh
     out.sort(key=lambda p: (p.mesh.pp, p.mesh.dp) != (best.pp, best.dp))
-    extra = default(2)
+    extra = default(2, GLOBAL_BATCH, "gpipe")
     if all(extra.content_hash() != p.content_hash() for p in out):
         out.append(extra)
     return out
@@ -254,9 +253,11 @@ def placement(h, base, cluster, mprof, work: Path, steps: int, timeout: float, p
     from planner.cost import estimate
     inside, across = variants(base, cluster)
     m = inside.mesh
-    tag = f"tp{m.tp}pp{m.pp}dp{m.dp}"
-    print(f"    {tag}: {inside.pipeline.schedule}, micro-batch {inside.training.micro_batch}, "
-          f"seq {inside.training.seq_len}, {steps} steps per placement")
+    t = inside.training
+    tag = f"tp{m.tp}pp{m.pp}dp{m.dp}-{inside.pipeline.schedule}-mb{t.micro_batch}"
+    msg = 4 * t.micro_batch * t.seq_len * inside.model.hidden
+    print(f"    {tag}: {inside.pipeline.schedule}, micro-batch {t.micro_batch}, seq {t.seq_len}, TP messages "
+          f"{msg / 1e3:.0f} KB, {steps} steps per placement")
     rows = {}
     for i, (name, plan) in enumerate((("inside", inside), ("across", across))):
         est = estimate(plan, cluster)
@@ -295,7 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", default=None, help="directory for the profile, plans and run.json files")
     ap.add_argument("--comparisons", type=int, default=3, choices=(1, 2, 3),
                     help="placements compared: the search's tp2 x pp2 and tp2 x dp2 plans (the search's degrees "
-                         "first) and a default tp2 x pp2 plan (1f1b, micro-batch 1); the first N of them")
+                         "first) and a tp2 x pp2 GPipe plan of one 8-sequence micro-batch; the first N of them")
     ap.add_argument("--no-model-profile", action="store_true",
                     help="skip runtime.profile model (the second prediction, from measured layer times)")
     ap.add_argument("--json", action="store_true", help="also print one JSON line of the figures (BENCH_JSON ...)")

@@ -41,7 +41,8 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                global_batch: int, micro_batch: int, seq_len: int | None = None, tp: int = 1, pp: int = 1,
                dp: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
-               order: list | None = None, stages: list | None = None, **training_overrides) -> Plan:
+               order: list | None = None, stages: list | None = None, lockstep: bool = False,
+               **training_overrides) -> Plan:
     """A validated hand-made plan. `dp` defaults to world / (tp * pp); `stages` defaults to an
     even split. Raises ConfigError naming the field on any inconsistency."""
     world = nodes * devices_per_node
@@ -65,6 +66,7 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
         mesh=Mesh(pp=pp, dp=dp, tp=tp, order=list(order) if order else ["pp", "dp", "tp"]),
         pipeline=Pipeline(schedule=schedule, virtual_stages=virtual_stages, micro_batches=mb_count,
                           stages=stages if stages is not None else even_stages(
-                              model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1)),
+                              model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1),
+                          lockstep=lockstep),
     )
     return plan.validate()

@@ -74,7 +74,8 @@ def cmd_plan(args) -> int:
         devices_per_node=cluster.devices_per_node, global_batch=args.global_batch, micro_batch=args.micro_batch,
         seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-        zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash)
+        zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
+        overlap_grad_reduce=not args.no_overlap_grad_reduce)
     plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args))
     if args.output:
         plan.write(args.output)
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's seq_len")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="reduce data-parallel gradients after the whole backward (Megatron-LM v2 local DDP, DeepSpeed pipeline)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="1f1b ranks advance in lock-step with blocking exchanges (DeepSpeed's pipeline engine); prediction only")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", help="write the plan file here")
     p.add_argument("--model-profile", default=None,

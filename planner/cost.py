@@ -17,8 +17,9 @@ Time of a layer on one device, per micro-batch:
   the backward; selective replays only the attention core.
 Per stage the per-layer times add up; the pipeline schedule is then played (planner.schedule).
 Data-parallel gradient communication runs after each stage's last backward on a communication
-stream, overlapping the rest of the backward; ZeRO-3 gathers parameters before each forward and
-backward, overlapped with compute by prefetching; the optimizer step is memory-bound.
+stream, overlapping the rest of the backward (with training.overlap_grad_reduce false: after the
+whole backward); ZeRO-3 gathers parameters before each forward and backward, overlapped with
+compute by prefetching; the optimizer step is memory-bound.
 
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
@@ -285,8 +286,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                                zero3_gather_exposed_s=(zero3_f + zero3_b) * mbs, grad_sync_s=sync,
                                params=params, optimizer_s=sum(c.optimizer_s for c in costs),
                                measured_dp=measured_dp, costs=costs))
-    tl = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=True)
-    tl0 = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=False) if pp > 1 else tl
+    how = dict(overlap_grad_reduce=t.overlap_grad_reduce, lockstep=pipe.lockstep)
+    tl = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=True, **how)
+    tl0 = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=False, **how) if pp > 1 else tl
 
     # optimizer step and, for ZeRO 1/2, the parameter all-gather after it; then the slowest rank
     rank_total, per_rank = [], []

@@ -196,9 +196,11 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     """A layer priced from a model profile (planner.model_profile): forward and backward times from
     the measured fits at the plan's micro-batch size. The measured times include the TP collectives
     the runtime issued while they were measured; so that TP communication is not counted twice and
-    still shows in the breakdown, the cluster profile's prediction of those collectives (tp_comm,
-    below) is subtracted from the measured time to give the compute term, the TP term keeping the
-    prediction (capped at the measured time, so that a layer's total is always what was measured).
+    still shows in the breakdown, the cluster profile's prediction of those collectives where they
+    were measured (ranks 0..tp-1) is subtracted from the measured time to give the compute term (at
+    most the whole measured time). The TP term is that measured share plus the difference between
+    the cluster profile's prediction at the plan's TP ranks and at the measured ones: the same
+    figure as measured for a group on the measured tier, more for a group spanning nodes.
     Activation and parameter bytes are the measured ones."""
     from planner.cost import LayerCost, tp_comm
     from planner.plan import DTYPES
@@ -208,20 +210,58 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     kind = m.layer_kind(index)
     rec = stage.recompute[index - stage.start]
     fit = profile.lookup(kind, plan.mesh.tp, sp, rec)
-    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
+    msg = e * b * s * m.hidden
+    # the profile measured TP on consecutive ranks 0..tp-1 (runtime.profile_model), inside a node
+    # where the node is large enough; the plan's TP group may sit elsewhere (across nodes)
+    prof_f, prof_b = tp_comm(cluster, kind, msg, sp, list(range(len(tp_ranks))), b, s)
+    tp_f, tp_b = tp_comm(cluster, kind, msg, sp, tp_ranks, b, s)
     if rec == "full":
+        prof_b += prof_f
         tp_b += tp_f
     fwd, bwd = fit.forward(b), fit.backward(b)
-    tp_f, tp_b = min(tp_f, fwd), min(tp_b, bwd)
+    in_f, in_b = min(prof_f, fwd), min(prof_b, bwd)  # the measured time's TP share
+    fwd, bwd = fwd - in_f, bwd - in_b  # compute
+    # the plan's TP communication: the measured share, plus what the plan's tier costs beyond the
+    # tier it was measured on (a TP group spanning nodes), or less where the plan's tier is faster
+    tp_f, tp_b = max(0.0, in_f + tp_f - prof_f), max(0.0, in_b + tp_b - prof_b)
     act = fit.activations(b)
     replay = 0.0
     if rec != "none":
         replay = max(0.0, profile.lookup(kind, plan.mesh.tp, sp, "none").activations(b) - act)
     dpm = None
     if plan.mesh.dp > 1:
-        dpm = profile.lookup(kind, plan.mesh.tp, sp, "none").dp_overhead(stage.zero)
+        base = profile.lookup(kind, plan.mesh.tp, sp, "none")
+        dpm = base.dp_overhead(stage.zero)
+        if dpm:
+            r = plan.stage_rank(plan.pipeline.stages.index(stage))
+            dp_ranks = [plan.mesh.rank(pp=r, dp=i, tp=0) for i in range(plan.mesh.dp)]
+            dpm = dp_at_plan_ranks(dpm, cluster, stage.zero, base.param_bytes, dp_ranks,
+                                   [i * plan.mesh.tp for i in range(base.data_parallel.get("dp", plan.mesh.dp))])
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
-    return LayerCost(fwd - tp_f, bwd - tp_b, tp_f, tp_b, act, replay, fit.param_bytes / e, opt, dpm)
+    return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, fit.param_bytes / e, opt, dpm)
+
+
+def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: float, plan_ranks: list, measured_ranks: list) -> dict:
+    """A layer's measured data-parallel extras moved from the dp group they were measured on
+    (runtime.profile_model: ranks 0, tp, 2 tp, ...) to the plan's: each extra plus the difference of
+    the cluster profile's prediction of its collectives on the two groups (a group of another size
+    or on another tier). ZeRO-3 gathers the layer before each forward and backward (FSDP2 resharding
+    after forward); ZeRO-1/2 gathers it once per step and reduce-scatters its gradients once per
+    step; ZeRO-0 (replicate) all-reduces, priced by the caller at the plan's ranks."""
+    if zero == 0 or plan_ranks == measured_ranks:
+        return dpm
+
+    def diff(op):
+        return cluster.collective_time(op, nbytes, plan_ranks) - cluster.collective_time(op, nbytes, measured_ranks)
+    ag, rs = diff("all_gather"), diff("reduce_scatter")
+    out = dict(dpm)
+    if zero == 3:
+        out["forward_s"] = max(0.0, dpm["forward_s"] + ag)
+        out["backward_s"] = max(0.0, dpm["backward_s"] + ag)
+        out["backward_sync_s"] = max(0.0, dpm["backward_sync_s"] + rs)
+    else:
+        out["backward_sync_s"] = max(0.0, dpm["backward_sync_s"] + rs + ag)
+    return out
 
 
 def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:

@@ -70,6 +70,9 @@ class Training:
     dropout: float = 0.0
     attention: str = "flash"  # flash: fused attention keeps no s^2 scores; unfused: materialized softmax
     seed: int = 0
+    # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
+    # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule
+    overlap_grad_reduce: bool = True
 
 
 @dataclass
@@ -153,6 +156,9 @@ class Pipeline:
     virtual_stages: int
     micro_batches: int
     stages: list  # of Stage, pp * virtual_stages of them, in model order
+    # ranks advance in lock-step with blocking neighbour exchanges (DeepSpeed's PipelineEngine
+    # TrainSchedule; planner.schedule); the runtime's torch.distributed.pipelining does not
+    lockstep: bool = False
 
 
 @dataclass
@@ -181,10 +187,17 @@ class Plan:
 
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
+        """The plan as JSON data. Options added after format 1 (training.overlap_grad_reduce,
+        pipeline.lockstep) are written only when they differ from their defaults, so that plans
+        without them keep their bytes and content hash."""
+        training = dataclasses.asdict(self.training)
+        if self.training.overlap_grad_reduce:
+            training.pop("overlap_grad_reduce")
+        pipeline = {"lockstep": True} if self.pipeline.lockstep else {}
         return {
             "format_version": self.format_version,
             "model": self.model.to_dict(),
-            "training": dataclasses.asdict(self.training),
+            "training": training,
             "cluster": dataclasses.asdict(self.cluster),
             "mesh": dataclasses.asdict(self.mesh),
             "pipeline": {
@@ -192,6 +205,7 @@ class Plan:
                 "virtual_stages": self.pipeline.virtual_stages,
                 "micro_batches": self.pipeline.micro_batches,
                 "stages": [dataclasses.asdict(s) for s in self.pipeline.stages],
+                **pipeline,
             },
             "prediction": self.prediction,
         }
@@ -225,7 +239,7 @@ class Plan:
         _need(isinstance(p["stages"], list), "pipeline.stages", "expected a list of stages")
         stages = [Stage(**_strict(Stage, s, f"pipeline.stages[{i}]")) for i, s in enumerate(p["stages"])]
         pipeline = Pipeline(schedule=p["schedule"], virtual_stages=p["virtual_stages"],
-                            micro_batches=p["micro_batches"], stages=stages)
+                            micro_batches=p["micro_batches"], stages=stages, lockstep=p.get("lockstep", False))
         plan = cls(model=model, training=training, cluster=cluster, mesh=mesh, pipeline=pipeline,
                    prediction=d.get("prediction"), format_version=fv)
         plan.validate()
@@ -261,6 +275,7 @@ class Plan:
         _need(t.attention in ATTENTION_KERNELS, "training.attention",
               f"{t.attention!r}; use one of {', '.join(ATTENTION_KERNELS)}")
         _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
+        _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
         for name in ("lr", "weight_decay", "grad_clip", "dropout"):
             v = getattr(t, name)
             _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, f"training.{name}",
@@ -293,6 +308,9 @@ class Plan:
             _need(p.schedule == "interleaved-1f1b", "pipeline.virtual_stages",
                   f"{p.virtual_stages} needs schedule interleaved-1f1b; set it to 1 for {p.schedule}")
             _need(mesh.pp > 1, "pipeline.virtual_stages", "interleaving needs pp > 1; set it to 1")
+        _need(isinstance(p.lockstep, bool), "pipeline.lockstep", "must be true or false")
+        _need(not p.lockstep or p.schedule == "1f1b", "pipeline.lockstep",
+              f"lock-step execution plays 1f1b only (DeepSpeed's TrainSchedule), not {p.schedule}; set it to false")
         expected_mb = t.global_batch // (mesh.dp * t.micro_batch)
         _need(p.micro_batches == expected_mb, "pipeline.micro_batches",
               f"{p.micro_batches} but global_batch / (dp x micro_batch) = {expected_mb}; set it to {expected_mb}")

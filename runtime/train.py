@@ -69,6 +69,12 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     t = plan.training
     if t.dropout > 0:
         raise ConfigError(f"training.dropout: {t.dropout}; the runtime does not implement dropout yet, set it to 0")
+    if not t.overlap_grad_reduce:
+        raise ConfigError("training.overlap_grad_reduce: false describes other frameworks (Megatron-LM local DDP) for "
+                          "prediction; the runtime reduces gradients during the backward, set it to true to run")
+    if plan.pipeline.lockstep:
+        raise ConfigError("pipeline.lockstep: true describes DeepSpeed's pipeline engine for prediction; the runtime "
+                          "runs torch.distributed.pipelining, set it to false to run")
     if plan.model.tie_embeddings and plan.stage_rank(0) != plan.stage_rank(len(plan.pipeline.stages) - 1):
         raise ConfigError("model.tie_embeddings: the embedding and the head are on different pipeline ranks; "
                           "tied embeddings need them on one rank (untie them or use pp=1)")

@@ -65,3 +65,18 @@ def test_estimate_of_a_malformed_plan(tmp_path):
     assert proc.returncode == 2 and "plan.model: missing" in proc.stderr
     proc = run_cli("estimate", str(tmp_path / "absent.json"))
     assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+def test_execution_flags_reach_the_plan_and_the_estimate(tmp_path, capsys):
+    base = ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "16", "--global-batch", "32",
+            "--micro-batch", "1", "--tp", "4", "--pp", "2", "--seq-len", "2048", "--json"]
+    assert main(base) == 0
+    default = json.loads(capsys.readouterr().out)
+    out = tmp_path / "plan.json"
+    assert main(base + ["--no-overlap-grad-reduce", "--lockstep", "-o", str(out)]) == 0
+    deepspeed_like = json.loads(capsys.readouterr().out)
+    written = json.loads(out.read_text())
+    assert written["training"]["overlap_grad_reduce"] is False and written["pipeline"]["lockstep"] is True
+    assert deepspeed_like["step_time_s"] >= default["step_time_s"]
+    assert main(["estimate", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == deepspeed_like

@@ -89,3 +89,18 @@ def test_estimate_json_has_the_contract_keys():
         assert key in d["breakdown"]["time"]
     for key in ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "other_bytes"):
         assert key in d["breakdown"]["memory"]
+
+
+def test_grad_reduce_after_backward_exposes_the_whole_sync():
+    # 16 GPUs as tp=4 x pp=2 x dp=2, interleaved with v=2: with overlap off both chunks of a rank
+    # reduce after its last backward, one after the other
+    kw = dict(nodes=2, tp=4, pp=2, schedule="interleaved-1f1b", virtual_stages=2, global_batch=16)
+    on = estimate(plan_for(**kw), A100)
+    off = estimate(plan_for(overlap_grad_reduce=False, **kw), A100)
+    r = off.breakdown["time"]["critical_pp_rank"]
+    syncs = sum(s["grad_sync_s"] for s in off.stages if s["pp_rank"] == r)
+    assert syncs > 0
+    assert off.breakdown["time"]["dp_comm_exposed_s"] == pytest.approx(syncs)
+    assert off.step_time_s - on.step_time_s == pytest.approx(
+        off.breakdown["time"]["dp_comm_exposed_s"] - on.breakdown["time"]["dp_comm_exposed_s"])
+    assert off.step_time_s > on.step_time_s

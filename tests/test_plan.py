@@ -60,6 +60,8 @@ def edit(plan, path, value):
     ("pipeline.stages.0.recompte", [], "pipeline.stages[0].recompte"),
     ("model.arch", "bert", "model.arch"),
     ("training.micro_batch", KeyError, "training.micro_batch"),
+    ("training.overlap_grad_reduce", "no", "training.overlap_grad_reduce"),
+    ("pipeline.lockstep", 1, "pipeline.lockstep"),
 ])
 def test_validation_names_the_field(path, value, field):
     text = edit(make(), path, value)
@@ -113,3 +115,20 @@ def test_sequence_parallel_is_the_same_on_every_stage():
     text = edit(make(sequence_parallel=True), "pipeline.stages.1.sequence_parallel", False)
     with pytest.raises(ConfigError, match="sequence_parallel differs between stages"):
         Plan.from_json(text)
+
+
+def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path):
+    default = make()
+    d = json.loads(default.to_json())
+    assert "overlap_grad_reduce" not in d["training"] and "lockstep" not in d["pipeline"]
+    plan = make(overlap_grad_reduce=False, lockstep=True)
+    first = plan.to_json()
+    back = Plan.from_json(first)
+    assert back.training.overlap_grad_reduce is False and back.pipeline.lockstep is True
+    assert back.to_json() == first
+    assert back.content_hash() != default.content_hash()
+
+
+def test_lockstep_needs_plain_1f1b():
+    with pytest.raises(ConfigError, match="^pipeline.lockstep"):
+        make(schedule="interleaved-1f1b", virtual_stages=2, lockstep=True)

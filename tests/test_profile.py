@@ -140,6 +140,30 @@ def test_model_profile_round_trips_and_prices_a_plan(model_profile, cluster_prof
     assert estimate(plan, cluster).step_time_s != est.step_time_s
 
 
+def test_a_measured_layer_pays_the_tier_of_the_plans_tp_group(model_profile, cluster_profile):
+    """TP was measured on ranks 0..tp-1 inside one node; a plan whose TP group spans two nodes pays
+    the slower tier on top of the measurement, as the FLOP-based model does."""
+    d = json.loads(cluster_profile.read_text())
+    for op in d["collectives"].values():
+        intra = op["intra_node"]
+        op["inter_node"] = {"alpha_s": 20 * intra["alpha_s"], "bus_bandwidth_bytes_per_s": intra["bus_bandwidth_bytes_per_s"] / 50}
+    d.update(nodes=2, devices_per_node=2, topology={"node_of_rank": [0, 0, 1, 1]})
+    cluster = cluster_from_dict(d, "two-node")
+    mp = load_model_profile(str(model_profile))
+    est = {}
+    for where, order in (("inside", ["pp", "dp", "tp"]), ("across", ["tp", "dp", "pp"])):
+        plan = build_plan(ZOO["tiny"], cluster_name=cluster.name, device=cluster.device.name, nodes=2,
+                          devices_per_node=2, global_batch=8, seq_len=32, dtype="fp32", tp=2, zero=1, micro_batch=2)
+        plan.mesh.order = order
+        groups = plan.mesh.groups("tp")
+        assert all(len({cluster.node_of(r) for r in g}) == (1 if where == "inside" else 2) for g in groups)
+        est[where] = (estimate(plan, cluster, model_profile=mp).breakdown["time"], estimate(plan, cluster).breakdown["time"])
+    (mi, ai), (ma, aa) = est["inside"], est["across"]
+    assert mi["compute_s"] == pytest.approx(ma["compute_s"])  # the measured compute does not move
+    extra = aa["tp_comm_s"] - ai["tp_comm_s"]
+    assert extra > 0 and ma["tp_comm_s"] - mi["tp_comm_s"] == pytest.approx(extra, rel=1e-6)
+
+
 def test_a_bad_model_profile_gives_one_line_naming_the_field(model_profile, tmp_path):
     good = json.loads(model_profile.read_text())
     for mutate, words in [

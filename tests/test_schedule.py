@@ -63,3 +63,38 @@ def test_without_a_pipeline_one_micro_batch_is_held_at_a_time():
     assert peak_in_flight("gpipe", 1, 1, 8, 0) == 1
     tl = simulate("1f1b", 1, 1, 4, [StageTimes(1.0, 2.0)])
     assert tl.step_time_s == 12.0 and tl.bubble_fraction() == 0.0
+
+
+def test_without_overlap_every_grad_sync_waits_for_the_whole_backward():
+    # interleaved 1F1B, p=2, v=2: each chunk's sync (0.5) overlaps the rank's remaining backward when
+    # overlapped; otherwise both run back to back after the rank's last operation
+    st = [StageTimes(1.0, 2.0, grad_sync_s=0.5) for _ in range(4)]
+    on = simulate("interleaved-1f1b", 2, 2, 4, st, p2p=False)
+    off = simulate("interleaved-1f1b", 2, 2, 4, st, p2p=False, overlap_grad_reduce=False)
+    assert off.compute_end_s == on.compute_end_s
+    for r in range(2):
+        assert off.end_s[r] == pytest.approx(off.compute_end_s[r] + 2 * 0.5)
+    assert on.step_time_s < off.step_time_s
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (3, 5)])
+def test_lockstep_without_transfers_matches_1f1b(p, m):
+    # DeepSpeed's TrainSchedule: a blocking exchange only waits for the partner, which with free
+    # transfers costs nothing beyond 1F1B's own dependencies
+    st = [StageTimes(1.0, 2.0) for _ in range(p)]
+    free = simulate("1f1b", p, 1, m, st, p2p=False)
+    lock = simulate("1f1b", p, 1, m, st, p2p=False, lockstep=True)
+    assert lock.step_time_s == pytest.approx(free.step_time_s)
+    # its first stage runs p forwards before the first backward (Megatron's 1F1B: p - 1)
+    kinds = [o.kind for o in lock.ops[0]]
+    assert kinds.index("B") == min(p, m)
+
+
+def test_lockstep_transfers_hold_both_ranks():
+    # p=2, m=1, F=1, B=2, transfers 0.5: rank 0 F [0,1]; the activation exchange runs [1,1.5] on both;
+    # rank 1 F [1.5,2.5], B [2.5,4.5]; the gradient exchange [4.5,5]; rank 0 B [5,7]
+    st = [StageTimes(1, 2, send_fwd_s=0.5, send_bwd_s=0.5) for _ in range(2)]
+    tl = simulate("1f1b", 2, 1, 1, st, lockstep=True)
+    assert [(o.kind, o.start_s, o.end_s) for o in tl.ops[0]] == [("F", 0, 1), ("B", 5, 7)]
+    assert [(o.kind, o.start_s, o.end_s) for o in tl.ops[1]] == [("F", 1.5, 2.5), ("B", 2.5, 4.5)]
+    assert tl.step_time_s == pytest.approx(7.0)
