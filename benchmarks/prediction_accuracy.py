@@ -11,6 +11,9 @@
    interleaved pipelines, recomputation, mixes), each predicted by planner.cost.estimate with the
    measured cluster and model profiles, then trained with runtime.train under torchrun (one launch
    per world size, several plans per launch).
+   On 2 and 4 processes the search's own pick on the measured profiles
+   (planner.search.search_profiled) joins the plans of its launch, and is compared with the
+   fastest of the others as measured (item 2 of the issue).
 3. A table of predicted vs measured step time (median after warm-up) and peak memory, the median
    and worst absolute step-time error, Kendall's tau between predicted and measured step times,
    and the worst memory under-prediction; results.json under --out.
@@ -35,6 +38,7 @@ from planner.cost import estimate  # noqa: E402
 from planner.model import ZOO  # noqa: E402
 from planner.model_profile import load_model_profile  # noqa: E402
 from planner.build import build_plan  # noqa: E402
+from planner.search import search_profiled  # noqa: E402
 
 SEQ, GB = 32, 8
 MODEL = "tiny"
@@ -116,13 +120,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reuse-profiles", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="plan names (default: all)")
+    ap.add_argument("--no-search", action="store_true", help="leave out the search's pick on the measured profiles")
     args = ap.parse_args(argv)
     out = Path(args.out)
     (out / "plans").mkdir(parents=True, exist_ok=True)
     load0 = loadavg()
     print(f"load average {load0:.2f} on {os.cpu_count()} CPUs; per world size: profile, predict, train", flush=True)
     names = args.only or list(PLANS)
-    preds, plans = {}, {}
+    preds, plans, searched = {}, {}, {}
+    world_of = {n: PLANS[n][0] for n in names}
     for world in sorted({PLANS[n][0] for n in names}):  # profile right before training: same machine state
         cpath, mpath = profiles(out, world, args.reuse_profiles)
         cluster, mp = load_cluster(str(cpath)), load_model_profile(str(mpath))
@@ -135,16 +141,26 @@ def main(argv=None) -> int:
             plan.prediction = est.to_dict()
             plan.write(out / "plans" / f"{name}.json")
             preds[name], plans[name] = est, plan
+        if world > 1 and not args.no_search:  # the search's pick on the measured profiles joins the sweep
+            name = searched[world] = f"w{world}-searched"
+            found = search_profiled(ZOO[MODEL], cluster.shaped_as(1, world), mp, global_batch=GB, seq_len=SEQ,
+                                    dtype="fp32").best
+            found.plan.prediction = found.estimate.to_dict()
+            found.plan.write(out / "plans" / f"{name}.json")
+            preds[name], plans[name] = found.estimate, found.plan
+            world_of[name] = world
+            mine.append(name)
         torchrun(world, "runtime.train", "--plan", *[out / "plans" / f"{n}.json" for n in mine], "--steps", args.steps,
                  "--out", out / f"runs-w{world}")
     rows = []
-    for name in names:
-        run = json.loads((out / f"runs-w{PLANS[name][0]}" / f"{name}.json").read_text())
+    for name in world_of:
+        run = json.loads((out / f"runs-w{world_of[name]}" / f"{name}.json").read_text())
         r = compare(plans[name], run, plans[name].prediction)
         tb = preds[name].breakdown["time"]
         rows.append(dict(plan=name, **{k: r[k] for k in ("predicted_step_time_s", "measured_step_time_s",
                                                          "step_time_error", "predicted_peak_memory_bytes",
-                                                         "measured_peak_memory_bytes", "memory_error")},
+                                                         "measured_peak_memory_bytes", "memory_error",
+                                                         "predicted_optimizer_s", "measured_optimizer_s")},
                          breakdown={k: v for k, v in tb.items() if k.endswith("_s")}))
     print_table(rows)
     errs = sorted(abs(r["step_time_error"]) for r in rows)
@@ -160,23 +176,47 @@ def main(argv=None) -> int:
         print(f"\nnote: the machine was not idle: 1-minute load average {load0:.2f} before this benchmark started "
               f"({load1:.2f} at its end, its own processes included); other processes share the cores and "
               "disturb every timing")
+    summary["searched"] = searched_vs_sweep(rows, plans, searched, world_of)
     print(f"\nmedian |step-time error| {med:.1%} (target <= 10%), worst {errs[-1]:.1%} (<= 25%), "
           f"Kendall tau {tau:.2f} (>= 0.8), worst memory under-prediction {under:.1%} (<= 5%)")
     (out / "results.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
     return 0
 
 
+def searched_vs_sweep(rows, plans, searched, world_of) -> dict:
+    """Per world size: the search's pick (planner.search.search_profiled on the measured profiles)
+    against every other plan of that world size in the sweep, all measured in one launch."""
+    meas = {r["plan"]: r["measured_step_time_s"] for r in rows}
+    out = {}
+    for world, name in searched.items():
+        others = {n: meas[n] for n in meas if world_of[n] == world and n != name}
+        same = [n for n in others if plans[n].content_hash() == plans[name].content_hash()]
+        fastest = min(others, key=others.get)
+        m = plans[name].mesh
+        ratio = meas[name] / others[fastest]
+        out[world] = {"plan": name, "degrees": f"tp{m.tp} pp{m.pp} dp{m.dp} {plans[name].pipeline.schedule} "
+                      f"mb{plans[name].training.micro_batch}", "measured_s": meas[name], "fastest_other": fastest,
+                      "fastest_other_s": others[fastest], "ratio": ratio, "same_as": same}
+        print(f"\nsearch on the measured profiles, {world} processes: {out[world]['degrees']}"
+              + (f" (the same plan as {', '.join(same)})" if same else "")
+              + f", measured {meas[name] * 1e3:.1f} ms; fastest other plan of the sweep {fastest} "
+              f"{others[fastest] * 1e3:.1f} ms: searched / fastest = {ratio:.2f}"
+              + (" (the searched plan is the fastest measured)" if ratio <= 1 else ""))
+    return out
+
+
 def print_table(rows) -> None:
     mib = 2**20
     keys = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "pipeline_bubble_s", "p2p_s", "optimizer_s",
             "runtime_sync_s", "pipeline_overhead_s")
-    head = (f"{'plan':<22}{'pred ms':>9}{'meas ms':>9}{'err':>8}{'pred MiB':>10}{'meas MiB':>10}{'err':>8}   "
-            "predicted breakdown ms: " + " ".join(k[:-2] for k in keys))
+    head = (f"{'plan':<22}{'pred ms':>9}{'meas ms':>9}{'err':>8}{'opt pred':>9}{'meas':>7}{'pred MiB':>10}"
+            f"{'meas MiB':>10}{'err':>8}   predicted breakdown ms: " + " ".join(k[:-2] for k in keys))
     print(head)
     for r in rows:
         b = r["breakdown"]
         print(f"{r['plan']:<22}{r['predicted_step_time_s'] * 1e3:9.1f}{r['measured_step_time_s'] * 1e3:9.1f}"
-              f"{r['step_time_error']:+8.1%}{r['predicted_peak_memory_bytes'] / mib:10.2f}"
+              f"{r['step_time_error']:+8.1%}{r['predicted_optimizer_s'] * 1e3:9.1f}{r['measured_optimizer_s'] * 1e3:7.1f}"
+              f"{r['predicted_peak_memory_bytes'] / mib:10.2f}"
               f"{r['measured_peak_memory_bytes'] / mib:10.2f}{r['memory_error']:+8.1%}   "
               + " ".join(f"{b.get(k, 0.0) * 1e3:.1f}" for k in keys))
 

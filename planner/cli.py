@@ -114,7 +114,7 @@ def _search_row(i, found) -> dict:
 
 def cmd_search(args) -> int:
     import time
-    from planner.search import search
+    from planner.search import search, search_profiled
 
     model = load_model(args.model)
     cluster = _cluster_for(args)
@@ -130,12 +130,10 @@ def cmd_search(args) -> int:
                   end="", file=sys.stderr, flush=True)
 
     mp = _model_profile(args)
-    res = search(model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit,
-                 dtype=args.dtype, top=max(args.top, 12) if mp else args.top, progress=progress)
-    if mp is not None:  # rank the analytic finalists by the measured layer times
-        for f in res.results:
-            f.estimate = estimate(f.plan, cluster, memory_limit_bytes=limit, model_profile=mp)
-        res.results = sorted((f for f in res.results if f.estimate.fits), key=lambda f: f.estimate.step_time_s)[:args.top]
+    kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
+              top=args.top, progress=progress)
+    # with a model profile, the analytic finalists are ranked by the measured layer times
+    res = search_profiled(model, cluster, mp, **kw) if mp is not None else search(model, cluster, **kw)
     if shown[0]:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     if res.best is None:

@@ -68,9 +68,27 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         "predicted_peak_memory_bytes": prediction["peak_memory_bytes"],
         "measured_peak_memory_bytes": measured_mem,
         "memory_error": _err(prediction["peak_memory_bytes"], measured_mem),
+        **_optimizer_terms(run, prediction),
         "stages": stages,
         "final_loss": run["losses"][-1] if run["losses"] else None,
     }
+
+
+def _optimizer_terms(run: dict, prediction: dict) -> dict:
+    """The optimizer step (the slowest rank's gradient clipping and AdamW step) and the rest of the
+    step, predicted against measured, where the run recorded its optimizer times."""
+    opt = run.get("optimizer_times_s")
+    if not isinstance(opt, list) or len(opt) != len(run["step_times_s"]):
+        return {}
+    w = run["warmup_steps"]
+    meas_opt = statistics.median(opt[w:])
+    meas_rest = statistics.median(t - o for t, o in zip(run["step_times_s"][w:], opt[w:]))
+    pred_opt = prediction["breakdown"]["time"].get("optimizer_s", 0.0)
+    pred_rest = prediction["step_time_s"] - pred_opt
+    return {"predicted_optimizer_s": pred_opt, "measured_optimizer_s": meas_opt,
+            "optimizer_error": _err(pred_opt, meas_opt),
+            "predicted_forward_backward_s": pred_rest, "measured_forward_backward_s": meas_rest,
+            "forward_backward_error": _err(pred_rest, meas_rest)}
 
 
 def _err(pred, meas):
@@ -89,6 +107,11 @@ def comparison_table(result: dict) -> str:
              pct(result["step_time_error"])),
             ("tokens/s", f"{result['predicted_tokens_per_s']:,.0f}", f"{result['measured_tokens_per_s']:,.0f}",
              pct(-result["step_time_error"] / (1 + result["step_time_error"]) if result["step_time_error"] is not None else None)),
+            *([("  forward + backward (s)", f"{result['predicted_forward_backward_s']:.4g}",
+                f"{result['measured_forward_backward_s']:.4g}", pct(result["forward_backward_error"])),
+               ("  optimizer step (s)", f"{result['predicted_optimizer_s']:.4g}",
+                f"{result['measured_optimizer_s']:.4g}", pct(result["optimizer_error"]))]
+              if "measured_optimizer_s" in result else []),
             ("peak memory (MiB)", f"{result['predicted_peak_memory_bytes'] / mib:,.1f}",
              f"{result['measured_peak_memory_bytes'] / mib:,.1f}", pct(result["memory_error"]))]
     for st in result["stages"]:

@@ -34,7 +34,8 @@ the runtime wraps it (replicate, FSDP2 without / with resharding after forward) 
 D: extra forward and backward seconds per micro-batch over the unwrapped layer, the extra of the
 backward that synchronizes gradients (once per step), and the optimizer step on the wrapped
 parameters (replacing `optimizer_s`).
-An optional top-level `pipeline`: {"gpipe" | "1f1b": {"overhead_per_op_s": x, "step_s": ...}} is
+An optional top-level `pipeline`: {"gpipe" | "1f1b" | "interleaved-1f1b": {"overhead_per_op_s": x,
+"step_s": ...}} is
 the measured per-operation overhead of torch.distributed.pipelining beyond compute and transfers
 (runtime.profile_model.measure_pipeline), added to every forward and backward of a pipelined plan.
 
@@ -174,8 +175,9 @@ class ModelProfile:
 
     def pipeline_overhead(self, schedule: str) -> float:
         """Measured seconds per pipeline operation (F or B) of torch.distributed.pipelining beyond
-        compute and transfers; interleaved 1F1B takes 1F1B's. 0 when not measured."""
-        key = "1f1b" if schedule == "interleaved-1f1b" else schedule
+        compute and transfers; interleaved 1F1B takes 1F1B's where a profile did not measure it.
+        0 when not measured."""
+        key = "1f1b" if schedule == "interleaved-1f1b" and schedule not in self.pipeline else schedule
         return float((self.pipeline.get(key) or {}).get("overhead_per_op_s", 0.0))
 
     def check_plan(self, plan) -> None:
@@ -325,7 +327,7 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
                                 e.get("points", []), dpm)
     pipe = d.get("pipeline", {})
     need(isinstance(pipe, dict), "pipeline", "expected an object of schedule -> {overhead_per_op_s}")
-    for sched in ("gpipe", "1f1b"):
+    for sched in ("gpipe", "1f1b", "interleaved-1f1b"):
         if sched in pipe:
             v = pipe[sched].get("overhead_per_op_s") if isinstance(pipe[sched], dict) else None
             need(_num(v) and v >= 0, f"pipeline.{sched}.overhead_per_op_s", f"{v!r} must be a non-negative number")

@@ -315,3 +315,20 @@ def _least_memory(ctx, cfgs, build, tries=8):
         est = estimate(build(cfg, stages), ctx.cluster, memory_limit_bytes=ctx.limit)
         least = est.required_bytes if least is None else min(least, est.required_bytes)
     return least
+
+
+PROFILED_POOL = 32  # analytic finalists re-priced with a model profile
+
+
+def search_profiled(model: ModelConfig, cluster: ClusterSpec, model_profile, global_batch: int,
+                    top: int = 1, memory_limit_bytes: float | None = None, **kw) -> SearchResult:
+    """The search with measured layer costs (planner.model_profile): the partitions are searched
+    with the analytic costs, and the PROFILED_POOL fastest distinct configurations are re-priced
+    with the model profile, which then ranks them; plans that no longer fit are dropped."""
+    from planner.cost import estimate
+    res = search(model, cluster, global_batch=global_batch, memory_limit_bytes=memory_limit_bytes,
+                 top=max(top, PROFILED_POOL), **kw)
+    for f in res.results:
+        f.estimate = estimate(f.plan, cluster, memory_limit_bytes=memory_limit_bytes, model_profile=model_profile)
+    res.results = sorted((f for f in res.results if f.estimate.fits), key=lambda f: f.estimate.step_time_s)[:top]
+    return res

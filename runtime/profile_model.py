@@ -209,21 +209,25 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
 
 
 def measure_pipeline(world: int, cluster, repeats: int, m: int = 8) -> dict:
-    """Overhead per pipeline operation of torch.distributed.pipelining here: two-stage pipelines of
-    a trivial layer (Linear 8x8 on [1, 8] micro-batches, all rank pairs at once) run GPipe and 1F1B
-    over m micro-batches; the overhead is the per-operation time that makes the planner's schedule
-    simulator (with the cluster profile's send/recv times) reproduce the measured step."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """Overhead per pipeline operation of torch.distributed.pipelining here: two-rank pipelines of
+    a trivial layer (Linear 8x8 on [1, 8] micro-batches, all rank pairs at once) run GPipe, 1F1B
+    and interleaved 1F1B (two stages per rank) over m micro-batches; the overhead is the
+    per-operation time that makes the planner's schedule simulator (with the cluster profile's
+    send/recv times) reproduce the measured step."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from planner.schedule import StageTimes, simulate
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(world // 2, 2), mesh_dim_names=("dp", "pp"))
     me = mesh["pp"].get_local_rank()
     msg = 4 * 8
     send = cluster.p2p_time(msg, 0, 1)
     out = {"pp": 2, "micro_batches": m, "message_bytes": msg}
-    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+    for name, cls, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
+                         ("interleaved-1f1b", ScheduleInterleaved1F1B, 2)):
         torch.manual_seed(0)
-        stage = PipelineStage(torch.nn.Linear(8, 8), me, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-        sched = cls(stage, n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean(), scale_grads=True)
+        stages = [PipelineStage(torch.nn.Linear(8, 8), me + 2 * i, 2 * v, torch.device("cpu"),
+                                group=mesh["pp"].get_group()) for i in range(v)]
+        sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
+                    scale_grads=True)
         x, t = torch.randn(m, 8), torch.randn(m, 8)
         times = []
         for i in range(repeats + 2):
@@ -238,8 +242,8 @@ def measure_pipeline(world: int, cluster, repeats: int, m: int = 8) -> dict:
         measured = float(vals)
 
         def played(o):
-            st = [StageTimes(o, o, send_fwd_s=send, send_bwd_s=send) for _ in range(2)]
-            return simulate(name, 2, 1, m, st).step_time_s
+            st = [StageTimes(o, o, send_fwd_s=send, send_bwd_s=send) for _ in range(2 * v)]
+            return simulate(name, 2, v, m, st).step_time_s
         base, slope = played(0.0), (played(1e-3) - played(0.0)) / 1e-3
         out[name] = {"step_s": measured, "overhead_per_op_s": max(0.0, (measured - base) / slope)}
     return out
@@ -282,8 +286,8 @@ def profile_model(args) -> dict | None:
                                 "(runtime.metrics.LiveTensorBytes), output included",
             "optimizer_s": "measured: runtime.train.clip_grad_norm + AdamW(foreach=False).step on the layer's "
                            "parameters, as the runtime runs them on CPU",
-            "pipeline": "measured: runtime.profile_model.measure_pipeline (two-stage GPipe and 1F1B of a trivial "
-                        "layer; the per-operation overhead that makes planner.schedule reproduce it)",
+            "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of a "
+                        "trivial layer; the per-operation overhead that makes planner.schedule reproduce it)",
             "runtime": f"torch {torch.__version__}, gloo, fp32, loss-parallel head under TP",
         },
     }

@@ -114,25 +114,41 @@ def cross_entropy(logits, targets):
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device) -> float:
-    """Clip to a total norm over every parameter of the model, however it is split: each DTensor
-    gradient's norm is reduced over its own mesh (full_tensor of a scalar), the squares are summed
-    over this rank's chunks, then over the pipeline ranks. Returns the norm before clipping."""
+def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device, timing: dict | None = None) -> float:
+    """Clip to a total norm over every parameter of the model, however it is split. The squares of
+    the local shards are summed per (mesh, sharded mesh dims) and each sum is all-reduced over its
+    sharded dims once (not one collective per DTensor); replicated dims hold copies and are not
+    summed; then the total is summed over the pipeline ranks. Returns the norm before clipping.
+    `timing["pp_wait_s"]` gets the time of the pipeline all-reduce, which waits for the other
+    pipeline ranks' last backward."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64, device=device)
+    sums: dict = {}
     for g in grads:
-        n = torch.linalg.vector_norm(g, dtype=torch.float32)
-        n = n.full_tensor() if isinstance(n, DTensor) else n
-        sq += n.double() ** 2
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).full_tensor().double() ** 2
+        elif isinstance(g, DTensor):
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            local = torch.linalg.vector_norm(g.to_local(), dtype=torch.float32).double() ** 2
+            entry = sums.setdefault((id(g.device_mesh), dims), [g.device_mesh, dims, torch.zeros_like(sq)])
+            entry[2] += local
+        else:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+    for mesh, dims, part in sums.values():  # the same order on every rank: parameter order
+        for d in dims:
+            dist.all_reduce(part, group=mesh.get_group(d))
+        sq += part
     if pp_group is not None:
+        t0 = time.perf_counter()
         dist.all_reduce(sq, group=pp_group)
+        if timing is not None:
+            timing["pp_wait_s"] = time.perf_counter() - t0
     total = float(sq.sqrt())
     if max_norm > 0 and total > max_norm:
         coef = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(coef)
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
 
 
@@ -204,12 +220,20 @@ class Trainer:
                     local_loss += sum(float(l.detach()) for l in losses) / n_micro
             else:
                 local_loss += self._accumulate(inputs.chunk(n_micro), targets.chunk(n_micro))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_opt, timing = time.perf_counter(), {}
         params = [p for c in self.chunks for p in c.parameters()]
         self.grad_norm = clip_grad_norm(params, plan.training.grad_clip,
-                                        self.mesh["pp"].get_group() if plan.mesh.pp > 1 else None, self.device)
+                                        self.mesh["pp"].get_group() if plan.mesh.pp > 1 else None, self.device, timing)
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # gradient clipping and the optimizer step on this rank, less the wait for the other
+        # pipeline ranks in the gradient norm's all-reduce
+        self.optimizer_s = time.perf_counter() - t_opt - timing.get("pp_wait_s", 0.0)
         # the loss of the step: mean over data-parallel ranks of the last stage's loss
         owner = self.n_stages - 1 in self.stage_ids and self.tp_rank == 0
         total = torch.tensor([float(local_loss) if owner else 0.0], dtype=torch.float64, device=self.device)
@@ -254,7 +278,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     warmup = 1 if args.steps - start_step > 1 else 0
     measure_at = start_step + warmup
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers)
-    losses, times, grad_norms = [], [], []
+    losses, times, grad_norms, opt_times = [], [], [], []
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
         ctx = peak.measure() if step == measure_at else contextlib.nullcontext()
@@ -266,6 +290,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
             torch.cuda.synchronize(device)
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        opt_times.append(trainer.optimizer_s)
         losses.append(loss)
         grad_norms.append(trainer.grad_norm)
         if rank == 0:
@@ -275,6 +300,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
                       plan_hash, {"next_step": step + 1})
     timed = times[warmup:] or times
     peaks = gather(peak.bytes)
+    opt_by_rank = gather(opt_times)
     tokens = t.global_batch * t.seq_len
     return {
         "plan": str(plan_path),
@@ -288,6 +314,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "losses": losses,
         "grad_norms": grad_norms,  # before clipping
         "step_times_s": times,
+        # per step, the slowest rank's gradient clipping + optimizer step (part of step_times_s)
+        "optimizer_times_s": [max(r[i] for r in opt_by_rank) for i in range(len(times))],
         "warmup_steps": warmup,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens * len(timed) / sum(timed),

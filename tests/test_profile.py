@@ -140,6 +140,22 @@ def test_model_profile_round_trips_and_prices_a_plan(model_profile, cluster_prof
     assert estimate(plan, cluster).step_time_s != est.step_time_s
 
 
+def test_search_with_a_model_profile_ranks_by_the_measured_layers(model_profile, cluster_profile, tmp_path, capsys):
+    from planner.cli import main
+    from planner.plan import Plan
+    out = tmp_path / "best.json"
+    assert main(["search", "--model", "tiny", "--cluster", str(cluster_profile), "--gpus", "2", "--global-batch", "8",
+                 "--seq-len", "32", "--dtype", "fp32", "--model-profile", str(model_profile), "--top", "5",
+                 "-o", str(out), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    mp, cluster = load_model_profile(str(model_profile)), load_cluster(str(cluster_profile))
+    best = estimate(Plan.read(out), cluster, model_profile=mp)
+    assert res["step_time_s"] == pytest.approx(best.step_time_s)
+    assert res["breakdown"]["priced_by"]["model_profile"]["hash"] == mp.profile_hash
+    others = [a["estimate"]["step_time_s"] for a in res["alternatives"]]
+    assert others and all(best.step_time_s <= t for t in others)
+
+
 def test_a_measured_layer_pays_the_tier_of_the_plans_tp_group(model_profile, cluster_profile):
     """TP was measured on ranks 0..tp-1 inside one node; a plan whose TP group spans two nodes pays
     the slower tier on top of the measurement, as the FLOP-based model does."""
@@ -199,7 +215,7 @@ def _plan_and_run(tmp_path, prediction=True):
     plan.write(tmp_path / "plan.json")
     run = {"losses": [6.3, 6.2, 6.1], "step_times_s": [0.5, 0.1, 0.12], "warmup_steps": 1,
            "peak_memory_bytes": 3_000_000, "peak_memory_bytes_per_rank": [3_000_000, 2_900_000],
-           "world_size": 2, "plan_hash": plan.content_hash()}
+           "optimizer_times_s": [0.05, 0.02, 0.03], "world_size": 2, "plan_hash": plan.content_hash()}
     (tmp_path / "run.json").write_text(json.dumps(run))
     return plan
 
@@ -215,6 +231,10 @@ def test_compare_prints_predicted_against_measured(tmp_path, capsys, with_predic
     assert out["step_time_error"] == pytest.approx((pred - 0.11) / 0.11)
     assert out["measured_peak_memory_bytes"] == 3_000_000
     assert out["memory_error"] == pytest.approx((out["predicted_peak_memory_bytes"] - 3e6) / 3e6)
+    # the optimizer step and the rest of the step, each the median over the timed steps
+    assert out["measured_optimizer_s"] == pytest.approx(0.025)
+    assert out["measured_forward_backward_s"] == pytest.approx(0.085)
+    assert out["predicted_forward_backward_s"] + out["predicted_optimizer_s"] == pytest.approx(pred)
     assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--plot",
                          str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 0 and "step time" in capsys.readouterr().out

@@ -170,7 +170,8 @@ def test_run_json_reports_what_compare_needs(plans, reference, tmp_path):
     out = tmp_path / "run.json"
     assert_ok(train(1, "--plan", plans["ref"], "--steps", 3, "--out", out))
     run = json.loads(out.read_text())
-    assert len(run["losses"]) == len(run["step_times_s"]) == 3
+    assert len(run["losses"]) == len(run["step_times_s"]) == len(run["optimizer_times_s"]) == 3
+    assert all(0 < o < t for o, t in zip(run["optimizer_times_s"], run["step_times_s"]))
     assert run["warmup_steps"] == 1 and run["tokens_per_s"] > 0
     assert run["plan_hash"].startswith("sha256:") and run["environment"]["backend"] == "gloo"
     # parameters + gradients + AdamW's two moments, all fp32, are live at the peak
