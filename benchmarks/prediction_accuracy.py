@@ -42,7 +42,7 @@ from planner.build import build_plan  # noqa: E402
 from planner.search import search_profiled  # noqa: E402
 
 # model: (sequence length, global batch, micro-batch sizes profiled, profile repeats)
-MODELS = {"tiny": (32, 8, "1,2,4", 9), "small": (64, 8, "1,2", 5)}
+MODELS = {"tiny": (32, 8, "1,2,4", 9), "small": (64, 8, "1,2,4", 5)}
 
 # name: (model, world, build_plan keywords)
 PLANS = {

@@ -324,11 +324,15 @@ def search_profiled(model: ModelConfig, cluster: ClusterSpec, model_profile, glo
                     top: int = 1, memory_limit_bytes: float | None = None, **kw) -> SearchResult:
     """The search with measured layer costs (planner.model_profile): the partitions are searched
     with the analytic costs, and the PROFILED_POOL fastest distinct configurations are re-priced
-    with the model profile, which then ranks them; plans that no longer fit are dropped."""
+    with the model profile, which then ranks them; plans that no longer fit are dropped, and so
+    are plans whose micro-batch is larger than the largest the profile measured (the fits of time
+    against micro-batch size are not trusted far outside the measured range)."""
     from planner.cost import estimate
     res = search(model, cluster, global_batch=global_batch, memory_limit_bytes=memory_limit_bytes,
                  top=max(top, PROFILED_POOL), **kw)
-    for f in res.results:
+    largest = max(model_profile.micro_batches, default=None)
+    kept = [f for f in res.results if largest is None or f.plan.training.micro_batch <= largest] or res.results
+    for f in kept:
         f.estimate = estimate(f.plan, cluster, memory_limit_bytes=memory_limit_bytes, model_profile=model_profile)
-    res.results = sorted((f for f in res.results if f.estimate.fits), key=lambda f: f.estimate.step_time_s)[:top]
+    res.results = sorted((f for f in kept if f.estimate.fits), key=lambda f: f.estimate.step_time_s)[:top]
     return res

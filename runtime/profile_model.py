@@ -12,6 +12,7 @@ runtime.metrics.LiveTensorBytes, the counter run.json's peak memory uses.
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import statistics
 import time
@@ -95,18 +96,30 @@ def _inputs(cfg, kind: str, mb: int, s: int, tp: int, tp_rank: int, sp: bool):
     return x.requires_grad_(True), ids
 
 
+MIN_SAMPLE_S = 0.02  # a timed sample spans several scheduler time slices
+
+
+def _passes_per_sample(seconds: float) -> int:
+    """Back-to-back repetitions per timed sample, the same on every rank: processes that share
+    cores are preempted every few milliseconds, so a single short pass times either a full core
+    or a wait; a sample of several slices times the sustained share each process gets."""
+    k = torch.tensor([max(1, math.ceil(MIN_SAMPLE_S / max(seconds, 1e-6)))])
+    dist.all_reduce(k, op=dist.ReduceOp.MAX)
+    return int(k)
+
+
 def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None):
-    """Median forward and backward seconds of `repeats` passes after one warm-up. `sync` (FSDP
-    modules only): whether gradients are synchronized, as the runtime's last micro-batch does."""
+    """Median forward and backward seconds per pass over `repeats` samples, each of k passes back
+    to back (after two warm-up passes). `sync` (FSDP modules only): whether gradients are
+    synchronized, as the runtime's last micro-batch does."""
     from torch.distributed.fsdp import FSDPModule
     from runtime.train import cross_entropy
     if sync is not None and isinstance(chunk, FSDPModule):
         chunk.set_requires_gradient_sync(sync)
-    fwd, bwd = [], []
-    for i in range(repeats + 1):
+
+    def one():
         if x.grad is not None:
             x.grad = None
-        dist.barrier()
         with lp():
             t0 = time.perf_counter()
             out = chunk(x)
@@ -115,24 +128,38 @@ def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None):
             t1 = time.perf_counter()
             out.backward(torch.ones_like(out) if kind != "head" else None)
             t2 = time.perf_counter()
-        if i:  # the first is a warm-up
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        del out
+        return t1 - t0, t2 - t1
+
+    one()
+    k = _passes_per_sample(sum(one()))
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        f = b = 0.0
+        for _ in range(k):
+            df, db = one()
+            f, b = f + df, b + db
+        fwd.append(f / k)
+        bwd.append(b / k)
     return statistics.median(fwd), statistics.median(bwd)
 
 
 def _time_optimizer(params, repeats) -> float:
     from runtime.train import clip_grad_norm
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-    times = []
-    for i in range(repeats + 1):
-        dist.barrier()
+
+    def one():
         t0 = time.perf_counter()
         clip_grad_norm(params, 1.0, None, torch.device("cpu"))
         opt.step()
-        if i:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    one()
+    k = _passes_per_sample(one())
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        times.append(sum(one() for _ in range(k)) / k)
     return statistics.median(times)
 
 
@@ -280,8 +307,8 @@ def profile_model(args) -> dict | None:
         "entries": entries,
         **({"pipeline": pipeline} if pipeline else {}),
         "sources": {
-            "times": f"measured: median of {args.repeats} forward+backward passes after one warm-up, every rank at "
-                     "once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
+            "times": f"measured: median of {args.repeats} samples of back-to-back forward+backward passes (each "
+                     f"sample at least {MIN_SAMPLE_S} s) after two warm-up passes, every rank at once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
             "activation_bytes": "measured: live bytes created by one forward and kept until its backward "
                                 "(runtime.metrics.LiveTensorBytes), output included",
             "optimizer_s": "measured: runtime.train.clip_grad_norm + AdamW(foreach=False).step on the layer's "

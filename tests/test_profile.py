@@ -154,6 +154,8 @@ def test_search_with_a_model_profile_ranks_by_the_measured_layers(model_profile,
     assert res["breakdown"]["priced_by"]["model_profile"]["hash"] == mp.profile_hash
     others = [a["estimate"]["step_time_s"] for a in res["alternatives"]]
     assert others and all(best.step_time_s <= t for t in others)
+    # no micro-batch beyond the measured ones (1 and 2): the fits are not extrapolated
+    assert max([Plan.read(out).training.micro_batch] + [a["degrees"]["micro_batch"] for a in res["alternatives"]]) <= 2
 
 
 def test_a_measured_layer_pays_the_tier_of_the_plans_tp_group(model_profile, cluster_profile):
