@@ -69,6 +69,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     t = plan.training
     if t.dropout > 0:
         raise ConfigError(f"training.dropout: {t.dropout}; the runtime does not implement dropout yet, set it to 0")
+    if t.attention != "flash":
+        raise ConfigError(f"training.attention: {t.attention} (materialized softmax) is for predicting older runs; the "
+                          "runtime runs fused scaled_dot_product_attention, set it to flash to run")
     if not t.overlap_grad_reduce:
         raise ConfigError("training.overlap_grad_reduce: false describes other frameworks (Megatron-LM local DDP) for "
                           "prediction; the runtime reduces gradients during the backward, set it to true to run")

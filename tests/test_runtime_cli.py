@@ -61,6 +61,7 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(pp=2, model=dataclasses.replace(ZOO["tiny-gpt"], tie_embeddings=True)), "model.tie_embeddings"),
     (dict(tp=2, model=dataclasses.replace(ZOO["tiny"], vocab=511)), "model.vocab"),
     (dict(overlap_grad_reduce=False), "training.overlap_grad_reduce"),
+    (dict(attention="unfused"), "training.attention"),
     (dict(pp=2, lockstep=True), "pipeline.lockstep"),
 ])
 def test_what_the_runtime_cannot_do_is_refused_by_name(tmp_path, capsys, monkeypatch, change, field):
