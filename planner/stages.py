@@ -151,7 +151,7 @@ class StageCosts:
     # -------------------------------------------------------------- bounds
     def config_bound(self):
         """(lower bound on step time, lower bound on per-device memory) for any inner choice."""
-        ctx, cfg, lc, m = self.ctx, self.cfg, self.lc, self.ctx.model
+        ctx, cfg, lc = self.ctx, self.cfg, self.lc
         w = lambda x: x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
         wtot = w(lc["emb"]) + w(lc["head"]) + self.L * min(w(lc["blk"][r]) for r in self.modes)
         P = lc["emb"].params + lc["head"].params + self.L * lc["blk"]["none"].params
@@ -217,7 +217,7 @@ class StageCosts:
 
     def evaluate(self, assign):
         """Exact LB and memory check of an assignment [(k, menu, option index) per stage]."""
-        cfg, p, mbs = self.cfg, self.cfg.pp, self.cfg.micro_batches
+        p, mbs = self.cfg.pp, self.cfg.micro_batches
         W = [0.0] * p
         tail = [0.0] * p
         pre, pref = [], 0.0

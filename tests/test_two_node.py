@@ -7,13 +7,10 @@ Needs root, iproute2 and network namespaces; skipped with the reason otherwise.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 
