@@ -1,7 +1,7 @@
 """Prediction accuracy on this machine: profile it, predict plans, run them, compare.
 
-    python benchmarks/prediction_accuracy.py [--out out/accuracy] [--steps 8] [--reuse-profiles]
-                                             [--only NAME ...] [--no-search]
+    python benchmarks/prediction_accuracy.py [--out out/accuracy] [--steps 8] [--rounds 3]
+                                             [--reuse-profiles] [--only NAME ...] [--no-search]
 
 1. Per world size (1, 2, 4) and model (tiny at seq 32; the larger "small", ~28M parameters, at
    seq 64), right before its plans train: `runtime.profile cluster` (once per world size; on 2
@@ -15,7 +15,12 @@
    model and world size, several plans per launch). On 2 and 4 processes the search's own pick
    on the measured profiles (planner.search.search_profiled) joins the plans of its launch, and
    is compared with the fastest of the others as measured.
-3. A table of predicted vs measured step time (median after warm-up), optimizer step and peak
+3. Steps 1-2 are one round; the benchmark runs --rounds independent rounds (each its own profiles,
+   predictions and launches; the search's pick is made in the first round and kept). The timings
+   of processes sharing two cores move by tens of percent between launches minutes apart (the
+   spread is printed), so per plan the median over rounds of the predicted and of the measured
+   step time are compared (and the single-round errors are printed too).
+4. A table of predicted vs measured step time (median after warm-up), optimizer step and peak
    memory, the median and worst absolute step-time error, Kendall's tau between predicted and
    measured step times, and the worst memory under-prediction; results.json under --out.
 """
@@ -110,13 +115,6 @@ def profiles(out: Path, world: int, model: str, reuse: bool) -> tuple[Path, Path
 _MEASURED: set = set()
 
 
-def loadavg() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError):
-        return 0.0
-
-
 def kendall_tau(xs, ys) -> float:
     """Kendall's tau-a: (concordant - discordant) / pairs."""
     n, s = len(xs), 0
@@ -127,21 +125,13 @@ def kendall_tau(xs, ys) -> float:
     return s / (n * (n - 1) / 2)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO / "out" / "accuracy"))
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--reuse-profiles", action="store_true")
-    ap.add_argument("--only", nargs="*", default=None, help="plan names (default: all)")
-    ap.add_argument("--no-search", action="store_true", help="leave out the search's pick on the measured profiles")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
+def run_round(out: Path, names: list, args, searched: dict, group_of: dict) -> dict:
+    """One round: per (model, world) group profile, predict its plans, and train them in one launch.
+    The search's pick per group is made in the first round (`searched` empty) and kept for later
+    rounds. Returns {plan name: compare() row}."""
     (out / "plans").mkdir(parents=True, exist_ok=True)
-    load0 = loadavg()
-    print(f"load average {load0:.2f} on {os.cpu_count()} CPUs; per world size: profile, predict, train", flush=True)
-    names = args.only or list(PLANS)
-    preds, plans, searched = {}, {}, {}
-    group_of = {n: PLANS[n][:2] for n in names}  # (model, world)
+    _MEASURED.clear()
+    plans = {}
     for model, world in sorted(set(group_of.values()), key=lambda g: (g[1], g[0] != "tiny")):
         # profile right before training: the same machine state
         cpath, mpath = profiles(out, world, model, args.reuse_profiles)
@@ -152,51 +142,118 @@ def main(argv=None) -> int:
             plan = build_plan(ZOO[model], cluster_name=cluster.name, device=cluster.device.name, nodes=1,
                               devices_per_node=world, global_batch=gb, seq_len=seq, dtype="fp32",
                               profile_hash=cluster.profile_hash, **PLANS[name][2])
-            est = estimate(plan, cluster, model_profile=mp)
-            plan.prediction = est.to_dict()
-            plan.write(out / "plans" / f"{name}.json")
-            preds[name], plans[name] = est, plan
+            plans[name] = plan
         if world > 1 and not args.no_search:  # the search's pick on the measured profiles joins the sweep
-            name = searched[(model, world)] = ("" if model == "tiny" else f"{model}-") + f"w{world}-searched"
-            found = search_profiled(ZOO[model], cluster.shaped_as(1, world), mp, global_batch=gb, seq_len=seq,
-                                    dtype="fp32").best
-            found.plan.prediction = found.estimate.to_dict()
-            found.plan.write(out / "plans" / f"{name}.json")
-            preds[name], plans[name] = found.estimate, found.plan
+            name = ("" if model == "tiny" else f"{model}-") + f"w{world}-searched"
+            if (model, world) not in searched:
+                found = search_profiled(ZOO[model], cluster.shaped_as(1, world), mp, global_batch=gb, seq_len=seq,
+                                        dtype="fp32").best
+                searched[(model, world)] = (name, found.plan)
+            plans[name] = searched[(model, world)][1]
             group_of[name] = (model, world)
             mine.append(name)
+        for name in mine:
+            est = estimate(plans[name], cluster, model_profile=mp)
+            plans[name].prediction = est.to_dict()
+            plans[name].write(out / "plans" / f"{name}.json")
+        runs = out / f"runs-{model}-w{world}"
+        runs.mkdir(exist_ok=True)
         torchrun(world, "runtime.train", "--plan", *[out / "plans" / f"{n}.json" for n in mine], "--steps", args.steps,
-                 "--out", out / f"runs-{model}-w{world}")
-    rows = []
-    for name in group_of:
+                 "--out", runs if len(mine) > 1 else runs / f"{mine[0]}.json")
+    rows = {}
+    for name, plan in plans.items():
         model, world = group_of[name]
         run = json.loads((out / f"runs-{model}-w{world}" / f"{name}.json").read_text())
-        r = compare(plans[name], run, plans[name].prediction)
-        tb = preds[name].breakdown["time"]
-        rows.append(dict(plan=name, **{k: r[k] for k in ("predicted_step_time_s", "measured_step_time_s",
-                                                         "step_time_error", "predicted_peak_memory_bytes",
-                                                         "measured_peak_memory_bytes", "memory_error",
-                                                         "predicted_optimizer_s", "measured_optimizer_s")},
-                         breakdown={k: v for k, v in tb.items() if k.endswith("_s")}))
+        rows[name] = dict(compare(plan, run, plan.prediction), plan=plan,
+                          breakdown={k: v for k, v in plan.prediction["breakdown"]["time"].items() if k.endswith("_s")})
+    return rows
+
+
+KEYS = ("predicted_step_time_s", "measured_step_time_s", "predicted_peak_memory_bytes", "measured_peak_memory_bytes",
+        "predicted_optimizer_s", "measured_optimizer_s")
+
+
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO / "out" / "accuracy"))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="independent rounds of profile + predict + train; "
+                    "per plan the medians over rounds are compared")
+    ap.add_argument("--reuse-profiles", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="plan names (default: all)")
+    ap.add_argument("--no-search", action="store_true", help="leave out the search's pick on the measured profiles")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    names = args.only or list(PLANS)
+    unknown = [n for n in names if n not in PLANS]
+    if unknown or args.rounds < 1:
+        sys.exit(f"--only: unknown plan {unknown[0]}; use {', '.join(PLANS)}" if unknown else "--rounds: at least 1")
+    print(f"{os.cpu_count()} CPUs, CPU idle {idle_share():.0%} over 2 s before the start; {args.rounds} rounds of: "
+          "per world size profile, predict, train", flush=True)
+    group_of = {n: PLANS[n][:2] for n in names}  # (model, world)
+    searched, rounds = {}, []
+    for i in range(args.rounds):
+        print(f"round {i + 1} of {args.rounds}", flush=True)
+        rounds.append(run_round(out / f"round{i + 1}", names, args, searched, group_of))
+    rows = []
+    for name in group_of:
+        per = [r[name] for r in rounds]
+        row = {"plan": name, **{k: median([p[k] for p in per]) for k in KEYS}}
+        row["step_time_error"] = row["predicted_step_time_s"] / row["measured_step_time_s"] - 1
+        row["memory_error"] = row["predicted_peak_memory_bytes"] / row["measured_peak_memory_bytes"] - 1
+        row["rounds"] = {k: [p[k] for p in per] for k in ("predicted_step_time_s", "measured_step_time_s")}
+        row["breakdown"] = {k: median([p["breakdown"].get(k, 0.0) for p in per]) for k in per[0]["breakdown"]}
+        rows.append(row)
     print_table(rows)
     errs = sorted(abs(r["step_time_error"]) for r in rows)
-    med = errs[len(errs) // 2] if len(errs) % 2 else (errs[len(errs) // 2 - 1] + errs[len(errs) // 2]) / 2
+    med = median(errs)
     tau = kendall_tau([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows])
     under = max(0.0, -min(r["memory_error"] for r in rows))
-    summary = {"plans": len(rows), "median_abs_step_time_error": med, "worst_abs_step_time_error": errs[-1],
-               "kendall_tau": tau, "worst_memory_under_prediction": under,
+    single = sorted(abs(p["step_time_error"]) for r in rounds for p in r.values())
+    summary = {"plans": len(rows), "rounds": args.rounds, "median_abs_step_time_error": med,
+               "worst_abs_step_time_error": errs[-1], "kendall_tau": tau, "worst_memory_under_prediction": under,
+               "single_round_median_abs_step_time_error": median(single),
+               "single_round_worst_abs_step_time_error": single[-1],
+               "measured_spread": spread(rows),
                "targets": {"median": 0.10, "worst": 0.25, "tau": 0.8, "memory_under": 0.05}}
-    load1 = loadavg()
-    summary["load_average_start_end"] = [load0, load1]
-    if load0 > 0.5:
-        print(f"\nnote: the machine was not idle: 1-minute load average {load0:.2f} before this benchmark started "
-              f"({load1:.2f} at its end, its own processes included); other processes share the cores and "
-              "disturb every timing")
-    summary["searched"] = searched_vs_sweep(rows, plans, searched, group_of)
-    print(f"\nmedian |step-time error| {med:.1%} (target <= 10%), worst {errs[-1]:.1%} (<= 25%), "
-          f"Kendall tau {tau:.2f} (>= 0.8), worst memory under-prediction {under:.1%} (<= 5%)")
+    summary["searched"] = searched_vs_sweep(rows, {n: rounds[0][n]["plan"] for n in group_of},
+                                            {g: v[0] for g, v in searched.items()}, group_of)
+    print(f"\nper plan the median over {args.rounds} rounds: median |step-time error| {med:.1%} (target <= 10%), "
+          f"worst {errs[-1]:.1%} (<= 25%), Kendall tau {tau:.2f} (>= 0.8), worst memory under-prediction "
+          f"{under:.1%} (<= 5%)")
+    print(f"single rounds (each plan in each round on its own): median |error| {median(single):.1%}, worst "
+          f"{single[-1]:.1%}; measured step time across rounds, max / min per plan: median "
+          f"{summary['measured_spread']['median']:.2f}, worst {summary['measured_spread']['worst']:.2f} "
+          f"({summary['measured_spread']['worst_plan']})")
     (out / "results.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
     return 0
+
+
+def spread(rows) -> dict:
+    """How much a plan's measured step time moved between rounds (max / min), the noise floor."""
+    s = {r["plan"]: max(r["rounds"]["measured_step_time_s"]) / min(r["rounds"]["measured_step_time_s"]) for r in rows}
+    worst = max(s, key=s.get)
+    return {"median": median(list(s.values())), "worst": s[worst], "worst_plan": worst}
+
+
+def idle_share(seconds: float = 2.0) -> float:
+    """Share of CPU time idle over `seconds` (/proc/stat), 1.0 where unreadable."""
+    def read():
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return f[3] + f[4], sum(f)
+    try:
+        i0, t0 = read()
+        time.sleep(seconds)
+        i1, t1 = read()
+        return (i1 - i0) / max(1, t1 - t0)
+    except (OSError, ValueError, IndexError):
+        return 1.0
 
 
 def searched_vs_sweep(rows, plans, searched, group_of) -> dict:

@@ -89,6 +89,9 @@ class ClusterSpec:
     sources: dict = field(default_factory=dict)
     node_of_rank: list | None = None  # measured topology: node index of each rank
     overlap_slowdown: float = 1.0  # compute slowdown while communication overlaps it (measured)
+    # devices that compute at full speed at once (measured; None: each device has its own compute,
+    # as GPUs do). Processes sharing CPU cores share them: planner.schedule.Sharing
+    compute_slots: float | None = None
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -256,6 +259,9 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
         node_of_rank = topo.get("node_of_rank") if isinstance(topo, dict) else None
         if not isinstance(node_of_rank, list) or not all(isinstance(x, int) for x in node_of_rank):
             raise ConfigError(f"{source}: topology.node_of_rank must be a list of node indices, one per rank")
+    slots = d.get("compute_slots")
+    if slots is not None:
+        slots = _num(d, "compute_slots", source)
     nodes = d.get("nodes")
     if nodes is not None and (not isinstance(nodes, int) or nodes < 1):
         raise ConfigError(f"{source}: nodes {nodes!r} must be a positive integer or null")
@@ -263,7 +269,7 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
         name=str(d["name"]), devices_per_node=dpn, device=device, collectives=collectives, nodes=nodes,
         description=str(d.get("description", "")), kind=str(d.get("kind", "datasheet")),
         tiers=d.get("tiers", {}), sources=d.get("sources", {}), node_of_rank=node_of_rank,
-        overlap_slowdown=float(d.get("overlap_slowdown", 1.0)), raw=d)
+        overlap_slowdown=float(d.get("overlap_slowdown", 1.0)), compute_slots=slots, raw=d)
 
 
 def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from planner.cluster import ClusterSpec
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
-from planner.schedule import StageTimes, peak_in_flight, simulate
+from planner.schedule import Sharing, StageTimes, peak_in_flight, simulate
 
 ADAM_STATE_BYTES = 8  # two float32 moments per parameter
 MASTER_BYTES = 4  # float32 master copy under mixed precision
@@ -286,7 +286,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                                zero3_gather_exposed_s=(zero3_f + zero3_b) * mbs, grad_sync_s=sync,
                                params=params, optimizer_s=sum(c.optimizer_s for c in costs),
                                measured_dp=measured_dp, costs=costs))
-    how = dict(overlap_grad_reduce=t.overlap_grad_reduce, lockstep=pipe.lockstep)
+    timed_busy = model_profile.processes if model_profile is not None else 1  # processes computing when timed
+    how = dict(overlap_grad_reduce=t.overlap_grad_reduce, lockstep=pipe.lockstep,
+               sharing=Sharing.of(cluster.compute_slots, mesh.world_size, tp * dp, timed_busy))
     tl = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=True, **how)
     tl0 = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=False, **how) if pp > 1 else tl
 

@@ -20,6 +20,14 @@ rank's whole backward, as Megatron-LM v2.x's local DDP (`allreduce_gradients()` 
 `train_step` after `forward_backward_func`, megatron/training.py at tag v2.5) and DeepSpeed's
 pipeline engine (`ReduceGrads` issued after the last step of `TrainSchedule`) do.
 
+Devices that share compute (`sharing`: processes on shared CPU cores, ClusterSpec.compute_slots)
+run an operation at rate min(1, slots / busy processes): a rank's F or B is work that the rank
+does at full speed while at most `slots` processes compute, and proportionally slower beyond
+(processor sharing, as the OS scheduler time-slices runnable processes). A pipeline rank is the
+tp x dp processes that run its stage together; ranks waiting on a transfer do not compute. The
+given operation times were measured with `measured_busy` processes computing at once. Lock-step
+execution (a DeepSpeed replay for GPU clusters) does not share.
+
 Lock-step execution (`lockstep=True`, 1F1B only) plays DeepSpeed's PipelineEngine (deepspeed/
 runtime/pipe/schedule.py `TrainSchedule` and p2p.py, v0.5.8): 2(m+p-1) steps; at each step a
 stage runs one forward or one backward chosen by the parities of the step and the stage, after
@@ -42,6 +50,29 @@ class StageTimes:
     send_fwd_s: float = 0.0  # transfer of this stage's output to the next stage
     send_bwd_s: float = 0.0  # transfer of this stage's input gradient to the previous stage
     grad_sync_s: float = 0.0  # data-parallel gradient communication after its last backward
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """Processes sharing `slots` compute units (see the module doc)."""
+    slots: float
+    procs_per_rank: int  # processes computing together for one pipeline rank (tp x dp)
+    measured_busy: float = 1.0  # processes that computed at once when the op times were measured
+
+    @staticmethod
+    def of(slots, world: int, procs_per_rank: int, measured_busy: float = 1.0) -> "Sharing | None":
+        """The sharing of a world of `world` processes on `slots` compute units; None where every
+        process has its own (slots None or >= world)."""
+        if slots is None or slots >= world:
+            return None
+        return Sharing(float(slots), procs_per_rank, float(measured_busy))
+
+    def work(self, seconds: float) -> float:
+        """Full-speed work of an operation timed at `measured_busy` busy processes."""
+        return seconds / max(1.0, self.measured_busy / self.slots)
+
+    def rate(self, busy_ranks: int) -> float:
+        return min(1.0, self.slots / max(1, busy_ranks * self.procs_per_rank))
 
 
 @dataclass
@@ -115,12 +146,12 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
 
 def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
              stages: list[StageTimes], p2p: bool = True, blocking_p2p: bool = BLOCKING_P2P,
-             overlap_grad_reduce: bool = True, lockstep: bool = False) -> Timeline:
+             overlap_grad_reduce: bool = True, lockstep: bool = False, sharing: Sharing | None = None) -> Timeline:
     """Play the schedule; `stages` has pp * virtual_stages entries in model order. With
     `blocking_p2p` a rank waits for its own send to complete before its next operation, as
     torch.distributed.pipelining (which waits on batched send/recv work), Megatron-LM and DeepSpeed
     do; otherwise sends run in the background and only the receiver waits. `overlap_grad_reduce`
-    and `lockstep`: see the module doc."""
+    `lockstep` and `sharing`: see the module doc."""
     n_stages = pp * virtual_stages
     if len(stages) != n_stages:
         raise ValueError(f"{len(stages)} stage times for {n_stages} stages")
@@ -130,6 +161,9 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
         ops, free = _play_lockstep(pp, micro_batches, stages, p2p)
         return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
     orders = [rank_order(schedule, pp, virtual_stages, micro_batches, r) for r in range(pp)]
+    if sharing is not None:
+        ops, free = _play_shared(orders, stages, p2p, blocking_p2p, sharing)
+        return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
     done: dict[tuple[str, int, int], float] = {}
     pos = [0] * pp
     free = [0.0] * pp
@@ -141,12 +175,7 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
         for r in range(pp):
             while pos[r] < len(orders[r]):
                 kind, s, j = orders[r][pos[r]]
-                if kind == "F":
-                    dep = ("F", s - 1, j) if s > 0 else None
-                    lag = stages[s - 1].send_fwd_s if (s > 0 and p2p) else 0.0
-                else:
-                    dep = ("B", s + 1, j) if s < last else ("F", s, j)
-                    lag = stages[s + 1].send_bwd_s if (s < last and p2p) else 0.0
+                dep, lag = _needs(kind, s, j, stages, p2p)
                 if dep is not None and dep not in done:
                     break
                 ready = done[dep] + lag if dep is not None else 0.0
@@ -165,6 +194,64 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={virtual_stages}, m={micro_batches})")
     return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
+
+
+def _needs(kind: str, s: int, j: int, stages: list, p2p: bool):
+    """(dependency, transfer lag) of operation (kind, s, j)."""
+    last = len(stages) - 1
+    if kind == "F":
+        return (("F", s - 1, j), stages[s - 1].send_fwd_s if p2p else 0.0) if s > 0 else (None, 0.0)
+    if s < last:
+        return ("B", s + 1, j), stages[s + 1].send_bwd_s if p2p else 0.0
+    return ("F", s, j), 0.0
+
+
+def _play_shared(orders, stages, p2p, blocking_p2p, sharing: Sharing):
+    """Play the orders in time, the running operations sharing compute (processor sharing):
+    between two events every running operation advances at sharing.rate(running ranks)."""
+    pp, last = len(orders), len(stages) - 1
+    done: dict = {}
+    pos, free = [0] * pp, [0.0] * pp
+    ops: list[list[Op]] = [[] for _ in range(pp)]
+    running: dict = {}  # rank -> [op key, remaining work, start]
+    now, remaining = 0.0, sum(len(o) for o in orders)
+    while remaining:
+        wake = float("inf")
+        for r in range(pp):
+            if r in running or pos[r] == len(orders[r]):
+                continue
+            kind, s, j = orders[r][pos[r]]
+            dep, lag = _needs(kind, s, j, stages, p2p)
+            if dep is not None and dep not in done:
+                continue
+            ready = max(free[r], done[dep] + lag if dep is not None else 0.0)
+            if ready <= now:
+                dur = stages[s].fwd_s if kind == "F" else stages[s].bwd_s
+                running[r] = [(kind, s, j), sharing.work(dur), now]
+            else:
+                wake = min(wake, ready)
+        if not running and wake == float("inf"):
+            raise RuntimeError(f"schedule deadlocked with shared compute (pp={pp})")
+        rate = sharing.rate(len(running))
+        step = min([rem / rate for _, rem, _ in running.values()] + [wake - now])
+        now += step
+        for r in list(running):
+            key, rem, start = running[r]
+            rem -= rate * step
+            if rem > 1e-12 * max(1.0, now):
+                running[r][1] = rem
+                continue
+            del running[r]
+            kind, s, j = key
+            done[key] = now
+            ops[r].append(Op(kind, s, j, start, now))
+            free[r] = now
+            if p2p and blocking_p2p:
+                free[r] += stages[s].send_fwd_s if (kind == "F" and s < last) else 0.0
+                free[r] += stages[s].send_bwd_s if (kind == "B" and s > 0) else 0.0
+            pos[r] += 1
+            remaining -= 1
+    return ops, free
 
 
 def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce) -> Timeline:

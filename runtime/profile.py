@@ -21,6 +21,8 @@
   inter_node tier copies the intra-node fit (said so in `sources`);
 - overlap_slowdown: matmul time while a large all-reduce runs in the background over matmul
   time alone.
+- compute_slots: how many ranks compute at full speed at once (processes sharing CPU cores:
+  the cores; GPUs: the world size); the schedule simulator shares them (planner.schedule).
 `model` is in runtime/profile_model.py (the format is in planner/model_profile.py).
 """
 from __future__ import annotations
@@ -101,6 +103,34 @@ def overlap_slowdown() -> float:
     return max(1.0, mean_over_ranks(statistics.median(times) / alone))
 
 
+def compute_slots() -> float:
+    """How many ranks compute at full speed at once: a 256^3 matmul loop timed on rank 0 alone
+    (the others wait) and on every rank at once from a barrier, until the last rank finishes;
+    world x alone / together, within [1, world]. Processes sharing CPU cores give the core count;
+    devices with their own compute give the world size."""
+    world = dist.get_world_size()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def work():
+        for _ in range(120):
+            a @ b
+    work()
+    alone, together = [], []
+    for _ in range(3):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone.append(_timed(work))
+        dist.barrier()
+    for _ in range(3):
+        dist.barrier()
+        t = torch.tensor([_timed(work)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the work of all ranks is done when the last one ends
+        together.append(float(t))
+    t = torch.tensor([statistics.median(alone) if alone else 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    return min(float(world), max(1.0, world * float(t) / statistics.median(together)))
+
+
 def profile_cluster(args) -> dict | None:
     world, rank = dist.get_world_size(), dist.get_rank()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -120,6 +150,7 @@ def profile_cluster(args) -> dict | None:
     bw = mean_over_ranks(memory_bandwidth())
     progress.step("device")
     slow = overlap_slowdown()
+    slots = compute_slots()
     progress.step("overlap")
     mem, mem_src = memory_capacity()
     points = sweep(sizes, 5 if args.quick else 9, progress, layout)
@@ -179,6 +210,7 @@ def profile_cluster(args) -> dict | None:
         "collectives": colls,
         "topology": {"node_of_rank": node_of_rank},
         "overlap_slowdown": slow,
+        "compute_slots": slots,
         "sweep": fits_out,
         "sources": {
             "device.peak_flops.fp32": mm_src,
@@ -208,6 +240,9 @@ def profile_cluster(args) -> dict | None:
                                          "'sweep' as 'Nx'"),
             "overlap_slowdown": "measured: 20 matmuls of 256^3 with and without a 16 MiB all-reduce running "
                                 "asynchronously, median of 5, mean over ranks",
+            "compute_slots": "measured: 120 matmuls of 256^3 timed on rank 0 alone and on every rank at once "
+                             "from a barrier to the last rank's end (median of 3 each); world x alone / "
+                             "together, within [1, world]",
             "topology.node_of_rank": "measured: socket.gethostname() of every rank, with torchrun's node rank "
                                      "(GROUP_RANK) where set",
         },

@@ -1,4 +1,5 @@
 """Cost model: memory accounting, communication tiers, and the shape of the estimate."""
+import dataclasses
 import pytest
 
 from planner.cluster import load_cluster
@@ -104,3 +105,17 @@ def test_grad_reduce_after_backward_exposes_the_whole_sync():
     assert off.step_time_s - on.step_time_s == pytest.approx(
         off.breakdown["time"]["dp_comm_exposed_s"] - on.breakdown["time"]["dp_comm_exposed_s"])
     assert off.step_time_s > on.step_time_s
+
+
+def test_devices_sharing_compute_run_the_pipeline_bubble_faster():
+    # processes on shared cores: with fewer slots than processes the ranks of a pipeline that wait
+    # leave their share to the others, so the bubble costs less than at the everyone-busy speed
+    c = load_cluster("dgx-a100-80gb", nodes=1)
+    plan = build_plan(ZOO["llama2-7b"], cluster_name=c.name, device=c.device.name, nodes=1, devices_per_node=8,
+                      global_batch=16, micro_batch=1, pp=4, tp=2, schedule="1f1b")
+    alone = estimate(plan, c).step_time_s
+    shared = dataclasses.replace(c, compute_slots=4.0)
+    t = estimate(plan, shared).step_time_s
+    # 8 processes on 4 slots: at most 2x slower (everyone busy), and faster than that in the bubble
+    assert alone < t < 2 * alone
+    assert estimate(plan, dataclasses.replace(c, compute_slots=8.0)).step_time_s == pytest.approx(alone)

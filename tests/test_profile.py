@@ -72,6 +72,7 @@ def test_measured_cluster_profile_reproduces_its_own_sweep(cluster_profile):
     c = load_cluster(str(cluster_profile))
     assert d["kind"] == "measured" and d["topology"]["node_of_rank"] == [0, 0]
     assert c.overlap_slowdown >= 1.0 and 0 < c.device.matmul_efficiency["fp32"] <= 1
+    assert 1.0 <= c.compute_slots <= 2.0  # two processes on this machine's cores
     assert c.device.memory_bytes > 0 and c.device.memory_bandwidth_bytes_per_s > 0
     assert "inter_node" in d["sources"]["collectives.*.inter_node"] or "copied" in d["sources"]["collectives.*.inter_node"]
     for op, by_n in d["sweep"].items():
@@ -102,6 +103,9 @@ def test_a_bad_cluster_profile_gives_one_line_naming_the_field(cluster_profile, 
     bad = copy.deepcopy(good)
     bad["device"]["matmul_efficiency"]["fp32"] = 3.0
     _one_line_error(lambda: cluster_from_dict(bad, "p.json"), "matmul_efficiency")
+    bad = copy.deepcopy(good)
+    bad["compute_slots"] = 0
+    _one_line_error(lambda: cluster_from_dict(bad, "p.json"), "compute_slots")
     f = tmp_path / "broken.json"
     f.write_text("{not json")
     _one_line_error(lambda: load_cluster(str(f)), "not valid JSON")

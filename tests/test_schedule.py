@@ -1,7 +1,7 @@
 """The schedule simulator against hand-computed timelines."""
 import pytest
 
-from planner.schedule import StageTimes, peak_in_flight, rank_order, simulate
+from planner.schedule import Sharing, StageTimes, peak_in_flight, rank_order, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -98,3 +98,38 @@ def test_lockstep_transfers_hold_both_ranks():
     assert [(o.kind, o.start_s, o.end_s) for o in tl.ops[0]] == [("F", 0, 1), ("B", 5, 7)]
     assert [(o.kind, o.start_s, o.end_s) for o in tl.ops[1]] == [("F", 1.5, 2.5), ("B", 2.5, 4.5)]
     assert tl.step_time_s == pytest.approx(7.0)
+
+
+# ------------------------------------------------------------------ devices sharing compute
+def test_shared_compute_hand_computed_gpipe():
+    # F = B = 1 measured with 2 processes busy on 1 slot: full-speed work 0.5 each. GPipe, 2 stages,
+    # 2 micro-batches, no transfers. rank 0 F0 alone [0, .5]; rank 0 F1 and rank 1 F0 together at
+    # rate 1/2 [.5, 1.5]; rank 1 F1 alone [1.5, 2]; rank 1 B0 alone [2, 2.5]; rank 1 B1 and rank 0 B0
+    # together [2.5, 3.5]; rank 0 B1 alone [3.5, 4]. With one slot and a rank always busy, the step
+    # is the total work (8 x 0.5).
+    st = [StageTimes(1.0, 1.0) for _ in range(2)]
+    tl = simulate("gpipe", 2, 1, 2, st, p2p=False, sharing=Sharing(1.0, 1, 2.0))
+    assert [(o.kind, o.micro_batch) for o in tl.ops[0]] == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert [(o.kind, o.micro_batch) for o in tl.ops[1]] == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert [t for o in tl.ops[0] for t in (o.start_s, o.end_s)] == pytest.approx([0, .5, .5, 1.5, 2.5, 3.5, 3.5, 4])
+    assert [t for o in tl.ops[1] for t in (o.start_s, o.end_s)] == pytest.approx([.5, 1.5, 1.5, 2, 2, 2.5, 2.5, 3.5])
+    assert tl.step_time_s == pytest.approx(4.0)
+    assert simulate("gpipe", 2, 1, 2, st, p2p=False).step_time_s == pytest.approx(6.0)  # no sharing
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_shared_compute_with_as_many_slots_as_processes_changes_nothing(schedule, v):
+    st = [StageTimes(1.0 + s / 10, 2.0, send_fwd_s=0.3, send_bwd_s=0.2) for s in range(2 * v)]
+    plain = simulate(schedule, 2, v, 4, st)
+    shared = simulate(schedule, 2, v, 4, st, sharing=Sharing(4.0, 2, 4.0))
+    assert shared.step_time_s == pytest.approx(plain.step_time_s)
+    assert [t for o in shared.ops[1] for t in (o.start_s, o.end_s)] == \
+        pytest.approx([t for o in plain.ops[1] for t in (o.start_s, o.end_s)])
+
+
+def test_shared_compute_without_a_pipeline_keeps_times_measured_with_everyone_busy():
+    st = [StageTimes(1.0, 2.0)]
+    # 4 processes, 2 slots, measured with all 4 busy: every operation runs with all 4 busy again
+    tl = simulate("1f1b", 1, 1, 3, st, sharing=Sharing.of(2.0, 4, 4, 4))
+    assert tl.step_time_s == pytest.approx(9.0)
+    assert Sharing.of(None, 4, 4) is None and Sharing.of(4.0, 4, 1) is None
