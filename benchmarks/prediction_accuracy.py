@@ -1,6 +1,6 @@
 """Prediction accuracy on this machine: profile it, predict plans, run them, compare.
 
-    python benchmarks/prediction_accuracy.py [--out out/accuracy] [--steps 8] [--rounds 3]
+    python benchmarks/prediction_accuracy.py [--out out/accuracy] [--steps 12] [--rounds 3]
                                              [--reuse-profiles] [--only NAME ...] [--no-search]
 
 1. Per world size (1, 2, 4) and model (tiny at seq 32; the larger "small", ~28M parameters, at
@@ -182,7 +182,7 @@ def median(xs):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "out" / "accuracy"))
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3, help="independent rounds of profile + predict + train; "
                     "per plan the medians over rounds are compared")
     ap.add_argument("--reuse-profiles", action="store_true")

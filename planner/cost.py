@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
+from planner.comm import clip_norm_comm, runtime_sync, tp_comm
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
 from planner.schedule import Sharing, StageTimes, peak_in_flight, simulate
@@ -127,23 +128,6 @@ def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str) 
     if attention == "flash":
         return 0.5 * core, 0.5 * core * 2.5
     return core, 2.0 * core
-
-
-def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_ranks: list, b: int, s: int) -> tuple[float, float]:
-    """(forward, backward) seconds of TP communication for one layer and micro-batch."""
-    if len(tp_ranks) <= 1:
-        return 0.0, 0.0
-    ar = cluster.collective_time("all_reduce", act_bytes, tp_ranks)
-    ag = cluster.collective_time("all_gather", act_bytes, tp_ranks)
-    rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
-    if kind == "embedding":  # vocab-parallel lookup: partial sums combined
-        return (rs, ag) if sp else (ar, 0.0)
-    if kind == "head":  # column-parallel head: gather input (SP), combine input grads; loss-parallel reductions
-        loss = 3 * cluster.collective_time("all_reduce", 4.0 * b * s, tp_ranks)
-        return ((ag + loss, rs) if sp else (loss, ar))
-    if sp:
-        return 2 * (ag + rs), 2 * (ag + rs)
-    return 2 * ar, 2 * ar
 
 
 def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list,
@@ -301,6 +285,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         opt_s = opt_params * (gb + 2 * ob + pb) / bw
         if model_profile is not None:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
+        opt_s += clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine))
         gather = 0.0
         if dp > 1:
             for si in mine:
@@ -309,12 +294,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         rank_total.append(tl.end_s[r] + opt_s + gather)
         per_rank.append((opt_s, gather))
-    sync = 0.0
-    if model_profile is not None:
-        everyone = list(range(mesh.world_size))
-        sync = 2 * cluster.collective_time("all_reduce", 8.0, everyone)  # barrier + loss all-reduce
-        if pp > 1:
-            sync += cluster.collective_time("all_reduce", 8.0, [mesh.rank(pp=i, dp=0, tp=0) for i in range(pp)])
+    sync = runtime_sync(cluster, mesh) if model_profile is not None else 0.0
     rank_total = [x + sync for x in rank_total]
     step = max(rank_total)
     r = max(range(pp), key=lambda i: (rank_total[i], -i))

@@ -49,8 +49,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
+
+if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this module's users
+    from planner.cluster import ClusterSpec
+    from planner.cost import LayerCost
+    from planner.plan import Plan, Stage
 
 FORMAT_VERSION = 1
 LAYER_KINDS = ("embedding", "block", "head")
@@ -204,7 +210,8 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     the cluster profile's prediction at the plan's TP ranks and at the measured ones: the same
     figure as measured for a group on the measured tier, more for a group spanning nodes.
     Activation and parameter bytes are the measured ones."""
-    from planner.cost import LayerCost, tp_comm
+    from planner.comm import tp_comm
+    from planner.cost import LayerCost
     from planner.plan import DTYPES
     m, t = plan.model, plan.training
     b, s, sp = t.micro_batch, t.seq_len, stage.sequence_parallel

@@ -117,13 +117,15 @@ def cross_entropy(logits, targets):
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device, timing: dict | None = None) -> float:
+def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device, timing: dict | None = None,
+                   reduce: bool = True) -> float:
     """Clip to a total norm over every parameter of the model, however it is split. The squares of
     the local shards are summed per (mesh, sharded mesh dims) and each sum is all-reduced over its
     sharded dims once (not one collective per DTensor); replicated dims hold copies and are not
     summed; then the total is summed over the pipeline ranks. Returns the norm before clipping.
     `timing["pp_wait_s"]` gets the time of the pipeline all-reduce, which waits for the other
-    pipeline ranks' last backward."""
+    pipeline ranks' last backward. `reduce=False` skips every collective (the profiler times the
+    local work; the planner prices the collectives, once per step)."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -140,10 +142,10 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
         else:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
     for mesh, dims, part in sums.values():  # the same order on every rank: parameter order
-        for d in dims:
+        for d in dims if reduce else ():
             dist.all_reduce(part, group=mesh.get_group(d))
         sq += part
-    if pp_group is not None:
+    if pp_group is not None and reduce:
         t0 = time.perf_counter()
         dist.all_reduce(sq, group=pp_group)
         if timing is not None:
@@ -278,8 +280,10 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         elif found and not args.resume:
             raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
                               "to continue from it or choose an empty directory")
-    warmup = 1 if args.steps - start_step > 1 else 0
-    measure_at = start_step + warmup
+    # two warm-up steps, not timed: the first allocates the optimizer state, the second measures the
+    # peak memory (tracking every allocation slows it several-fold); fewer when fewer steps are asked
+    warmup = min(2, args.steps - start_step - 1)
+    measure_at = start_step + max(0, warmup - 1)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers)
     losses, times, grad_norms, opt_times = [], [], [], []
     for step in range(start_step, args.steps):

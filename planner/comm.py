@@ -1,0 +1,46 @@
+"""The collectives trident's runtime issues, priced on a cluster (planner.cluster): tensor-parallel
+communication per layer, the gradient-norm reductions of clipping and the per-step
+synchronization. planner.cost adds them up."""
+from __future__ import annotations
+
+from planner.cluster import ClusterSpec
+
+SCALAR_BYTES = 8.0  # one float64 partial sum or loss
+
+
+def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_ranks: list, b: int, s: int) -> tuple[float, float]:
+    """(forward, backward) seconds of TP communication for one layer and micro-batch."""
+    if len(tp_ranks) <= 1:
+        return 0.0, 0.0
+    ar = cluster.collective_time("all_reduce", act_bytes, tp_ranks)
+    ag = cluster.collective_time("all_gather", act_bytes, tp_ranks)
+    rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
+    if kind == "embedding":  # vocab-parallel lookup: partial sums combined
+        return (rs, ag) if sp else (ar, 0.0)
+    if kind == "head":  # column-parallel head: gather input (SP), combine input grads; loss-parallel reductions
+        loss = 3 * cluster.collective_time("all_reduce", 4.0 * b * s, tp_ranks)
+        return ((ag + loss, rs) if sp else (loss, ar))
+    if sp:
+        return 2 * (ag + rs), 2 * (ag + rs)
+    return 2 * ar, 2 * ar
+
+
+def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool) -> float:
+    """Seconds of the all-reduces runtime.train.clip_grad_norm issues once per step on a rank of
+    pipeline rank `pp_rank`: one scalar per sharded mesh dimension, tp (TP-sharded parameters) and
+    dp (FSDP-sharded parameters, ZeRO >= 1). The pipeline all-reduce is in runtime_sync."""
+    groups = []
+    if mesh.tp > 1:
+        groups.append([mesh.rank(pp=pp_rank, dp=0, tp=i) for i in range(mesh.tp)])
+    if mesh.dp > 1 and fsdp:
+        groups.append([mesh.rank(pp=pp_rank, dp=i, tp=0) for i in range(mesh.dp)])
+    return sum(cluster.collective_time("all_reduce", SCALAR_BYTES, g) for g in groups)
+
+
+def runtime_sync(cluster: ClusterSpec, mesh) -> float:
+    """The runtime's per-step synchronization: the barrier that closes a timed step and the loss
+    all-reduce over the world, plus the gradient norm's all-reduce over the pipeline ranks."""
+    sync = 2 * cluster.collective_time("all_reduce", SCALAR_BYTES, list(range(mesh.world_size)))
+    if mesh.pp > 1:
+        sync += cluster.collective_time("all_reduce", SCALAR_BYTES, [mesh.rank(pp=i, dp=0, tp=0) for i in range(mesh.pp)])
+    return sync
