@@ -235,27 +235,35 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
     }
 
 
-def measure_pipeline(world: int, cluster, repeats: int, m: int = 8) -> dict:
-    """Overhead per pipeline operation of torch.distributed.pipelining here: two-rank pipelines of
-    a trivial layer (Linear 8x8 on [1, 8] micro-batches, all rank pairs at once) run GPipe, 1F1B
-    and interleaved 1F1B (two stages per rank) over m micro-batches; the overhead is the
-    per-operation time that makes the planner's schedule simulator (with the cluster profile's
-    send/recv times) reproduce the measured step."""
+def measure_pipeline(world: int, cluster, repeats: int, cfg, seq: int, block_s: tuple, m: int = 8) -> dict:
+    """Overhead per pipeline operation of torch.distributed.pipelining here, at the model's own
+    scale: two-rank pipelines (all rank pairs at once) of one of the model's blocks per stage, on
+    [1, seq, hidden] micro-batches, run GPipe, 1F1B and interleaved 1F1B (two stages per rank) over
+    m micro-batches; the overhead is the per-operation time that makes the planner's schedule
+    simulator (with `block_s`, the block's measured forward and backward at micro-batch 1, and the
+    cluster profile's send/recv and compute sharing) reproduce the measured step."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from planner.schedule import StageTimes, simulate
+    from planner.schedule import Sharing, StageTimes, simulate
+    from runtime.model import Transformer, init_weights
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(world // 2, 2), mesh_dim_names=("dp", "pp"))
     me = mesh["pp"].get_local_rank()
-    msg = 4 * 8
+    msg = 4 * seq * cfg.hidden
     send = cluster.p2p_time(msg, 0, 1)
-    out = {"pp": 2, "micro_batches": m, "message_bytes": msg}
+    sharing = Sharing.of(cluster.compute_slots, world, world // 2, world)
+    out = {"pp": 2, "micro_batches": m, "message_bytes": msg, "layer": "block", "block_s": list(block_s)}
     for name, cls, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
                          ("interleaved-1f1b", ScheduleInterleaved1F1B, 2)):
-        torch.manual_seed(0)
-        stages = [PipelineStage(torch.nn.Linear(8, 8), me + 2 * i, 2 * v, torch.device("cpu"),
-                                group=mesh["pp"].get_group()) for i in range(v)]
+        stages = []
+        for i in range(v):
+            with torch.device("meta"):
+                block = Transformer(cfg, 1, 2)
+            block.to_empty(device=torch.device("cpu"))
+            init_weights(block, me + 2 * i)
+            stages.append(PipelineStage(block, me + 2 * i, 2 * v, torch.device("cpu"), group=mesh["pp"].get_group()))
         sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
                     scale_grads=True)
-        x, t = torch.randn(m, 8), torch.randn(m, 8)
+        g = torch.Generator().manual_seed(0)
+        x, t = torch.randn(m, seq, cfg.hidden, generator=g), torch.randn(m, seq, cfg.hidden, generator=g)
         times = []
         for i in range(repeats + 2):
             dist.barrier()
@@ -269,8 +277,8 @@ def measure_pipeline(world: int, cluster, repeats: int, m: int = 8) -> dict:
         measured = float(vals)
 
         def played(o):
-            st = [StageTimes(o, o, send_fwd_s=send, send_bwd_s=send) for _ in range(2 * v)]
-            return simulate(name, 2, v, m, st).step_time_s
+            st = [StageTimes(block_s[0] + o, block_s[1] + o, send_fwd_s=send, send_bwd_s=send) for _ in range(2 * v)]
+            return simulate(name, 2, v, m, st, sharing=sharing).step_time_s
         base, slope = played(0.0), (played(1e-3) - played(0.0)) / 1e-3
         out[name] = {"step_s": measured, "overhead_per_op_s": max(0.0, (measured - base) / slope)}
     return out
@@ -291,7 +299,12 @@ def profile_model(args) -> dict | None:
     for kind, tp, sp, rec in configs:
         entries.append(measure(cfg, kind, meshes[tp], sp, rec, args.mbs, args.seq_len, args.repeats))
         progress.step(f"{kind} tp={tp}{' sp' if sp else ''} {rec}")
-    pipeline = measure_pipeline(world, args.cluster, args.repeats) if world % 2 == 0 else None
+    pipeline = None
+    if world % 2 == 0:  # at micro-batch 1: the runtime's block, unsharded
+        blk = next(e for e in entries if (e["layer"], e["tp"], e["recompute"]) == ("block", 1, "none")) \
+            if 1 in args.tps else None
+        block_s = (sum(blk["forward_s"]), sum(blk["backward_s"])) if blk else None
+        pipeline = measure_pipeline(world, args.cluster, args.repeats, cfg, args.seq_len, block_s) if blk else None
     if rank != 0:
         return None
     c = args.cluster
@@ -314,8 +327,9 @@ def profile_model(args) -> dict | None:
             "optimizer_s": "measured: runtime.train.clip_grad_norm (local work: reduce=False) + "
                            "AdamW(foreach=False).step on the layer's parameters, as the runtime runs them on CPU; "
                            "the norm's all-reduces happen once per step, priced by planner.cost",
-            "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of a "
-                        "trivial layer; the per-operation overhead that makes planner.schedule reproduce it)",
+            "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
+                        "one of the model's blocks per stage at micro-batch 1; the per-operation overhead that makes "
+                        "planner.schedule, with the block's measured times, reproduce it)",
             "runtime": f"torch {torch.__version__}, gloo, fp32, loss-parallel head under TP",
         },
     }
