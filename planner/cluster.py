@@ -89,8 +89,9 @@ class ClusterSpec:
     sources: dict = field(default_factory=dict)
     node_of_rank: list | None = None  # measured topology: node index of each rank
     overlap_slowdown: float = 1.0  # compute slowdown while communication overlaps it (measured)
-    # devices that compute at full speed at once (measured; None: each device has its own compute,
-    # as GPUs do). Processes sharing CPU cores share them: planner.schedule.Sharing
+    # devices that compute at full speed at once on the profile's `nodes` (measured; None: each
+    # device has its own compute, as GPUs do), scaled with the node count. Processes sharing CPU
+    # cores share them: planner.schedule.Sharing
     compute_slots: float | None = None
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)
@@ -106,6 +107,8 @@ class ClusterSpec:
         if not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"--nodes: {nodes!r} must be a positive integer")
         out = ClusterSpec(**{**self.__dict__, "nodes": nodes})
+        if self.compute_slots is not None and self.nodes:  # more nodes, more cores
+            out.compute_slots = self.compute_slots * nodes / self.nodes
         if self.node_of_rank is not None and len(self.node_of_rank) != nodes * self.devices_per_node:
             out.node_of_rank = None
         return out

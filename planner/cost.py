@@ -304,6 +304,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
     pipe_overhead = 2 * pipe_op * mbs * len(mine)
     busy = compute + tp_time + zero3 + pipe_overhead
+    if how["sharing"] is not None and busy > 0:  # operations ran at the shared speed: scale to the played time
+        f = tl0.busy_s[r] / busy
+        compute, tp_time, zero3, pipe_overhead, busy = (x * f for x in (compute, tp_time, zero3, pipe_overhead, busy))
     bubble = max(0.0, tl0.compute_end_s[r] - busy)
     p2p = max(0.0, tl.compute_end_s[r] - tl0.compute_end_s[r])
     dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
@@ -311,6 +314,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_exposed_s": dp_exposed,
                       "pipeline_bubble_s": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
                       "critical_pp_rank": r}
+    if how["sharing"] is not None:  # the ranks' processes share this many compute units (CPU cores)
+        time_breakdown["compute_slots"] = how["sharing"].slots
     if model_profile is not None:
         time_breakdown["runtime_sync_s"] = sync
         time_breakdown["pipeline_overhead_s"] = pipe_overhead

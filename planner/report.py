@@ -42,6 +42,10 @@ def estimate_table(est: Estimate) -> str:
         ("  pipeline bubble", f"{tb['pipeline_bubble_s']:.4g} s"),
         ("  pipeline p2p (exposed)", f"{tb['p2p_s']:.4g} s"),
         ("  optimizer", f"{tb['optimizer_s']:.4g} s"),
+    ]
+    if "compute_slots" in tb:  # processes sharing CPU cores
+        rows.append(("  devices share compute units", f"{tb['compute_slots']:.3g}"))
+    rows += [
         ("tokens/s", f"{est.tokens_per_s:,.0f}"),
         ("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}"),
         ("MFU", f"{est.mfu:.1%}"),

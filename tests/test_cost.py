@@ -115,7 +115,12 @@ def test_devices_sharing_compute_run_the_pipeline_bubble_faster():
                       global_batch=16, micro_batch=1, pp=4, tp=2, schedule="1f1b")
     alone = estimate(plan, c).step_time_s
     shared = dataclasses.replace(c, compute_slots=4.0)
-    t = estimate(plan, shared).step_time_s
+    est = estimate(plan, shared)
+    t = est.step_time_s
     # 8 processes on 4 slots: at most 2x slower (everyone busy), and faster than that in the bubble
     assert alone < t < 2 * alone
+    tb = est.breakdown["time"]
+    assert tb["compute_slots"] == 4.0
+    assert shared.with_nodes(2).compute_slots == 8.0  # another node brings its own cores
+    assert sum(v for k, v in tb.items() if k.endswith("_s")) == pytest.approx(t)  # terms as played
     assert estimate(plan, dataclasses.replace(c, compute_slots=8.0)).step_time_s == pytest.approx(alone)

@@ -170,6 +170,7 @@ def test_a_measured_layer_pays_the_tier_of_the_plans_tp_group(model_profile, clu
         intra = op["intra_node"]
         op["inter_node"] = {"alpha_s": 20 * intra["alpha_s"], "bus_bandwidth_bytes_per_s": intra["bus_bandwidth_bytes_per_s"] / 50}
     d.update(nodes=2, devices_per_node=2, topology={"node_of_rank": [0, 0, 1, 1]})
+    d.pop("compute_slots")  # an imagined cluster: every device its own cores
     cluster = cluster_from_dict(d, "two-node")
     mp = load_model_profile(str(model_profile))
     est = {}
