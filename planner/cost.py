@@ -347,12 +347,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         head_logits = 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # logits gradient
             head_logits = 4.0 * t.micro_batch * t.seq_len * math.ceil(m.vocab / tp)
-        # torch.distributed.pipelining allocates a receive buffer per micro-batch up front: the
-        # input activation of every stage but the first, the output gradient of every stage but the last
-        msg = e * t.micro_batch * t.seq_len * m.hidden
-        recv = sum(((i > 0) + (i < len(pipe.stages) - 1)) * mbs * msg / (tp if pipe.stages[i].sequence_parallel else 1)
-                   for i in ids) if pp > 1 else 0.0
-        other += replay + act_grad + head_logits + recv
+        other += replay + act_grad + head_logits
         total = p_bytes + g_bytes + o_bytes + acts + other
         mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,
                                 optimizer_bytes=o_bytes, activations_bytes=acts, other_bytes=other,
