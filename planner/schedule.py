@@ -168,7 +168,6 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
     pos = [0] * pp
     free = [0.0] * pp
     ops: list[list[Op]] = [[] for _ in range(pp)]
-    last = n_stages - 1
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -184,10 +183,7 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
                 end_op = start + dur
                 done[(kind, s, j)] = end_op
                 ops[r].append(Op(kind, s, j, start, end_op))
-                free[r] = end_op
-                if p2p and blocking_p2p:  # the rank waits for its send to complete
-                    free[r] += stages[s].send_fwd_s if (kind == "F" and s < last) else 0.0
-                    free[r] += stages[s].send_bwd_s if (kind == "B" and s > 0) else 0.0
+                free[r] = end_op + (_send(kind, s, stages) if p2p and blocking_p2p else 0.0)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -206,10 +202,17 @@ def _needs(kind: str, s: int, j: int, stages: list, p2p: bool):
     return ("F", s, j), 0.0
 
 
+def _send(kind: str, s: int, stages: list) -> float:
+    """The transfer operation (kind, s) sends on: its output forward, its input gradient back."""
+    if kind == "F":
+        return stages[s].send_fwd_s if s < len(stages) - 1 else 0.0
+    return stages[s].send_bwd_s if s > 0 else 0.0
+
+
 def _play_shared(orders, stages, p2p, blocking_p2p, sharing: Sharing):
     """Play the orders in time, the running operations sharing compute (processor sharing):
     between two events every running operation advances at sharing.rate(running ranks)."""
-    pp, last = len(orders), len(stages) - 1
+    pp = len(orders)
     done: dict = {}
     pos, free = [0] * pp, [0.0] * pp
     ops: list[list[Op]] = [[] for _ in range(pp)]
@@ -245,10 +248,7 @@ def _play_shared(orders, stages, p2p, blocking_p2p, sharing: Sharing):
             kind, s, j = key
             done[key] = now
             ops[r].append(Op(kind, s, j, start, now))
-            free[r] = now
-            if p2p and blocking_p2p:
-                free[r] += stages[s].send_fwd_s if (kind == "F" and s < last) else 0.0
-                free[r] += stages[s].send_bwd_s if (kind == "B" and s > 0) else 0.0
+            free[r] = now + (_send(kind, s, stages) if p2p and blocking_p2p else 0.0)
             pos[r] += 1
             remaining -= 1
     return ops, free
