@@ -15,11 +15,24 @@ in DGX nodes), so a ring with k members per node runs k rings over k NICs in par
 reaches min(intra busbw, k * inter busbw). A profile may override alpha and busbw for a given
 group size (`by_group_size`), which a measured profile does, and per message-size range
 (`by_group_size.N.segments`, piecewise fits written by `trident profile cluster`).
+
+Measured curves, where a profile has them, replace the straight lines:
+- `bus_bandwidth_by_size`: nccl-tests bus bandwidth at each message size ([[bytes, busbw], ...],
+  any group size of the tier: busbw is defined to be independent of the rank count, NVIDIA
+  nccl-tests doc/PERFORMANCE.md). Between points busbw is interpolated in log-log; below the
+  smallest size the time is that of the smallest size; above the largest, busbw stays at its
+  last value. Mid-size messages run well below the large-message busbw (NCCL's protocols and
+  channel counts change with the size), which one alpha-beta line cannot follow.
+- `device.matmul_flops_by_size`: sustained GEMM FLOP/s at square sizes ([[edge, flop/s], ...]
+  per dtype). A product M x K x N runs at the rate of the square GEMM of the same FLOPs, edge
+  (M N K)^(1/3), interpolated in log(edge) and clamped to the measured range; dtypes without a
+  curve run at peak x matmul_efficiency.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,15 +59,36 @@ class AlphaBeta:
     bus_bandwidth_bytes_per_s: float
     by_group_size: dict = field(default_factory=dict)  # {n: (alpha_s, busbw)}
     segments: dict = field(default_factory=dict)  # {n: [(up_to_bytes or None, alpha_s, busbw), ...]}
+    by_size: tuple = ()  # ((bytes, busbw), ...) measured, ascending: bus_bandwidth_by_size
+
+    @property
+    def affine(self) -> bool:
+        """Whether the time is one alpha + beta x bytes line for every message size."""
+        return not self.segments and not self.by_size
 
     def at(self, n: int, nbytes: float | None = None) -> tuple[float, float]:
         """(alpha, busbw) for a group of n; a measured profile may refine it by message size
-        (`by_group_size.N.segments`: piecewise fits, each up to a buffer size)."""
+        (`by_group_size.N.segments`: piecewise fits, each up to a buffer size), and a measured
+        curve (`bus_bandwidth_by_size`) gives busbw at each size with alpha 0 (see module doc)."""
         if nbytes is not None and n in self.segments:
             for up_to, a, bw in self.segments[n]:
                 if up_to is None or nbytes <= up_to:
                     return a, bw
+        if nbytes is not None and nbytes > 0 and self.by_size and n not in self.by_group_size:
+            return 0.0, _busbw_at(self.by_size, nbytes)
         return self.by_group_size.get(n, (self.alpha_s, self.bus_bandwidth_bytes_per_s))
+
+
+def _busbw_at(curve: tuple, nbytes: float) -> float:
+    """Bus bandwidth at `nbytes` from measured (bytes, busbw) points (module doc)."""
+    s0, b0 = curve[0]
+    if nbytes <= s0:
+        return b0 * nbytes / s0  # the smallest message's time: latency-bound below it
+    for (s1, b1), (s2, b2) in zip(curve, curve[1:]):
+        if nbytes <= s2:
+            f = math.log(nbytes / s1) / math.log(s2 / s1)
+            return math.exp(math.log(b1) + f * math.log(b2 / b1))
+    return curve[-1][1]
 
 
 @dataclass(frozen=True)
@@ -67,9 +101,24 @@ class DeviceSpec:
     memory_bandwidth_efficiency: float
     reserved_bytes: int = 0  # held outside the allocator: runtime context, communicator buffers
     allocator_overhead_fraction: float = 0.0  # caching-allocator fragmentation, as a fraction of what it hands out
+    matmul_by_size: dict = field(default_factory=dict)  # dtype -> ((edge, flop/s), ...) measured, ascending
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         return self.peak_flops[dtype] * self.matmul_efficiency[dtype]
+
+    def gemm_flops_per_s(self, dtype: str, M: float, N: float, K: float) -> float:
+        """Achieved FLOP/s of an M x K by K x N product: the measured curve at edge (M N K)^(1/3)
+        where the profile has one for `dtype` (module doc), else matmul_flops_per_s."""
+        curve = self.matmul_by_size.get(dtype)
+        if not curve:
+            return self.matmul_flops_per_s(dtype)
+        edge = (float(M) * N * K) ** (1.0 / 3.0)
+        if edge <= curve[0][0]:
+            return curve[0][1]
+        for (e1, r1), (e2, r2) in zip(curve, curve[1:]):
+            if edge <= e2:
+                return r1 + (r2 - r1) * math.log(edge / e1) / math.log(e2 / e1)
+        return curve[-1][1]
 
     @property
     def memory_bytes_per_s(self) -> float:
@@ -181,6 +230,33 @@ def _num(d: dict, key: str, where: str, positive: bool = True) -> float:
     return float(v)
 
 
+def _curve(points, where: str, x: str, y: str) -> tuple:
+    """A measured curve [[x, y], ...]: at least two points, positive, x strictly ascending."""
+    ok = isinstance(points, list) and len(points) >= 2 and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                                     for v in p) for p in points)
+    if not ok:
+        raise ConfigError(f"{where}: expected a list of at least two [{x}, {y}] pairs of positive numbers")
+    if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+        raise ConfigError(f"{where}: the {x} values must rise strictly from one point to the next")
+    return tuple((float(a), float(b)) for a, b in points)
+
+
+def _matmul_curves(d, peak: dict, where: str) -> dict:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected an object of dtype -> [[edge, flop/s], ...]")
+    out = {}
+    for k, points in d.items():
+        if k not in peak:
+            raise ConfigError(f"{where}.{k}: no peak_flops for this dtype; use one of {', '.join(peak)}")
+        out[k] = _curve(points, f"{where}.{k}", "edge", "flop/s")
+        if any(r > peak[k] for _, r in out[k]):
+            raise ConfigError(f"{where}.{k}: a rate above peak_flops.{k}; give achieved FLOP/s")
+    return out
+
+
 def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
     """Parse and check a cluster profile; errors name the field."""
     if not isinstance(d, dict):
@@ -219,6 +295,7 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
         reserved_bytes=int(_num(dv, "reserved_bytes", w, positive=False)) if "reserved_bytes" in dv else 0,
         allocator_overhead_fraction=(_num(dv, "allocator_overhead_fraction", w, positive=False)
                                      if "allocator_overhead_fraction" in dv else 0.0),
+        matmul_by_size=_matmul_curves(dv.get("matmul_flops_by_size"), peak, f"{w}.matmul_flops_by_size"),
     )
     coll = d["collectives"]
     if not isinstance(coll, dict):
@@ -254,8 +331,10 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                             up = _num(sg, "up_to_bytes", ws)
                         segs[int(n)].append((up, _num(sg, "alpha_s", ws, positive=False),
                                              _num(sg, "bus_bandwidth_bytes_per_s", ws)))
+            by_size = (_curve(ab["bus_bandwidth_by_size"], f"{wt}.bus_bandwidth_by_size", "bytes", "busbw")
+                       if "bus_bandwidth_by_size" in ab else ())
             collectives[op][tier] = AlphaBeta(_num(ab, "alpha_s", wt, positive=False),
-                                              _num(ab, "bus_bandwidth_bytes_per_s", wt), by_n, segs)
+                                              _num(ab, "bus_bandwidth_bytes_per_s", wt), by_n, segs, by_size)
     topo = d.get("topology")
     node_of_rank = None
     if topo is not None:

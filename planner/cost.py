@@ -116,10 +116,14 @@ def elementwise_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, s
     return replicated / rep + sharded / tp
 
 
-def gemm_time(count: int, M: int, N: int, K: int, e: int, rate: float, bw: float) -> float:
+def gemm_time(count: int, M: int, N: int, K: int, e: int, rate, bw: float) -> float:
     """Roofline time of `count` (M x K) @ (K x N) products (Williams et al., Roofline, 2009):
-    the slower of their FLOPs at the matmul rate and their bytes at the memory bandwidth."""
-    return count * max(2.0 * M * N * K / rate, e * (M * K + K * N + M * N) / bw)
+    the slower of their FLOPs at the matmul rate and their bytes at the memory bandwidth. `rate`
+    is FLOP/s, or a function (M, N, K) -> FLOP/s for devices whose rate depends on the size
+    (planner.cluster.DeviceSpec.gemm_flops_per_s); a batched call is sized by its total FLOPs,
+    as one product `count` times as tall."""
+    r = rate(count * M, N, K) if callable(rate) else rate
+    return count * max(2.0 * M * N * K / r, e * (M * K + K * N + M * N) / bw)
 
 
 def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str) -> tuple[float, float]:
@@ -141,19 +145,20 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     dropout = t.dropout > 0
     kind = m.layer_kind(index)
     rec = stage.recompute[index - stage.start]
-    rate = cluster.device.matmul_flops_per_s(t.dtype)
+    rate = cluster.device.matmul_flops_per_s(t.dtype)  # fused attention (not a library GEMM)
+    grate = lambda M, N, K: cluster.device.gemm_flops_per_s(t.dtype, M, N, K)  # noqa: E731
     bw = cluster.device.memory_bytes_per_s
     if kind == "block":
         gemms = m.block_gemms(b, s, tp)
-        dense = sum(gemm_time(*g, e, rate, bw) for g in gemms[:-2])
+        dense = sum(gemm_time(*g, e, grate, bw) for g in gemms[:-2])
         if t.attention == "flash":
             core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, "flash"))
         else:
-            core_f = sum(gemm_time(*g, e, rate, bw) for g in gemms[-2:])
+            core_f = sum(gemm_time(*g, e, grate, bw) for g in gemms[-2:])
             core_b = 2 * core_f
         mm_f, mm_b = dense + core_f, 2 * dense + core_b
     elif kind == "head":
-        mm_f = gemm_time(1, b * s, math.ceil(m.vocab / tp), m.hidden, e, rate, bw)
+        mm_f = gemm_time(1, b * s, math.ceil(m.vocab / tp), m.hidden, e, grate, bw)
         mm_b = 2 * mm_f
     else:
         mm_f = mm_b = 0.0
@@ -168,7 +173,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         tp_b += tp_f
     elif rec == "selective":
         if t.attention == "unfused":
-            core = sum(gemm_time(*g, e, rate, bw) for g in m.block_gemms(b, s, tp)[-2:])
+            core = sum(gemm_time(*g, e, grate, bw) for g in m.block_gemms(b, s, tp)[-2:])
             core += (4 * e + 1 if dropout else 2 * e) * m.heads * s * s * b / tp / bw
         else:
             core = attention_core_hw_flops(m, b, s, t.attention)[0] / tp / rate

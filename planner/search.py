@@ -111,10 +111,10 @@ def _divisors(n: int) -> list[int]:
 
 def _affine(cluster: ClusterSpec, op: str, ranks: list):
     """collective_time(op, n, ranks) as a function of n: a + c n for n > 0 (alpha-beta), computed
-    once; a profile with per-message-size segments is asked every time."""
+    once; a profile with per-message-size segments or curves is asked every time."""
     if len(ranks) <= 1:
         return lambda n: 0.0
-    if any(getattr(ab, "segments", None) for ab in cluster.collectives[op].values()):
+    if not all(ab.affine for ab in cluster.collectives[op].values()):
         return lambda n: cluster.collective_time(op, n, ranks)
     t1, t2 = cluster.collective_time(op, 1.0, ranks), cluster.collective_time(op, 2.0, ranks)
     c = t2 - t1

@@ -159,7 +159,7 @@ class StageCosts:
         # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
         # parameters (alpha + beta P), and for v = 1 each rank has one stage.
         ag, ar, rs = ctx.collectives(cfg)
-        segmented = any(getattr(x, "segments", None) for op in ctx.cluster.collectives.values() for x in op.values())
+        segmented = not all(x.affine for op in ctx.cluster.collectives.values() for x in op.values())
         ab = lambda f: (0.0, 0.0) if segmented else (f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0))
         alphas, betas = [], []
         for z in self.zeros:
