@@ -12,7 +12,8 @@ S is the full buffer: the all-reduce buffer, the gathered output of an all-gathe
 a reduce-scatter. A group inside one node pays the intra-node tier. A group spanning nodes
 pays the inter-node tier; its bus bandwidth is per device (one NIC per GPU, rail-optimized, as
 in DGX nodes), so a ring with k members per node runs k rings over k NICs in parallel and
-reaches min(intra busbw, k * inter busbw). A profile may override alpha and busbw for a given
+reaches k * inter busbw, unless the node's own links are slower: the time is the larger of the
+two tiers' times. A profile may override alpha and busbw for a given
 group size (`by_group_size`), which a measured profile does, and per message-size range
 (`by_group_size.N.segments`, piecewise fits written by `trident profile cluster`).
 
@@ -217,7 +218,9 @@ class ClusterSpec:
             return inter_a + nbytes / inter_bw
         if op == "all_to_all":  # the share that leaves the node goes through this rank's own NIC
             return inter_a + nbytes * (n - k) / n / inter_bw + nbytes * (k - 1) / n / intra_bw
-        return inter_a + ring_factor(op, n) * nbytes / min(intra_bw, k * inter_bw)
+        # a ring through k members of a node and its NICs runs at the pace of its slower tier
+        f = ring_factor(op, n)
+        return max(inter_a + f * nbytes / (k * inter_bw), intra_a + f * nbytes / intra_bw)
 
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
         return self.collective_time("send_recv", nbytes, [src, dst]) if src != dst else 0.0

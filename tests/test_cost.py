@@ -152,6 +152,14 @@ def test_measured_busbw_curve_prices_each_size_at_its_own_bandwidth():
     assert A100.collective_time("all_reduce", 8, ranks) == pytest.approx(t_small)
     # other group sizes use the same busbw with their own ring factor
     assert A100.collective_time("all_reduce", s2, [0, 1]) == pytest.approx(1.0 * s2 / b2)
+    # a ring across nodes runs at its slower tier's pace, and pays its latency once
+    two = A100.with_nodes(2)
+    inter = A100.collectives["all_reduce"]["inter_node"]
+    f16 = 2 * 15 / 16
+    for size in (8, s2):
+        t_nic = inter.alpha_s + f16 * size / (8 * inter.bus_bandwidth_bytes_per_s)
+        t_nvl = f16 * max(size, curve[0][0]) / (b2 if size == s2 else curve[0][1])
+        assert two.collective_time("all_reduce", size, range(16)) == pytest.approx(max(t_nic, t_nvl))
 
 
 def test_gemm_rate_follows_the_measured_curve_and_falls_back_to_the_scalar():
