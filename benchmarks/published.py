@@ -7,7 +7,10 @@ virtual stages (interleaved rows), the recompute mode (where empty) and the ZeRO
 Attention is unfused (materialized softmax) for runs published before FlashAttention (Dao et al.,
 May 2022) and fused after; GPT runs use Megatron-LM's default dropout of 0.1, Llama none.
 Where the authors published their launch scripts or framework, the row takes what they state
-(RUN_SETTINGS below, each with its source) instead of searching.
+(RUN_SETTINGS below, each with its source) instead of searching. None of these runs used
+torch.distributed.pipelining: their pipeline receive buffers live with their micro-batch
+(`pipeline.recv_buffers: in-flight`; Megatron-LM's p2p_communication and DeepSpeed's pipeline
+engine allocate them per transfer), not one per micro-batch for the whole step.
 
 Published TFLOP/s count model FLOPs the Megatron way (recomputed forward included under full
 recompute); where a row gives no step time, the published step time is model FLOPs / (TFLOP/s x
@@ -93,7 +96,7 @@ def candidates(row, model, gpus):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
         yield dict(micro_batch=b, virtual_stages=v, recompute=rec, zero=zero, tp=tp, pp=pp, dp=dp,
-                   schedule=sched, global_batch=gbs, **how)
+                   schedule=sched, global_batch=gbs, recv_buffers="in-flight", **how)
 
 
 def predict_row(row):

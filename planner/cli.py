@@ -75,7 +75,7 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
-        overlap_grad_reduce=not args.no_overlap_grad_reduce)
+        recv_buffers=args.recv_buffers, overlap_grad_reduce=not args.no_overlap_grad_reduce)
     plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args))
     if args.output:
         plan.write(args.output)
@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduce data-parallel gradients after the whole backward (Megatron-LM v2 local DDP, DeepSpeed pipeline)")
     p.add_argument("--lockstep", action="store_true",
                    help="1f1b ranks advance in lock-step with blocking exchanges (DeepSpeed's pipeline engine); prediction only")
+    p.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="preallocated",
+                   help="pipeline receive buffers: one per micro-batch held up front (torch.distributed.pipelining, "
+                        "the runtime) or only those in flight (Megatron-LM, DeepSpeed; prediction only)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", help="write the plan file here")
     p.add_argument("--model-profile", default=None,

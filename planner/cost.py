@@ -25,7 +25,8 @@ Memory per device follows what the runtime holds: parameters, gradients and opti
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
 with Adam; 2 + 2 + 8 without an fp32 master copy), activations of the micro-batches in flight as
 the schedule holds them (planner.schedule.peak_in_flight) by recompute mode (planner.model),
-the transient of replaying one block, activation gradients, and communication buffers.
+the transient of replaying one block, activation gradients, communication buffers, and the
+pipeline's receive buffers (recv_buffer_bytes).
 """
 from __future__ import annotations
 
@@ -200,6 +201,22 @@ def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
     return (model.block_params() - replicated) / tp + replicated
 
 
+def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
+    """Receive buffers the pipeline runtime holds for the whole step on the rank of `stage_ids`
+    (pipeline.recv_buffers "preallocated": torch.distributed.pipelining's stage allocates, when
+    the step starts, one input-activation buffer per micro-batch on every stage but the first
+    and one output-gradient buffer per micro-batch on every stage but the last; torch
+    distributed/pipelining/stage.py, _prepare_forward_infra / _prepare_backward_infra). With
+    "in-flight" buffers live only with their micro-batch, already counted as its activations."""
+    pipe, t, m = plan.pipeline, plan.training, plan.model
+    last = len(pipe.stages) - 1
+    if pipe.recv_buffers != "preallocated" or last == 0:
+        return 0.0
+    msg = DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.hidden
+    return sum(((i > 0) + (i < last)) * pipe.micro_batches * msg
+               / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids)
+
+
 # ------------------------------------------------------------------ the estimate
 def _model_state_bytes(t) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter."""
@@ -352,7 +369,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         head_logits = 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # logits gradient
             head_logits = 4.0 * t.micro_batch * t.seq_len * math.ceil(m.vocab / tp)
-        other += replay + act_grad + head_logits
+        other += replay + act_grad + head_logits + recv_buffer_bytes(plan, ids)
         total = p_bytes + g_bytes + o_bytes + acts + other
         mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,
                                 optimizer_bytes=o_bytes, activations_bytes=acts, other_bytes=other,

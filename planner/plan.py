@@ -29,6 +29,7 @@ from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS, ConfigError, Model
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -159,6 +160,11 @@ class Pipeline:
     # ranks advance in lock-step with blocking neighbour exchanges (DeepSpeed's PipelineEngine
     # TrainSchedule; planner.schedule); the runtime's torch.distributed.pipelining does not
     lockstep: bool = False
+    # receive buffers: "preallocated" (torch.distributed.pipelining, the runtime: one input-activation
+    # buffer per micro-batch on every stage but the first and one output-gradient buffer per
+    # micro-batch on every stage but the last, allocated up front and held) or "in-flight"
+    # (Megatron-LM, DeepSpeed: allocated per transfer, freed with the micro-batch)
+    recv_buffers: str = "preallocated"
 
 
 @dataclass
@@ -188,12 +194,14 @@ class Plan:
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         """The plan as JSON data. Options added after format 1 (training.overlap_grad_reduce,
-        pipeline.lockstep) are written only when they differ from their defaults, so that plans
-        without them keep their bytes and content hash."""
+        pipeline.lockstep, pipeline.recv_buffers) are written only when they differ from their
+        defaults, so that plans without them keep their bytes and content hash."""
         training = dataclasses.asdict(self.training)
         if self.training.overlap_grad_reduce:
             training.pop("overlap_grad_reduce")
         pipeline = {"lockstep": True} if self.pipeline.lockstep else {}
+        if self.pipeline.recv_buffers != "preallocated":
+            pipeline["recv_buffers"] = self.pipeline.recv_buffers
         return {
             "format_version": self.format_version,
             "model": self.model.to_dict(),
@@ -239,7 +247,8 @@ class Plan:
         _need(isinstance(p["stages"], list), "pipeline.stages", "expected a list of stages")
         stages = [Stage(**_strict(Stage, s, f"pipeline.stages[{i}]")) for i, s in enumerate(p["stages"])]
         pipeline = Pipeline(schedule=p["schedule"], virtual_stages=p["virtual_stages"],
-                            micro_batches=p["micro_batches"], stages=stages, lockstep=p.get("lockstep", False))
+                            micro_batches=p["micro_batches"], stages=stages, lockstep=p.get("lockstep", False),
+                            recv_buffers=p.get("recv_buffers", "preallocated"))
         plan = cls(model=model, training=training, cluster=cluster, mesh=mesh, pipeline=pipeline,
                    prediction=d.get("prediction"), format_version=fv)
         plan.validate()
@@ -311,6 +320,8 @@ class Plan:
         _need(isinstance(p.lockstep, bool), "pipeline.lockstep", "must be true or false")
         _need(not p.lockstep or p.schedule == "1f1b", "pipeline.lockstep",
               f"lock-step execution plays 1f1b only (DeepSpeed's TrainSchedule), not {p.schedule}; set it to false")
+        _need(p.recv_buffers in RECV_BUFFERS, "pipeline.recv_buffers",
+              f"{p.recv_buffers!r}; use one of {', '.join(RECV_BUFFERS)}")
         expected_mb = t.global_batch // (mesh.dp * t.micro_batch)
         _need(p.micro_batches == expected_mb, "pipeline.micro_batches",
               f"{p.micro_batches} but global_batch / (dp x micro_batch) = {expected_mb}; set it to {expected_mb}")

@@ -56,6 +56,8 @@ class StageCosts:
         S = self.S
         self.sends = [(p2p[s % cfg.pp] if s < S - 1 else 0.0) + (back[s % cfg.pp] if s > 0 else 0.0)
                       if BLOCKING_P2P else 0.0 for s in range(S)]
+        # the runtime's receive buffers, one per micro-batch, held all step (planner.cost.recv_buffer_bytes)
+        self.recv = [((s > 0) + (s < S - 1)) * cfg.micro_batches * msg if S > 1 else 0.0 for s in range(S)]
         return self
 
     # -------------------------------------------------------------- menus
@@ -234,7 +236,7 @@ class StageCosts:
         lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
         for r in range(p):
             mine = assign[r::p]
-            fixed = sum(mn["fixed"][i] for _, mn, i in mine)
+            fixed = sum(mn["fixed"][i] for _, mn, i in mine) + sum(self.recv[r::p])
             acts = np.array([mn["act"][i] for _, mn, i in mine])
             peak = float((self.flight[r] @ acts).max())
             rep = max(mn["replay"][i] for _, mn, i in mine)

@@ -75,6 +75,10 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     if not t.overlap_grad_reduce:
         raise ConfigError("training.overlap_grad_reduce: false describes other frameworks (Megatron-LM local DDP) for "
                           "prediction; the runtime reduces gradients during the backward, set it to true to run")
+    if plan.pipeline.recv_buffers != "preallocated":
+        raise ConfigError(f"pipeline.recv_buffers: {plan.pipeline.recv_buffers} describes other frameworks (Megatron-LM, "
+                          "DeepSpeed) for prediction; torch.distributed.pipelining preallocates them, set it to "
+                          "preallocated to run")
     if plan.pipeline.lockstep:
         raise ConfigError("pipeline.lockstep: true describes DeepSpeed's pipeline engine for prediction; the runtime "
                           "runs torch.distributed.pipelining, set it to false to run")

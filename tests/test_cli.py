@@ -73,10 +73,12 @@ def test_execution_flags_reach_the_plan_and_the_estimate(tmp_path, capsys):
     assert main(base) == 0
     default = json.loads(capsys.readouterr().out)
     out = tmp_path / "plan.json"
-    assert main(base + ["--no-overlap-grad-reduce", "--lockstep", "-o", str(out)]) == 0
+    assert main(base + ["--no-overlap-grad-reduce", "--lockstep", "--recv-buffers", "in-flight", "-o", str(out)]) == 0
     deepspeed_like = json.loads(capsys.readouterr().out)
     written = json.loads(out.read_text())
     assert written["training"]["overlap_grad_reduce"] is False and written["pipeline"]["lockstep"] is True
+    assert written["pipeline"]["recv_buffers"] == "in-flight"
+    assert deepspeed_like["peak_memory_bytes"] < default["peak_memory_bytes"]
     assert deepspeed_like["step_time_s"] >= default["step_time_s"]
     assert main(["estimate", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == deepspeed_like

@@ -62,6 +62,7 @@ def edit(plan, path, value):
     ("training.micro_batch", KeyError, "training.micro_batch"),
     ("training.overlap_grad_reduce", "no", "training.overlap_grad_reduce"),
     ("pipeline.lockstep", 1, "pipeline.lockstep"),
+    ("pipeline.recv_buffers", "reused", "pipeline.recv_buffers"),
 ])
 def test_validation_names_the_field(path, value, field):
     text = edit(make(), path, value)
@@ -121,10 +122,12 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
     default = make()
     d = json.loads(default.to_json())
     assert "overlap_grad_reduce" not in d["training"] and "lockstep" not in d["pipeline"]
-    plan = make(overlap_grad_reduce=False, lockstep=True)
+    assert "recv_buffers" not in d["pipeline"]
+    plan = make(overlap_grad_reduce=False, lockstep=True, recv_buffers="in-flight")
     first = plan.to_json()
     back = Plan.from_json(first)
     assert back.training.overlap_grad_reduce is False and back.pipeline.lockstep is True
+    assert back.pipeline.recv_buffers == "in-flight"
     assert back.to_json() == first
     assert back.content_hash() != default.content_hash()
 

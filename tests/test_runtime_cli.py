@@ -63,6 +63,7 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(overlap_grad_reduce=False), "training.overlap_grad_reduce"),
     (dict(attention="unfused"), "training.attention"),
     (dict(pp=2, lockstep=True), "pipeline.lockstep"),
+    (dict(pp=2, recv_buffers="in-flight"), "pipeline.recv_buffers"),
 ])
 def test_what_the_runtime_cannot_do_is_refused_by_name(tmp_path, capsys, monkeypatch, change, field):
     change = dict(change)
