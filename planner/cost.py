@@ -201,6 +201,26 @@ def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
     return (model.block_params() - replicated) / tp + replicated
 
 
+def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
+                     pb: float, gb: float) -> float:
+    """Bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's root module, which
+    holds every parameter outside the blocks: embedding, head, final norm) holds beyond the ZeRO
+    paper's accounting of one stage, per device. ZeRO 1/2 (not resharded after forward): the
+    sharded parameters besides the unsharded ones, and the flat reduce-scatter input of one group's
+    gradients. ZeRO 3: the two largest blocks unsharded at once (current and prefetched), the root
+    group unsharded all step (FSDP2 does not reshard the root after forward) with its unsharded
+    gradients held from the head's backward to the end (with one micro-batch; more micro-batches
+    accumulate every unsharded gradient, counted already), and one reduce-scatter input. Measured
+    on CPU against run.json peaks (benchmarks/prediction_accuracy.py)."""
+    if dp <= 1 or zero == 0:
+        return 0.0
+    group = max(list(block_params) + [root_params])
+    if zero in (1, 2):
+        return (sum(block_params) + root_params) * pb / dp + group * gb
+    two = sum(sorted(block_params, reverse=True)[:2])
+    return two * pb + root_params * pb + (root_params * gb if micro_batches == 1 else 0.0) + group * gb
+
+
 def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
     """Receive buffers the pipeline runtime holds for the whole step on the rank of `stage_ids`
     (pipeline.recv_buffers "preallocated": torch.distributed.pipelining's stage allocates, when
@@ -358,9 +378,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
             g_bytes += P * gb / (shard if (st.zero >= 2 and mbs == 1) else 1)
             o_bytes += P * ob / (shard if st.zero >= 1 else 1)
-            if st.zero == 3 and dp > 1:  # two layers gathered at once (current + prefetched)
-                biggest = sorted((c.params for c in si["costs"]), reverse=True)[:2]
-                other += sum(biggest) * pb
+            kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
+            other += fsdp_extra_bytes(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds) if k == "block"],
+                                      sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"), pb, gb)
             if st.zero == 0 and dp > 1:
                 other += P * gb  # replicate (FSDP2) all-reduces the chunk's gradients from one flat buffer
             replay = max(replay, max((c.replay_bytes for c in si["costs"]), default=0.0))

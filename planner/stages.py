@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from planner.cost import fsdp_extra_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
@@ -114,7 +115,6 @@ class StageCosts:
         tp_f = k * blk[0].fwd_tp_s + e_sum("fwd_tp_s")
         tp_b = tp_b + e_sum("bwd_tp_s")
         act = act + e_sum("activation_bytes")
-        plist = [x.params for x in ends] + [blk[0].params] * min(k, 2)
         P = k * blk[0].params + sum(x.params for x in ends)
         dp, e = cfg.dp, ctx.e
         n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
@@ -130,8 +130,8 @@ class StageCosts:
             gather = self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0
             fixed = (P * ctx.pb / (dp if z == 3 else 1) + P * ctx.gb / (dp if (z >= 2 and cfg.micro_batches == 1) else 1)
                      + P * ctx.ob / (dp if z >= 1 else 1))
-            if z == 3 and dp > 1:
-                fixed += sum(sorted(plist, reverse=True)[:2]) * ctx.pb
+            fixed += fsdp_extra_bytes(z, dp, cfg.micro_batches, [blk[0].params] * k, sum(x.params for x in ends),
+                                      ctx.pb, ctx.gb)
             if z == 0 and dp > 1:  # replicate all-reduces the chunk's gradients from one flat buffer
                 fixed += P * ctx.gb
             fixed += self.head_logits if head else 0.0

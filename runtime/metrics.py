@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import platform
 
 import weakref
@@ -54,13 +55,82 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+class _MallInfo2(ctypes.Structure):  # glibc >= 2.33, struct mallinfo2 (malloc.h)
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_reader():
+    """A function giving the bytes the C heap has handed out and not taken back (glibc mallinfo2:
+    in-use bytes of every arena + bytes in mmap'd chunks), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+
+    def read() -> int:
+        m = fn()
+        return int(m.uordblks + m.hblkhd)
+    return read
+
+
+class HeapPeak(TorchDispatchMode):
+    """Peak bytes allocated on CPU while it is on, sampled after every op: the C heap's in-use
+    bytes (PyTorch's CPU allocator takes its tensors from malloc) above their value at the start.
+    It sees what is really allocated and freed: a view of a parameter allocates nothing, and
+    storage that FSDP2 frees by resizing it to zero is given back (a storage-identity count,
+    LiveTensorBytes, sees neither)."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+        self.start = self.peak = 0
+
+    _primed = False
+
+    def __enter__(self):
+        if not HeapPeak._primed:  # the first dispatch mode of a process builds Python-side caches (~9 MB)
+            HeapPeak._primed = True
+            with HeapPeak(self.read):
+                torch.zeros(2).add_(1).sum()
+        self.start = self.peak = self.read()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.read())
+        return out
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak - self.start
+
+    @property
+    def current_bytes(self) -> int:
+        return self.read() - self.start
+
+
+HEAP_READER = _heap_reader()
+
+
+def cpu_counter():
+    """The CPU memory counter this machine supports: HeapPeak where the C library reports its heap
+    (glibc), else LiveTensorBytes; and the name run.json records."""
+    if HEAP_READER is not None:
+        return HeapPeak(HEAP_READER), "C heap in use, sampled after every op (runtime.metrics.HeapPeak)"
+    return LiveTensorBytes(), "live tensor storages (runtime.metrics.LiveTensorBytes)"
+
+
 class PeakMemory:
-    """Peak bytes of one training step on this rank: torch.cuda.max_memory_allocated on GPU,
-    LiveTensorBytes on CPU."""
+    """Peak bytes of one training step on this rank: torch.cuda.max_memory_allocated on GPU; on
+    CPU the bytes of the tensors alive at the start (parameters, gradients, optimizer states,
+    buffers, counted by storage) plus the most allocated above that during the step (cpu_counter)."""
 
     def __init__(self, device: torch.device, modules, optimizers):
         self.device, self.modules, self.optimizers = device, modules, optimizers
         self.bytes: int | None = None
+        self.method = "torch.cuda.max_memory_allocated" if device.type == "cuda" else cpu_counter()[1]
 
     @contextlib.contextmanager
     def measure(self):
@@ -71,18 +141,21 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
-        counter = LiveTensorBytes()
+        states = LiveTensorBytes()
         for m in self.modules:
             for t in [*m.parameters(), *m.buffers()]:
-                counter.track(t)
+                states.track(t)
                 if t.grad is not None:
-                    counter.track(t.grad)
+                    states.track(t.grad)
         for opt in self.optimizers:
             for t in pytree.tree_leaves(opt.state_dict()["state"]):
-                counter.track(t)
+                states.track(t)
+        counter, _ = cpu_counter()
+        if isinstance(counter, LiveTensorBytes):  # counts the states itself
+            counter, states = states, None
         with counter:
             yield
-        self.bytes = counter.peak_bytes
+        self.bytes = counter.peak_bytes + (states.current_bytes if states is not None else 0)
 
 
 def environment(backend: str, device: torch.device) -> dict:

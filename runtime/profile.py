@@ -220,7 +220,7 @@ def profile_cluster(args) -> dict | None:
                                                    "2 x 64 MiB moved, every rank at once; efficiency 1 "
                                                    "because this is the achieved rate",
             "device.memory_bytes": f"measured: {mem_src} divided by the {per_node} processes of a host",
-            "device.reserved_bytes": "assumption: 0 on CPU (no device context; LiveTensorBytes counts tensors only)",
+            "device.reserved_bytes": "assumption: 0 on CPU (no device context; run.json counts the tensors alive at the step's start and the heap allocated above them)",
             "collectives": "measured: the smaller of two medians over repeats (max over ranks; two passes over "
                            "the sizes), made non-decreasing in the size (runtime.comm_sweep.monotone), of a sweep of "
                            f"{sizes[0] // 1024} KiB .. {sizes[-1] // 1024} KiB, all groups of a size at once; "

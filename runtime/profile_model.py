@@ -6,8 +6,9 @@ tp sub-mesh) and recomputation (apply_recompute). The JSON format is planner/mod
 Every rank measures at once (the world is split into groups of `tp` ranks), so the times are
 those of a device while all N processes of the launch are busy, as in a training run on N.
 Activation bytes are the bytes of tensors a layer's forward creates and keeps alive (saved for
-backward, and its output, which is the next layer's input), counted exactly on CPU by
-runtime.metrics.LiveTensorBytes, the counter run.json's peak memory uses.
+backward, and its output, which is the next layer's input): the memory the forward allocates and
+has not freed when it returns, counted on CPU by runtime.metrics.cpu_counter, the counter
+run.json's peak memory uses (views of the parameters allocate nothing and count nothing).
 """
 from __future__ import annotations
 
@@ -94,6 +95,11 @@ def _inputs(cfg, kind: str, mb: int, s: int, tp: int, tp_rank: int, sp: bool):
     if sp and tp > 1:
         x = x.chunk(tp, dim=1)[tp_rank].contiguous()
     return x.requires_grad_(True), ids
+
+
+def _cpu_counter_name() -> str:
+    from runtime.metrics import cpu_counter
+    return cpu_counter()[1]
 
 
 MIN_SAMPLE_S = 0.02  # a timed sample spans several scheduler time slices
@@ -188,7 +194,7 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
 
 def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, repeats: int) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
-    from runtime.metrics import LiveTensorBytes
+    from runtime.metrics import cpu_counter
     from runtime.train import cross_entropy
     tp_mesh = mesh2d["tp"]
     tp = tp_mesh.size()
@@ -205,10 +211,14 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
                 out = cross_entropy(out, targets)
             return out
         f, b = _time_passes(chunk, kind, x, targets, lp, repeats)
-        counter = LiveTensorBytes()
+        counter, _ = cpu_counter()
+        if hasattr(counter, "track"):  # a storage count: the input and the parameters are not the layer's
+            for t in [x, *params]:
+                counter.track(t)
+        base = counter.current_bytes if hasattr(counter, "track") else 0
         with lp(), counter:
             out = forward()
-            act = counter.current_bytes
+            act = counter.current_bytes - base
         with lp():
             out.backward(torch.ones_like(out) if kind != "head" else None)
         del out
@@ -322,8 +332,8 @@ def profile_model(args) -> dict | None:
         "sources": {
             "times": f"measured: median of {args.repeats} samples of back-to-back forward+backward passes (each "
                      f"sample at least {MIN_SAMPLE_S} s) after two warm-up passes, every rank at once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
-            "activation_bytes": "measured: live bytes created by one forward and kept until its backward "
-                                "(runtime.metrics.LiveTensorBytes), output included",
+            "activation_bytes": "measured: bytes one forward allocates and keeps until its backward, output "
+                                f"included ({_cpu_counter_name()})",
             "optimizer_s": "measured: runtime.train.clip_grad_norm (local work: reduce=False) + "
                            "AdamW(foreach=False).step on the layer's parameters, as the runtime runs them on CPU; "
                            "the norm's all-reduces happen once per step, priced by planner.cost",

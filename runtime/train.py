@@ -332,8 +332,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "tokens_per_s": tokens * len(timed) / sum(timed),
         "peak_memory_bytes": max((p for p in peaks if p is not None), default=None),
         "peak_memory_bytes_per_rank": peaks,
-        "peak_memory_method": ("torch.cuda.max_memory_allocated" if device.type == "cuda"
-                               else "live tensor storages (runtime.metrics.LiveTensorBytes)"),
+        "peak_memory_method": peak.method,
         "environment": environment(backend, device),
     }
 

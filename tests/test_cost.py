@@ -234,3 +234,16 @@ def test_pipelining_receive_buffers_are_held_for_every_micro_batch():
     assert held.step_time_s == in_flight.step_time_s
     one = estimate(plan_for(global_batch=64), A100)  # no pipeline, no buffers
     assert estimate(plan_for(global_batch=64, recv_buffers="in-flight"), A100).peak_memory_bytes == one.peak_memory_bytes
+
+
+def test_fsdp2_holds_more_than_the_zero_paper_counts():
+    from planner.cost import fsdp_extra_bytes
+    blocks, root = [100.0, 100.0, 100.0], 50.0
+    assert fsdp_extra_bytes(0, 8, 1, blocks, root, 2, 4) == 0.0
+    assert fsdp_extra_bytes(3, 1, 1, blocks, root, 2, 4) == 0.0  # no data parallelism: no FSDP
+    # ZeRO 1/2: the sharded copy beside the unsharded parameters, one group's reduce-scatter input
+    assert fsdp_extra_bytes(1, 4, 2, blocks, root, 2, 4) == pytest.approx(350 * 2 / 4 + 100 * 4)
+    # ZeRO 3: two blocks gathered, the root group unsharded all step with its gradients (one
+    # micro-batch), one reduce-scatter input
+    assert fsdp_extra_bytes(3, 4, 1, blocks, root, 2, 4) == pytest.approx(200 * 2 + 50 * 2 + 50 * 4 + 100 * 4)
+    assert fsdp_extra_bytes(3, 4, 2, blocks, root, 2, 4) == pytest.approx(200 * 2 + 50 * 2 + 100 * 4)
