@@ -25,8 +25,8 @@ Memory per device follows what the runtime holds: parameters, gradients and opti
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
 with Adam; 2 + 2 + 8 without an fp32 master copy), activations of the micro-batches in flight as
 the schedule holds them (planner.schedule.peak_in_flight) by recompute mode (planner.model),
-the transient of replaying one block, activation gradients, communication buffers, and the
-pipeline's receive buffers (recv_buffer_bytes).
+the transient of replaying one block, activation gradients, communication buffers, the
+pipeline's receive buffers, and what FSDP2 holds beyond that accounting (planner.memory).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync, tp_comm
+from planner.memory import fsdp_extra_bytes, recv_buffer_bytes
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
 from planner.schedule import Sharing, StageTimes, peak_in_flight, simulate
@@ -199,42 +200,6 @@ def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
         return math.ceil(model.vocab / tp) * h + norm
     replicated = 6 * h if model.arch == "gpt" else 2 * h
     return (model.block_params() - replicated) / tp + replicated
-
-
-def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float) -> float:
-    """Bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's root module, which
-    holds every parameter outside the blocks: embedding, head, final norm) holds beyond the ZeRO
-    paper's accounting of one stage, per device. ZeRO 1/2 (not resharded after forward): the
-    sharded parameters besides the unsharded ones, and the flat reduce-scatter input of one group's
-    gradients. ZeRO 3: the two largest blocks unsharded at once (current and prefetched), the root
-    group unsharded all step (FSDP2 does not reshard the root after forward) with its unsharded
-    gradients held from the head's backward to the end (with one micro-batch; more micro-batches
-    accumulate every unsharded gradient, counted already), and one reduce-scatter input. Measured
-    on CPU against run.json peaks (benchmarks/prediction_accuracy.py)."""
-    if dp <= 1 or zero == 0:
-        return 0.0
-    group = max(list(block_params) + [root_params])
-    if zero in (1, 2):
-        return (sum(block_params) + root_params) * pb / dp + group * gb
-    two = sum(sorted(block_params, reverse=True)[:2])
-    return two * pb + root_params * pb + (root_params * gb if micro_batches == 1 else 0.0) + group * gb
-
-
-def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
-    """Receive buffers the pipeline runtime holds for the whole step on the rank of `stage_ids`
-    (pipeline.recv_buffers "preallocated": torch.distributed.pipelining's stage allocates, when
-    the step starts, one input-activation buffer per micro-batch on every stage but the first
-    and one output-gradient buffer per micro-batch on every stage but the last; torch
-    distributed/pipelining/stage.py, _prepare_forward_infra / _prepare_backward_infra). With
-    "in-flight" buffers live only with their micro-batch, already counted as its activations."""
-    pipe, t, m = plan.pipeline, plan.training, plan.model
-    last = len(pipe.stages) - 1
-    if pipe.recv_buffers != "preallocated" or last == 0:
-        return 0.0
-    msg = DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.hidden
-    return sum(((i > 0) + (i < last)) * pipe.micro_batches * msg
-               / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids)
 
 
 # ------------------------------------------------------------------ the estimate

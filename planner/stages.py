@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.cost import fsdp_extra_bytes
+from planner.memory import fsdp_extra_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
@@ -57,7 +57,7 @@ class StageCosts:
         S = self.S
         self.sends = [(p2p[s % cfg.pp] if s < S - 1 else 0.0) + (back[s % cfg.pp] if s > 0 else 0.0)
                       if BLOCKING_P2P else 0.0 for s in range(S)]
-        # the runtime's receive buffers, one per micro-batch, held all step (planner.cost.recv_buffer_bytes)
+        # the runtime's receive buffers, one per micro-batch, held all step (planner.memory.recv_buffer_bytes)
         self.recv = [((s > 0) + (s < S - 1)) * cfg.micro_batches * msg if S > 1 else 0.0 for s in range(S)]
         return self
 

@@ -82,12 +82,12 @@ class HeapPeak(TorchDispatchMode):
     storage that FSDP2 frees by resizing it to zero is given back (a storage-identity count,
     LiveTensorBytes, sees neither)."""
 
+    _primed = False  # see __enter__
+
     def __init__(self, read):
         super().__init__()
         self.read = read
         self.start = self.peak = 0
-
-    _primed = False
 
     def __enter__(self):
         if not HeapPeak._primed:  # the first dispatch mode of a process builds Python-side caches (~9 MB)
