@@ -80,16 +80,24 @@ class AlphaBeta:
         return self.by_group_size.get(n, (self.alpha_s, self.bus_bandwidth_bytes_per_s))
 
 
+def _interp(curve: tuple, x: float, log_y: bool) -> float:
+    """y at x on measured (x, y) points, ascending in x: interpolated in log(x) (and in log(y)
+    with `log_y`), held at the end values outside the measured range."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x1, y1), (x2, y2) in zip(curve, curve[1:]):
+        if x <= x2:
+            f = math.log(x / x1) / math.log(x2 / x1)
+            return math.exp(math.log(y1) + f * math.log(y2 / y1)) if log_y else y1 + f * (y2 - y1)
+    return curve[-1][1]
+
+
 def _busbw_at(curve: tuple, nbytes: float) -> float:
     """Bus bandwidth at `nbytes` from measured (bytes, busbw) points (module doc)."""
     s0, b0 = curve[0]
     if nbytes <= s0:
         return b0 * nbytes / s0  # the smallest message's time: latency-bound below it
-    for (s1, b1), (s2, b2) in zip(curve, curve[1:]):
-        if nbytes <= s2:
-            f = math.log(nbytes / s1) / math.log(s2 / s1)
-            return math.exp(math.log(b1) + f * math.log(b2 / b1))
-    return curve[-1][1]
+    return _interp(curve, nbytes, log_y=True)
 
 
 @dataclass(frozen=True)
@@ -113,13 +121,7 @@ class DeviceSpec:
         curve = self.matmul_by_size.get(dtype)
         if not curve:
             return self.matmul_flops_per_s(dtype)
-        edge = (float(M) * N * K) ** (1.0 / 3.0)
-        if edge <= curve[0][0]:
-            return curve[0][1]
-        for (e1, r1), (e2, r2) in zip(curve, curve[1:]):
-            if edge <= e2:
-                return r1 + (r2 - r1) * math.log(edge / e1) / math.log(e2 / e1)
-        return curve[-1][1]
+        return _interp(curve, (float(M) * N * K) ** (1.0 / 3.0), log_y=False)
 
     @property
     def memory_bytes_per_s(self) -> float:

@@ -194,7 +194,7 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
 
 def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, repeats: int) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
-    from runtime.metrics import cpu_counter
+    from runtime.metrics import LiveTensorBytes, cpu_counter
     from runtime.train import cross_entropy
     tp_mesh = mesh2d["tp"]
     tp = tp_mesh.size()
@@ -212,10 +212,10 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
             return out
         f, b = _time_passes(chunk, kind, x, targets, lp, repeats)
         counter, _ = cpu_counter()
-        if hasattr(counter, "track"):  # a storage count: the input and the parameters are not the layer's
+        if isinstance(counter, LiveTensorBytes):  # a storage count: the input and the parameters are not the layer's
             for t in [x, *params]:
                 counter.track(t)
-        base = counter.current_bytes if hasattr(counter, "track") else 0
+        base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # HeapPeak counts from entry
         with lp(), counter:
             out = forward()
             act = counter.current_bytes - base
