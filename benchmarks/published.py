@@ -52,19 +52,36 @@ _SC21 = {  # model: (micro_batch, virtual_stages, DDP impl)
     "gpt-18.4b": (8, 1, "torch"), "gpt-39.1b": (4, 1, "local"), "gpt-76.1b": (2, 3, "local"),
     "gpt-145.6b": (2, 2, "local"), "gpt-310.1b": (1, 2, "local"), "gpt-529.6b": (1, 3, "local"),
     "gpt-1008b": (1, 1, "local")}
-RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=v, overlap_grad_reduce=ddp == "torch")
+# Pipeline transfers: Megatron-LM's --scatter-gather-tensors-in-pipeline is on by default at tag
+# v2.5 (megatron/arguments.py; megatron/p2p_communication.py splits the tensor over the TP ranks and
+# all-gathers it on arrival; SC'21 section 4.1).
+# Gradients of fp16 runs add up in fp16: local DDP's main_grad buffer takes the parameter's dtype
+# unless --accumulate-allreduce-grads-in-fp32 (megatron/model/distributed.py at v2.5), PyTorch DDP
+# accumulates into the fp16 .grad.
+RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=v, overlap_grad_reduce=ddp == "torch",
+                                                  p2p="scatter-gather", grad_accumulation="separate-16bit")
                 for m, (b, v, ddp) in _SC21.items()}
 # MT-NLG trained with DeepSpeed's pipeline engine (Smith et al. 2022, section 2.3): its
 # TrainSchedule issues ReduceGrads after the last micro-batch (not overlapped) and runs the
 # 1F1B steps in lock-step with blocking neighbour send/recv (deepspeed/runtime/pipe/schedule.py
 # and p2p.py at tag v0.5.8, 2021-11-30).
-RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, lockstep=True)
+# Its engine partitions the tensors it sends between stages over the TP group (is_pipe_partitioned
+# and is_grad_partitioned whenever model parallel, deepspeed/runtime/pipe/engine.py at v0.5.8).
+# Its fp16 parameters' gradients add up in their fp16 .grad.
+RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, lockstep=True, p2p="scatter-gather",
+                                                     grad_accumulation="separate-16bit")
 # Korthikanti et al. 2022, section 6: "three interleaving stages (m = 3) for the 175B and 530B
 # models" (the 1T model without interleaving), and section 6.3: "we do not use any overlapping of
-# gradient all-reduces with back-propagation".
+# gradient all-reduces with back-propagation". Megatron-LM then (main at 2022-05-15, commit 35a3fa8)
+# runs the backward's TP all-reduces beside the weight-gradient GEMMs by default
+# (--no-async-tensor-model-parallel-allreduce to disable; since 2021-09-02, commit 16c90445e7,
+# after the SC'21 scripts), keeps scatter/gather pipeline transfers on, and for bf16 (which forces
+# fp32 gradient accumulation) adds each micro-batch's weight gradient inside its GEMM
+# (--no-gradient-accumulation-fusion to disable; megatron/arguments.py at that commit).
 for _src in ("korthikanti-2022-table5", "korthikanti-2022-section6"):
     for _m, _v in (("gpt-22b", 1), ("gpt-175b", 3), ("gpt-530b", 3), ("gpt-1t", 1)):
-        RUN_SETTINGS[(_src, _m)] = dict(virtual_stages=_v, overlap_grad_reduce=False)
+        RUN_SETTINGS[(_src, _m)] = dict(virtual_stages=_v, overlap_grad_reduce=False, p2p="scatter-gather",
+                                        async_tp_allreduce=True, grad_accumulation="fused")
 
 
 def row_model(row) -> ModelConfig:
@@ -86,7 +103,8 @@ def candidates(row, model, gpus):
     if sched == "interleaved-1f1b" and pp > 1:
         vs = [v for v in range(1, 9) if pp * v <= model.num_layers_total]
     vs = [known["virtual_stages"]] if "virtual_stages" in known else vs
-    how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep") if k in known}
+    how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation")
+           if k in known}
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
     # Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3 separately);
     # MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; Llama 3 does not say: search.

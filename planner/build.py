@@ -42,7 +42,7 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                dp: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
                order: list | None = None, stages: list | None = None, lockstep: bool = False,
-               recv_buffers: str = "preallocated", **training_overrides) -> Plan:
+               recv_buffers: str = "preallocated", p2p: str = "full", **training_overrides) -> Plan:
     """A validated hand-made plan. `dp` defaults to world / (tp * pp); `stages` defaults to an
     even split. Raises ConfigError naming the field on any inconsistency."""
     world = nodes * devices_per_node
@@ -67,6 +67,6 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
         pipeline=Pipeline(schedule=schedule, virtual_stages=virtual_stages, micro_batches=mb_count,
                           stages=stages if stages is not None else even_stages(
                               model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1),
-                          lockstep=lockstep, recv_buffers=recv_buffers),
+                          lockstep=lockstep, recv_buffers=recv_buffers, p2p=p2p),
     )
     return plan.validate()

@@ -75,7 +75,8 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
-        recv_buffers=args.recv_buffers, overlap_grad_reduce=not args.no_overlap_grad_reduce)
+        recv_buffers=args.recv_buffers, p2p=args.p2p, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+        async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation)
     plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args))
     if args.output:
         plan.write(args.output)
@@ -205,6 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="preallocated",
                    help="pipeline receive buffers: one per micro-batch held up front (torch.distributed.pipelining, "
                         "the runtime) or only those in flight (Megatron-LM, DeepSpeed; prediction only)")
+    p.add_argument("--p2p", choices=("full", "scatter-gather"), default="full",
+                   help="pipeline transfers: whole tensors from every TP rank (the runtime) or 1/tp each and an "
+                        "all-gather on arrival (Megatron-LM, DeepSpeed; prediction only)")
+    p.add_argument("--async-tp-allreduce", action="store_true",
+                   help="the backward's TP all-reduces run alongside the weight-gradient GEMMs (Megatron-LM "
+                        "since 2021-09; prediction only)")
+    p.add_argument("--grad-accumulation", choices=("separate-fp32", "separate-16bit", "fused"), default="separate-fp32",
+                   help="how micro-batch gradients add up: a pass over fp32 gradients (the runtime), over 16-bit "
+                        "ones (Megatron-LM fp16, DeepSpeed), or inside the weight-gradient GEMM (Megatron-LM "
+                        "gradient accumulation fusion); the last two for prediction only")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", help="write the plan file here")
     p.add_argument("--model-profile", default=None,

@@ -13,13 +13,16 @@ Time of a layer on one device, per micro-batch:
 - TP communication, issued by the runtime and not overlapped (Megatron-style): per block two
   all-reduces of the activation in forward and two in backward, or with sequence parallelism an
   all-gather and a reduce-scatter in place of each (Korthikanti et al. 2022, section 4.2.2).
+  With training.async_tp_allreduce (Megatron-LM, prediction only) each backward all-reduce of a
+  column-parallel input gradient runs beside its weight-gradient GEMM, which hides part of it
+  (ASYNC_TP_HIDDEN).
 - recomputation: full replays the block's forward (its compute and its TP communication) before
   the backward; selective replays only the attention core.
 Per stage the per-layer times add up; the pipeline schedule is then played (planner.schedule).
 Data-parallel gradient communication runs after each stage's last backward on a communication
 stream, overlapping the rest of the backward (with training.overlap_grad_reduce false: after the
 whole backward); ZeRO-3 gathers parameters before each forward and backward, overlapped with
-compute by prefetching; the optimizer step is memory-bound.
+compute by prefetching; the optimizer step (AdamW with gradient clipping) is memory-bound.
 
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
@@ -43,6 +46,17 @@ from planner.schedule import Sharing, StageTimes, peak_in_flight, simulate
 ADAM_STATE_BYTES = 8  # two float32 moments per parameter
 MASTER_BYTES = 4  # float32 master copy under mixed precision
 BWD_ELEMENTWISE_FACTOR = 1.5  # backward of a memory-bound op moves 3 tensors to the forward's 2
+# bytes per parameter and micro-batch of adding a micro-batch's gradient to the accumulated one
+# (training.grad_accumulation): read both, write the sum; fused into the weight-gradient GEMM, none
+GRAD_ACCUMULATION_BYTES = {"separate-fp32": 3 * 4, "separate-16bit": 3 * 2, "fused": 0}
+# Share of an all-reduce running beside a GEMM that the overlap hides (training.async_tp_allreduce).
+# Not all of it: the NCCL kernel and the GEMM share the GPU's SMs. Derived from Korthikanti et al.
+# 2022, Table 4 (one 22B layer on A100, Megatron-LM with the asynchronous all-reduce on by default):
+# the three rows without sequence parallelism (19.6, 27.2, 20.9 ms forward + backward) lie 0.90,
+# 1.05 and 0.65 ms below this model without overlap, of the 2.02 ms that perfect overlap would hide:
+# 0.44, 0.52, 0.32, mean 0.43 (tests/test_cost.py recomputes it). Measured on A100 only; used for
+# every device.
+ASYNC_TP_HIDDEN = 0.43
 
 
 @dataclass
@@ -167,8 +181,19 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     el_f = elementwise_bytes(m, index, b, s, tp, sp, e, dropout, t.attention) / bw
     el_b = BWD_ELEMENTWISE_FACTOR * el_f
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
+    if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
+        # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
+        # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the
+        # head; the GEMM hides ASYNC_TP_HIDDEN of the time they share
+        wgrad = lambda c, M, N, K: gemm_time(c, K, N, M, e, grate, bw)  # noqa: E731
+        if kind == "block":
+            ar = tp_b / 2
+            tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, wgrad(*gemms[i])) for i in (0, 2))
+        else:
+            tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wgrad(1, b * s, math.ceil(m.vocab / tp), m.hidden))
     params = layer_params_on_device(m, index, tp)
-    accumulate = 8.0 * params / bw if plan.pipeline.micro_batches > 1 else 0.0  # fp32 grad accumulation
+    accumulate = (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
+                  if plan.pipeline.micro_batches > 1 else 0.0)
     fwd_c, bwd_c = mm_f + el_f, mm_b + el_b + accumulate
     if rec == "full":
         bwd_c += fwd_c
@@ -210,6 +235,32 @@ def _model_state_bytes(t) -> tuple[int, int, int]:
     return e, e, ADAM_STATE_BYTES + master
 
 
+def optimizer_step_bytes(t) -> int:
+    """HBM bytes per parameter the optimizer step moves on the parameters a rank updates.
+    AdamW reads the float32 parameter (or master copy), gradient and both moments and writes the
+    parameter and moments back: 28. Clipping reads the gradients for their norm and scales them in
+    place: 3 x 4. Gradients accumulated in 16 bits are first copied into float32 (2 + 4), and fp16
+    training unscales them and checks them for inf/NaN (4 + 4, loss scaling: Micikevicius et al.
+    2018). With a float32 master copy the step ends by writing the 16-bit parameters (4 + 2)."""
+    e = DTYPES[t.dtype]
+    n = 28 + 3 * 4
+    if t.grad_accumulation == "separate-16bit" and e == 2:
+        n += 2 + 4
+    if t.dtype == "fp16":
+        n += 4 + 4
+    if t.master_weights and e == 2:
+        n += 4 + e
+    return n
+
+
+def grad_comm_bytes(t) -> int:
+    """Bytes per gradient element the data-parallel reduction moves: the accumulated gradients'
+    dtype, float32 unless they add up in 16 bits (training.grad_accumulation). The runtime reduces
+    float32 (FSDP2 reduce_dtype), as Megatron-LM does for bf16 (its fp32 main_grad buffers)."""
+    e = DTYPES[t.dtype]
+    return e if t.grad_accumulation == "separate-16bit" else max(e, 4)
+
+
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
              keep_timeline: bool = False, model_profile=None) -> Estimate:
     """Predict step time, throughput and per-device memory of `plan` on `cluster`.
@@ -242,7 +293,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tpc_f = sum(c.fwd_tp_s for c in costs)
         tpc_b = sum(c.bwd_tp_s for c in costs)
         params = sum(c.params for c in costs)
-        grad_bytes = params * gb
+        grad_bytes = params * grad_comm_bytes(t)
         zero3_f = zero3_b = 0.0
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
         if dp > 1 and st.zero == 3:  # gather parameters before forward and again before backward
@@ -262,14 +313,18 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             sync = cluster.collective_time("all_reduce", grad_bytes, dp_ranks)
         else:
             sync = cluster.collective_time("reduce_scatter", grad_bytes, dp_ranks)
-        # point-to-point: this stage's output to the next stage (sharded under sequence parallelism)
+        # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
+        # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
         act_msg = e * t.micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)
-        nxt = (si + 1) % pp
-        send = cluster.p2p_time(act_msg, mesh.rank(pp=r, dp=0, tp=0), mesh.rank(pp=nxt, dp=0, tp=0)) \
-            if si + 1 < len(pipe.stages) else 0.0
-        prev = (si - 1) % pp
-        send_back = cluster.p2p_time(act_msg, mesh.rank(pp=r, dp=0, tp=0), mesh.rank(pp=prev, dp=0, tp=0)) \
-            if si > 0 else 0.0
+        scatter = pipe.p2p == "scatter-gather" and tp > 1 and not st.sequence_parallel
+
+        def transfer(peer: int) -> float:
+            src, dst = mesh.rank(pp=r, dp=0, tp=0), mesh.rank(pp=peer, dp=0, tp=0)
+            if not scatter:
+                return cluster.p2p_time(act_msg, src, dst)
+            return cluster.p2p_time(act_msg / tp, src, dst) + cluster.collective_time("all_gather", act_msg, tp_ranks)
+        send = transfer((si + 1) % pp) if si + 1 < len(pipe.stages) else 0.0
+        send_back = transfer((si - 1) % pp) if si > 0 else 0.0
         stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f + pipe_op, bwd_s=comp_b + tpc_b + zero3_b + pipe_op,
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
@@ -289,7 +344,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         mine = [stage_info[i] for i in plan.stages_of_rank(r)]
         opt_params = sum(si["params"] / (dp if si["zero"] >= 1 else 1) for si in mine)
         # AdamW: read grad, both moments and the master copy, write them back and the parameter
-        opt_s = opt_params * (gb + 2 * ob + pb) / bw
+        opt_s = opt_params * optimizer_step_bytes(t) / bw
         if model_profile is not None:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
         opt_s += clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine))

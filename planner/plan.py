@@ -30,6 +30,8 @@ from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS, ConfigError, Model
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
+P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
+GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -74,6 +76,16 @@ class Training:
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
     # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule
     overlap_grad_reduce: bool = True
+    # the backward's TP all-reduce of each column-parallel linear's input gradient runs alongside
+    # that linear's weight-gradient GEMM (Megatron-LM from September 2021, --no-async-tensor-model-
+    # parallel-allreduce to disable; planner.cost); DTensor's tensor parallelism, the runtime's, does not
+    async_tp_allreduce: bool = False
+    # how micro-batch gradients add up (planner.cost): "separate-fp32", a pass over float32 gradients
+    # (the runtime: parameters stay float32 under autocast, so autograd adds float32 gradients);
+    # "separate-16bit", a pass over 16-bit gradients (Megatron-LM fp16 without fp32 accumulation,
+    # DeepSpeed fp16); "fused", inside the weight-gradient GEMM (Megatron-LM's
+    # gradient_accumulation_fusion)
+    grad_accumulation: str = "separate-fp32"
 
 
 @dataclass
@@ -165,6 +177,11 @@ class Pipeline:
     # micro-batch on every stage but the last, allocated up front and held) or "in-flight"
     # (Megatron-LM, DeepSpeed: allocated per transfer, freed with the micro-batch)
     recv_buffers: str = "preallocated"
+    # activations and gradients between stages: "full" (every TP rank sends the whole tensor to its
+    # peer: torch.distributed.pipelining, the runtime) or "scatter-gather" (each TP rank sends 1/tp of
+    # it and the receiving TP group all-gathers: Megatron-LM's scatter/gather optimization, Narayanan et
+    # al. SC'21 section 4.1, and DeepSpeed's partitioned pipeline tensors); planner.cost
+    p2p: str = "full"
 
 
 @dataclass
@@ -194,14 +211,21 @@ class Plan:
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         """The plan as JSON data. Options added after format 1 (training.overlap_grad_reduce,
-        pipeline.lockstep, pipeline.recv_buffers) are written only when they differ from their
+        training.async_tp_allreduce, training.grad_accumulation, pipeline.lockstep, pipeline.recv_buffers, pipeline.p2p) are
+        written only when they differ from their
         defaults, so that plans without them keep their bytes and content hash."""
         training = dataclasses.asdict(self.training)
         if self.training.overlap_grad_reduce:
             training.pop("overlap_grad_reduce")
+        if not self.training.async_tp_allreduce:
+            training.pop("async_tp_allreduce")
+        if self.training.grad_accumulation == "separate-fp32":
+            training.pop("grad_accumulation")
         pipeline = {"lockstep": True} if self.pipeline.lockstep else {}
         if self.pipeline.recv_buffers != "preallocated":
             pipeline["recv_buffers"] = self.pipeline.recv_buffers
+        if self.pipeline.p2p != "full":
+            pipeline["p2p"] = self.pipeline.p2p
         return {
             "format_version": self.format_version,
             "model": self.model.to_dict(),
@@ -248,7 +272,7 @@ class Plan:
         stages = [Stage(**_strict(Stage, s, f"pipeline.stages[{i}]")) for i, s in enumerate(p["stages"])]
         pipeline = Pipeline(schedule=p["schedule"], virtual_stages=p["virtual_stages"],
                             micro_batches=p["micro_batches"], stages=stages, lockstep=p.get("lockstep", False),
-                            recv_buffers=p.get("recv_buffers", "preallocated"))
+                            recv_buffers=p.get("recv_buffers", "preallocated"), p2p=p.get("p2p", "full"))
         plan = cls(model=model, training=training, cluster=cluster, mesh=mesh, pipeline=pipeline,
                    prediction=d.get("prediction"), format_version=fv)
         plan.validate()
@@ -285,6 +309,9 @@ class Plan:
               f"{t.attention!r}; use one of {', '.join(ATTENTION_KERNELS)}")
         _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
         _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
+        _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
+        _need(t.grad_accumulation in GRAD_ACCUMULATION, "training.grad_accumulation",
+              f"{t.grad_accumulation!r}; use one of {', '.join(GRAD_ACCUMULATION)}")
         for name in ("lr", "weight_decay", "grad_clip", "dropout"):
             v = getattr(t, name)
             _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, f"training.{name}",
@@ -322,6 +349,7 @@ class Plan:
               f"lock-step execution plays 1f1b only (DeepSpeed's TrainSchedule), not {p.schedule}; set it to false")
         _need(p.recv_buffers in RECV_BUFFERS, "pipeline.recv_buffers",
               f"{p.recv_buffers!r}; use one of {', '.join(RECV_BUFFERS)}")
+        _need(p.p2p in P2P_MODES, "pipeline.p2p", f"{p.p2p!r}; use one of {', '.join(P2P_MODES)}")
         expected_mb = t.global_batch // (mesh.dp * t.micro_batch)
         _need(p.micro_batches == expected_mb, "pipeline.micro_batches",
               f"{p.micro_batches} but global_batch / (dp x micro_batch) = {expected_mb}; set it to {expected_mb}")

@@ -125,8 +125,8 @@ class StageCosts:
             f = comp_f + tp_f + max(0.0, ag - comp_f)
             b = comp_b + tp_b + np.maximum(0.0, ag - comp_b)
             keep = _pareto(b, act, replay) if ag > comp_b.min() else plain  # exposure reorders
-            sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
-            opt = P / (dp if z >= 1 else 1) * (ctx.gb + 2 * ctx.ob + ctx.pb) / ctx.bw
+            sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gcb) if z == 0 else self.rs(P * ctx.gcb))
+            opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0
             fixed = (P * ctx.pb / (dp if z == 3 else 1) + P * ctx.gb / (dp if (z >= 2 and cfg.micro_batches == 1) else 1)
                      + P * ctx.ob / (dp if z >= 1 else 1))
@@ -168,8 +168,8 @@ class StageCosts:
             a_s, b_s = ab(ar if z == 0 else rs) if dp > 1 else (0.0, 0.0)
             a_g, b_g = ab(ag) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
-            betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
-                         + (ctx.gb + 2 * ctx.ob + ctx.pb) / ctx.bw / (dp if z >= 1 else 1))
+            betas.append((b_s * ctx.gcb if cfg.v == 1 else 0.0) + b_g * ctx.e
+                         + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
         lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))

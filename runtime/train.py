@@ -79,6 +79,15 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError(f"pipeline.recv_buffers: {plan.pipeline.recv_buffers} describes other frameworks (Megatron-LM, "
                           "DeepSpeed) for prediction; torch.distributed.pipelining preallocates them, set it to "
                           "preallocated to run")
+    if plan.pipeline.p2p != "full":
+        raise ConfigError(f"pipeline.p2p: {plan.pipeline.p2p} describes other frameworks (Megatron-LM, DeepSpeed) for "
+                          "prediction; torch.distributed.pipelining sends whole tensors, set it to full to run")
+    if t.grad_accumulation != "separate-fp32":
+        raise ConfigError(f"training.grad_accumulation: {t.grad_accumulation} describes other frameworks (Megatron-LM, "
+                          "DeepSpeed) for prediction; the runtime adds float32 gradients, set it to separate-fp32 to run")
+    if t.async_tp_allreduce:
+        raise ConfigError("training.async_tp_allreduce: true describes Megatron-LM for prediction; the runtime's "
+                          "DTensor tensor parallelism does not overlap it, set it to false to run")
     if plan.pipeline.lockstep:
         raise ConfigError("pipeline.lockstep: true describes DeepSpeed's pipeline engine for prediction; the runtime "
                           "runs torch.distributed.pipelining, set it to false to run")

@@ -80,5 +80,12 @@ def test_execution_flags_reach_the_plan_and_the_estimate(tmp_path, capsys):
     assert written["pipeline"]["recv_buffers"] == "in-flight"
     assert deepspeed_like["peak_memory_bytes"] < default["peak_memory_bytes"]
     assert deepspeed_like["step_time_s"] >= default["step_time_s"]
+    assert main(base + ["--p2p", "scatter-gather", "--async-tp-allreduce", "--grad-accumulation", "fused",
+                        "-o", str(out)]) == 0
+    megatron_like = json.loads(capsys.readouterr().out)
+    written = json.loads(out.read_text())
+    assert written["pipeline"]["p2p"] == "scatter-gather" and written["training"]["async_tp_allreduce"] is True
+    assert written["training"]["grad_accumulation"] == "fused"
+    assert megatron_like["step_time_s"] < default["step_time_s"]
     assert main(["estimate", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == deepspeed_like
+    assert json.loads(capsys.readouterr().out) == megatron_like

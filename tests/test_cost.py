@@ -200,23 +200,41 @@ def test_measured_curves_are_validated_with_one_line_errors():
         assert "\n" not in str(exc.value) and words in str(exc.value), str(exc.value)
 
 
-def test_one_22b_layer_against_korthikanti_table_4():
+def test_one_22b_layer_against_korthikanti_table_4(monkeypatch):
     """Forward + backward of one transformer layer of the 22B model (h 6144, 64 heads, s 2048,
     micro-batch 4, tp 8, unfused attention, dropout 0.1) on A100, measured by Korthikanti et al.
-    2022 (Table 4) with Megatron-LM: a published measurement the cost model was not fitted to."""
+    2022 (Table 4) with Megatron-LM: a published measurement the cost model was not fitted to,
+    except for the share of the backward's TP all-reduces that Megatron-LM's asynchronous all-reduce
+    hides (planner.cost.ASYNC_TP_HIDDEN), which is derived from the three rows without sequence
+    parallelism here: the measurement lies between no overlap and perfect overlap."""
+    from planner import cost
     from planner.cost import layer_cost
     from planner.model import ModelConfig
     m = ModelConfig(name="gpt-22b", arch="gpt", layers=48, hidden=6144, ffn_hidden=24576, heads=64, kv_heads=64,
                     vocab=51200, seq_len=2048, tie_embeddings=True)
     table4 = {("none", False): 19.6, ("none", True): 19.0, ("full", False): 27.2, ("selective", False): 20.9,
               ("selective", True): 20.3}  # combined ms
+
+    def layer_ms(plan):
+        lc = layer_cost(plan, A100, 1, plan.pipeline.stages[0], list(range(8)))
+        return 1e3 * (lc.fwd_compute_s + lc.bwd_compute_s + lc.fwd_tp_s + lc.bwd_tp_s)
+
+    hidden = []
     for (rec, sp), ms in table4.items():
         plan = build_plan(m, cluster_name=A100.name, device=A100.device.name, nodes=1, devices_per_node=8,
                           seq_len=2048, dtype="bf16", sequence_parallel=sp, dropout=0.1, attention="unfused",
                           micro_batch=4, recompute=rec, tp=8, pp=1, dp=1, global_batch=4)
-        lc = layer_cost(plan, A100, 1, plan.pipeline.stages[0], list(range(8)))
-        got = 1e3 * (lc.fwd_compute_s + lc.bwd_compute_s + lc.fwd_tp_s + lc.bwd_tp_s)
+        overlapped = dataclasses.replace(plan, training=dataclasses.replace(plan.training, async_tp_allreduce=True))
+        got = layer_ms(overlapped)
         assert got == pytest.approx(ms, rel=0.06), (rec, sp, got, ms)
+        if not sp:
+            none = layer_ms(plan)
+            with monkeypatch.context() as mp:
+                mp.setattr(cost, "ASYNC_TP_HIDDEN", 1.0)
+                perfect = layer_ms(overlapped)
+            assert perfect < ms < none, (rec, perfect, ms, none)
+            hidden.append((none - ms) / (none - perfect))
+    assert sum(hidden) / len(hidden) == pytest.approx(cost.ASYNC_TP_HIDDEN, abs=0.02)
 
 
 def test_pipelining_receive_buffers_are_held_for_every_micro_batch():
@@ -247,3 +265,53 @@ def test_fsdp2_holds_more_than_the_zero_paper_counts():
     # micro-batch), one reduce-scatter input
     assert fsdp_extra_bytes(3, 4, 1, blocks, root, 2, 4) == pytest.approx(200 * 2 + 50 * 2 + 50 * 4 + 100 * 4)
     assert fsdp_extra_bytes(3, 4, 2, blocks, root, 2, 4) == pytest.approx(200 * 2 + 50 * 2 + 100 * 4)
+
+
+def test_scatter_gather_sends_a_tp_share_across_nodes_and_gathers_it_inside():
+    """Megatron-LM's scatter/gather (SC'21 section 4.1): each TP rank sends 1/tp of the activation over
+    its own link and the receiving TP group all-gathers it over NVLink."""
+    kw = dict(nodes=2, pp=2, tp=8, global_batch=16, model="gpt3-175b")
+    full, sg = estimate(plan_for(**kw), A100), estimate(plan_for(p2p="scatter-gather", **kw), A100)
+    plan = plan_for(**kw)
+    cl = A100.shaped_as(2, 8)
+    msg = 2 * plan.training.micro_batch * plan.training.seq_len * plan.model.hidden
+    src, dst = plan.mesh.rank(pp=0, dp=0, tp=0), plan.mesh.rank(pp=1, dp=0, tp=0)
+    want = cl.p2p_time(msg / 8, src, dst) + cl.collective_time("all_gather", msg, list(range(8)))
+    assert want < cl.p2p_time(msg, src, dst)
+    assert sg.breakdown["time"]["p2p_s"] < full.breakdown["time"]["p2p_s"]
+    assert sg.step_time_s < full.step_time_s
+    # sequence parallelism already sends a 1/tp shard: nothing left to scatter
+    sp = dict(kw, sequence_parallel=True)
+    assert estimate(plan_for(p2p="scatter-gather", **sp), A100).step_time_s == estimate(plan_for(**sp), A100).step_time_s
+
+
+def test_async_tp_allreduce_hides_backward_allreduces_behind_weight_gradients():
+    from planner.cost import layer_cost
+    for sp, changes in ((False, True), (True, False)):
+        plans = [plan_for(model="gpt3-175b", tp=8, sequence_parallel=sp, async_tp_allreduce=a) for a in (False, True)]
+        sync, overlap = (layer_cost(p, A100, 1, p.pipeline.stages[0], list(range(8))) for p in plans)
+        assert overlap.fwd_tp_s == sync.fwd_tp_s and overlap.fwd_compute_s == sync.fwd_compute_s
+        assert 0.0 <= overlap.bwd_tp_s <= sync.bwd_tp_s
+        assert (overlap.bwd_tp_s < sync.bwd_tp_s) == changes
+    # a small hidden size: the all-reduce outlasts the weight-gradient GEMM, and only the excess shows
+    p = plan_for(model="llama2-7b", tp=8, async_tp_allreduce=True, micro_batch=1, seq_len=256, global_batch=8)
+    lc = layer_cost(p, A100, 1, p.pipeline.stages[0], list(range(8)))
+    assert lc.bwd_tp_s > 0.0
+
+
+def test_optimizer_and_gradient_reduction_bytes_follow_the_gradient_dtype():
+    from planner.cost import grad_comm_bytes, optimizer_step_bytes
+    runtime = plan_for().training  # bf16 autocast over float32 parameters: float32 gradients
+    assert grad_comm_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 28 + 12 + 6
+    fp32 = plan_for(dtype="fp32").training
+    assert grad_comm_bytes(fp32) == 4 and optimizer_step_bytes(fp32) == 28 + 12
+    megatron_fp16 = plan_for(dtype="fp16", grad_accumulation="separate-16bit").training
+    assert grad_comm_bytes(megatron_fp16) == 2
+    assert optimizer_step_bytes(megatron_fp16) == 28 + 12 + 6 + 8 + 6  # fp32 copy, unscale, 16-bit params
+    assert optimizer_step_bytes(plan_for(grad_accumulation="fused").training) == optimizer_step_bytes(runtime)
+    # the data-parallel reduction moves what the gradients hold
+    kw = dict(dp=8, global_batch=8)
+    wide, narrow = (estimate(plan_for(grad_accumulation=g, **kw), A100) for g in ("separate-fp32", "separate-16bit"))
+    P = wide.stages[0]["params"]
+    assert wide.stages[0]["grad_sync_s"] == pytest.approx(A100.collective_time("all_reduce", 4 * P, list(range(8))))
+    assert narrow.stages[0]["grad_sync_s"] == pytest.approx(A100.collective_time("all_reduce", 2 * P, list(range(8))))

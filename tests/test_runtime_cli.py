@@ -64,6 +64,9 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(attention="unfused"), "training.attention"),
     (dict(pp=2, lockstep=True), "pipeline.lockstep"),
     (dict(pp=2, recv_buffers="in-flight"), "pipeline.recv_buffers"),
+    (dict(pp=2, p2p="scatter-gather"), "pipeline.p2p"),
+    (dict(tp=2, async_tp_allreduce=True), "training.async_tp_allreduce"),
+    (dict(grad_accumulation="separate-16bit"), "training.grad_accumulation"),
 ])
 def test_what_the_runtime_cannot_do_is_refused_by_name(tmp_path, capsys, monkeypatch, change, field):
     change = dict(change)
