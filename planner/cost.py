@@ -229,36 +229,55 @@ def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
 
 # ------------------------------------------------------------------ the estimate
 def _model_state_bytes(t) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes per parameter."""
+    """(parameter, gradient, optimizer) bytes per parameter. Gradients are held in the dtype they
+    are accumulated and reduced in (grad_bytes)."""
     e = DTYPES[t.dtype]
     master = MASTER_BYTES if (t.master_weights and t.dtype != "fp32") else 0
-    return e, e, ADAM_STATE_BYTES + master
+    return e, grad_bytes(t), ADAM_STATE_BYTES + master
+
+
+def sharded_param_bytes(t) -> int:
+    """Bytes per parameter of the shard of parameters FSDP2 keeps (ZeRO 3; beside the unsharded
+    parameters under ZeRO 1/2) beyond the optimizer state: none under mixed precision, where
+    FSDP2 keeps float32 parameters and gathers 16-bit ones (MixedPrecisionPolicy), so its shard is
+    the master copy; the parameter dtype otherwise."""
+    e = DTYPES[t.dtype]
+    return 0 if (t.master_weights and e == 2) else e
+
+
+def grad_bytes(t) -> int:
+    """Bytes per gradient element as gradients are accumulated, held and reduced across data
+    parallelism. Mixed precision keeps them in float32: the runtime's FSDP2 reduces in float32
+    (MixedPrecisionPolicy reduce_dtype) and, between micro-batches, accumulates its unsharded
+    gradients in that dtype; Megatron-LM's bf16 runs keep float32 main_grad buffers. They stay in
+    16 bits where they add up in 16 bits (training.grad_accumulation separate-16bit: Megatron-LM
+    fp16, DeepSpeed fp16) and in pure 16-bit training (no master weights)."""
+    e = DTYPES[t.dtype]
+    if t.grad_accumulation == "separate-16bit" or not t.master_weights:
+        return e
+    return max(e, 4)
 
 
 def optimizer_step_bytes(t) -> int:
-    """HBM bytes per parameter the optimizer step moves on the parameters a rank updates.
-    AdamW reads the float32 parameter (or master copy), gradient and both moments and writes the
-    parameter and moments back: 28. Clipping reads the gradients for their norm and scales them in
-    place: 3 x 4. Gradients accumulated in 16 bits are first copied into float32 (2 + 4), and fp16
-    training unscales them and checks them for inf/NaN (4 + 4, loss scaling: Micikevicius et al.
-    2018). With a float32 master copy the step ends by writing the 16-bit parameters (4 + 2)."""
+    """HBM bytes per parameter the optimizer step moves on the parameters a rank updates. AdamW
+    reads the parameter it updates (the float32 master copy under mixed precision), its gradient
+    and both float32 moments, and writes the parameter and moments back; clipping reads the
+    gradients for their norm and scales them in place (3 passes). Gradients held in 16 bits under
+    mixed precision are first copied into float32 (2 + 4), fp16 training unscales them and checks
+    them for inf/NaN (2 passes; loss scaling: Micikevicius et al. 2018), and a master copy ends the
+    step by writing the 16-bit parameters (4 + 2)."""
     e = DTYPES[t.dtype]
-    n = 28 + 3 * 4
-    if t.grad_accumulation == "separate-16bit" and e == 2:
+    mixed = t.master_weights and e == 2
+    p = 4 if mixed else e  # what AdamW updates
+    g = 4 if mixed else grad_bytes(t)  # the gradient it reads
+    n = 2 * p + g + 2 * ADAM_STATE_BYTES + 3 * g
+    if mixed and grad_bytes(t) == 2:
         n += 2 + 4
     if t.dtype == "fp16":
-        n += 4 + 4
-    if t.master_weights and e == 2:
+        n += 2 * g
+    if mixed:
         n += 4 + e
     return n
-
-
-def grad_comm_bytes(t) -> int:
-    """Bytes per gradient element the data-parallel reduction moves: the accumulated gradients'
-    dtype, float32 unless they add up in 16 bits (training.grad_accumulation). The runtime reduces
-    float32 (FSDP2 reduce_dtype), as Megatron-LM does for bf16 (its fp32 main_grad buffers)."""
-    e = DTYPES[t.dtype]
-    return e if t.grad_accumulation == "separate-16bit" else max(e, 4)
 
 
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
@@ -280,6 +299,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
     pb, gb, ob = _model_state_bytes(t)
+    spb = sharded_param_bytes(t)
     bw = cluster.device.memory_bytes_per_s
     stage_times, stage_info = [], []
     pipe_op = model_profile.pipeline_overhead(pipe.schedule) if (model_profile is not None and pp > 1) else 0.0
@@ -293,7 +313,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tpc_f = sum(c.fwd_tp_s for c in costs)
         tpc_b = sum(c.bwd_tp_s for c in costs)
         params = sum(c.params for c in costs)
-        grad_bytes = params * grad_comm_bytes(t)
+        grad_bytes = params * gb
         zero3_f = zero3_b = 0.0
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
         if dp > 1 and st.zero == 3:  # gather parameters before forward and again before backward
@@ -394,13 +414,13 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             si, st = stage_info[i], pipe.stages[i]
             P = si["params"]
             shard = dp if dp > 1 else 1
-            p_bytes += P * pb / (shard if st.zero == 3 else 1)
+            p_bytes += P * (spb / shard if st.zero == 3 and shard > 1 else pb)
             # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
             g_bytes += P * gb / (shard if (st.zero >= 2 and mbs == 1) else 1)
             o_bytes += P * ob / (shard if st.zero >= 1 else 1)
             kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
             other += fsdp_extra_bytes(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds) if k == "block"],
-                                      sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"), pb, gb)
+                                      sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"), pb, gb, spb)
             if st.zero == 0 and dp > 1:
                 other += P * gb  # replicate (FSDP2) all-reduces the chunk's gradients from one flat buffer
             replay = max(replay, max((c.replay_bytes for c in si["costs"]), default=0.0))

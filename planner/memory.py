@@ -6,11 +6,13 @@ from planner.plan import DTYPES, Plan
 
 
 def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float) -> float:
+                     pb: float, gb: float, shard_pb: float | None = None) -> float:
     """Bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's root module, which
     holds every parameter outside the blocks: embedding, head, final norm) holds beyond the ZeRO
     paper's accounting of one stage, per device. ZeRO 1/2 (not resharded after forward): the
-    sharded parameters besides the unsharded ones, and the flat reduce-scatter input of one group's
+    sharded parameters besides the unsharded ones (shard_pb bytes each, default pb; none under
+    mixed precision, where the shard is the float32 master copy the optimizer state counts), and
+    the flat reduce-scatter input of one group's
     gradients. ZeRO 3: the two largest blocks unsharded at once (current and prefetched), the root
     group unsharded all step (FSDP2 does not reshard the root after forward) with its unsharded
     gradients held from the head's backward to the end (with one micro-batch; more micro-batches
@@ -20,7 +22,7 @@ def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list,
         return 0.0
     group = max(list(block_params) + [root_params])
     if zero in (1, 2):
-        return (sum(block_params) + root_params) * pb / dp + group * gb
+        return (sum(block_params) + root_params) * (pb if shard_pb is None else shard_pb) / dp + group * gb
     two = sum(sorted(block_params, reverse=True)[:2])
     return two * pb + root_params * pb + (root_params * gb if micro_batches == 1 else 0.0) + group * gb
 

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from planner.cluster import ClusterSpec
-from planner.cost import Estimate, _model_state_bytes, estimate, grad_comm_bytes, layer_cost, optimizer_step_bytes
+from planner.cost import Estimate, _model_state_bytes, estimate, layer_cost, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ModelConfig
 from planner.partition import Inner
 from planner.plan import DTYPES, SCHEDULES, Plan, Training
@@ -132,8 +132,8 @@ class Ctx:
         self.lim_eff = (limit - dev.reserved_bytes) / (1 + dev.allocator_overhead_fraction)
         self.e = DTYPES[train.dtype]
         self.pb, self.gb, self.ob = _model_state_bytes(train)
-        self.gcb = grad_comm_bytes(train)  # per gradient element in the data-parallel reduction
         self.osb = optimizer_step_bytes(train)  # per parameter the optimizer step moves
+        self.spb = sharded_param_bytes(train)  # per parameter of FSDP2's shard beyond the optimizer state
         self.bw = dev.memory_bytes_per_s
         self._layers: dict = {}
         self._menus: dict = {}

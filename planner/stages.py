@@ -125,13 +125,14 @@ class StageCosts:
             f = comp_f + tp_f + max(0.0, ag - comp_f)
             b = comp_b + tp_b + np.maximum(0.0, ag - comp_b)
             keep = _pareto(b, act, replay) if ag > comp_b.min() else plain  # exposure reorders
-            sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gcb) if z == 0 else self.rs(P * ctx.gcb))
+            sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0
-            fixed = (P * ctx.pb / (dp if z == 3 else 1) + P * ctx.gb / (dp if (z >= 2 and cfg.micro_batches == 1) else 1)
+            fixed = ((P * ctx.spb / dp if (z == 3 and dp > 1) else P * ctx.pb)
+                     + P * ctx.gb / (dp if (z >= 2 and cfg.micro_batches == 1) else 1)
                      + P * ctx.ob / (dp if z >= 1 else 1))
             fixed += fsdp_extra_bytes(z, dp, cfg.micro_batches, [blk[0].params] * k, sum(x.params for x in ends),
-                                      ctx.pb, ctx.gb)
+                                      ctx.pb, ctx.gb, ctx.spb)
             if z == 0 and dp > 1:  # replicate all-reduces the chunk's gradients from one flat buffer
                 fixed += P * ctx.gb
             fixed += self.head_logits if head else 0.0
@@ -168,12 +169,12 @@ class StageCosts:
             a_s, b_s = ab(ar if z == 0 else rs) if dp > 1 else (0.0, 0.0)
             a_g, b_g = ab(ag) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
-            betas.append((b_s * ctx.gcb if cfg.v == 1 else 0.0) + b_g * ctx.e
+            betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
                          + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
         lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
-        state = min(ctx.pb / (dp if z == 3 else 1) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
+        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
                     + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros)
         return lb, P * state / p + self.act_grad
 
@@ -190,7 +191,7 @@ class StageCosts:
         t = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
         dp, mbs = cfg.dp, cfg.micro_batches
-        state = min(ctx.pb / (dp if z == 3 else 1) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
+        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
                     + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros) * blk[0].params
         M = ctx.lim_eff * (1 + TOL) - self.act_grad
         mem = state + kappa[:, None] * a[None, :]  # (ranks, modes)

@@ -6,7 +6,10 @@ Every function takes a plain `Transformer` chunk (runtime.model) and changes it 
 - apply_recompute: per-layer activation checkpointing, "full" (whole block) or "selective"
   (the attention core only).
 - apply_data_parallel: FSDP2 `fully_shard` for ZeRO 1-3, torch's composable `replicate` (FSDP2
-  machinery, replicated placement) for ZeRO 0; both keep every parameter a DTensor.
+  machinery, replicated placement) for ZeRO 0; both keep every parameter a DTensor. Under a
+  16-bit compute dtype both gather and compute with 16-bit parameters and reduce gradients in
+  float32 (MixedPrecisionPolicy, as torchtitan does): the float32 parameters they keep are the
+  master copy the plan's mixed precision counts, the 16-bit ones its working parameters.
 """
 from __future__ import annotations
 
@@ -116,20 +119,22 @@ def apply_recompute(chunk: Transformer, modes: dict[int, str]) -> None:
             raise ConfigError(f"recompute: layer {name} is not a block; only blocks are recomputed")
 
 
-def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int) -> None:
+def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
+                        param_dtype: torch.dtype | None = None) -> None:
     """ZeRO 3: FSDP2 per block and root, parameters resharded after forward. ZeRO 1 and 2: the
     same without resharding after forward (FSDP2 always shards gradients and optimizer state, so
     they hold less than a ZeRO-1/2 plan counts, never more). ZeRO 0: `replicate` (all-reduced
     gradients, everything replicated). Nothing to do when dp == 1."""
     if dp_mesh.size() == 1:
         return
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     if zero == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
-        replicate(chunk, mesh=dp_mesh)
+        replicate(chunk, mesh=dp_mesh, mp_policy=mp)
         return
-    from torch.distributed.fsdp import fully_shard
     reshard = zero == 3
     for layer in chunk.layers.values():
         if isinstance(layer, Block):
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)

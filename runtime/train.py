@@ -202,7 +202,7 @@ class Trainer:
         if m.tp > 1:
             apply_tp(chunk, self.mesh["tp"], st.sequence_parallel, self.loss_parallel)
         apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)})
-        apply_data_parallel(chunk, self.mesh["dp"], st.zero)
+        apply_data_parallel(chunk, self.mesh["dp"], st.zero, AUTOCAST_DTYPES.get(self.dtype))
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies
         init_weights(chunk, self.plan.training.seed)
@@ -211,9 +211,11 @@ class Trainer:
         return chunk
 
     def _autocast(self):
-        """bf16 compute on fp32 master weights. The autocast weight cache is off: with FSDP2's
-        unsharded parameters it serves stale casts across micro-batches (losses drift from the
-        single-process run's), so each use casts afresh."""
+        """bf16 compute on fp32 master weights: without data parallelism autocast casts the fp32
+        parameters at each use; with it FSDP2 already gathers bf16 ones (apply_data_parallel's
+        MixedPrecisionPolicy) and autocast keeps its float32 ops (norms, softmax, losses) in fp32.
+        The autocast weight cache is off: with FSDP2's unsharded parameters it serves stale casts
+        across micro-batches (losses drift from the single-process run's), so each use casts afresh."""
         if self.dtype == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.dtype], cache_enabled=False)

@@ -29,13 +29,17 @@ def test_70b_model_states_need_about_840_gb():
 
 def test_zero_levels_shard_what_they_promise():
     dp = 8
-    base = estimate(plan_for(zero=0), A100).breakdown["memory"]
-    z1 = estimate(plan_for(zero=1), A100).breakdown["memory"]
-    z3 = estimate(plan_for(zero=3, global_batch=8), A100).breakdown["memory"]
-    assert z1["optimizer_bytes"] == pytest.approx(base["optimizer_bytes"] / dp)
-    assert z1["parameters_bytes"] == base["parameters_bytes"]
-    assert z3["parameters_bytes"] == pytest.approx(base["parameters_bytes"] / dp)
-    assert z3["gradients_bytes"] == pytest.approx(base["gradients_bytes"] / dp)
+    for mixed in (True, False):
+        base = estimate(plan_for(zero=0, master_weights=mixed), A100).breakdown["memory"]
+        z1 = estimate(plan_for(zero=1, master_weights=mixed), A100).breakdown["memory"]
+        z3 = estimate(plan_for(zero=3, global_batch=8, master_weights=mixed), A100).breakdown["memory"]
+        assert z1["optimizer_bytes"] == pytest.approx(base["optimizer_bytes"] / dp)
+        assert z1["parameters_bytes"] == base["parameters_bytes"]
+        assert z3["gradients_bytes"] == pytest.approx(base["gradients_bytes"] / dp)
+        assert z3["optimizer_bytes"] == pytest.approx(base["optimizer_bytes"] / dp)
+        # pure bf16 shards its bf16 parameters; under mixed precision FSDP2's shard is the float32
+        # master copy, counted with the optimizer state, and it gathers bf16 parameters from it
+        assert z3["parameters_bytes"] == pytest.approx(0.0 if mixed else base["parameters_bytes"] / dp)
 
 
 def test_recompute_trades_memory_for_time():
@@ -300,13 +304,13 @@ def test_async_tp_allreduce_hides_backward_allreduces_behind_weight_gradients():
 
 
 def test_optimizer_and_gradient_reduction_bytes_follow_the_gradient_dtype():
-    from planner.cost import grad_comm_bytes, optimizer_step_bytes
+    from planner.cost import grad_bytes, optimizer_step_bytes
     runtime = plan_for().training  # bf16 autocast over float32 parameters: float32 gradients
-    assert grad_comm_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 28 + 12 + 6
+    assert grad_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 28 + 12 + 6
     fp32 = plan_for(dtype="fp32").training
-    assert grad_comm_bytes(fp32) == 4 and optimizer_step_bytes(fp32) == 28 + 12
+    assert grad_bytes(fp32) == 4 and optimizer_step_bytes(fp32) == 28 + 12
     megatron_fp16 = plan_for(dtype="fp16", grad_accumulation="separate-16bit").training
-    assert grad_comm_bytes(megatron_fp16) == 2
+    assert grad_bytes(megatron_fp16) == 2
     assert optimizer_step_bytes(megatron_fp16) == 28 + 12 + 6 + 8 + 6  # fp32 copy, unscale, 16-bit params
     assert optimizer_step_bytes(plan_for(grad_accumulation="fused").training) == optimizer_step_bytes(runtime)
     # the data-parallel reduction moves what the gradients hold

@@ -206,6 +206,37 @@ def test_bf16_autocast_with_fsdp_trains_like_one_process(plans, tmp_path):
     assert got == pytest.approx(want, rel=2e-4)
 
 
+def test_bf16_fsdp_holds_what_the_planner_counts_for_mixed_precision(tmp_path):
+    """Under bf16 FSDP2 keeps float32 parameters (the master copy), gathers bf16 ones and reduces
+    and accumulates gradients in float32 (MixedPrecisionPolicy). The planner's mixed-precision
+    accounting must hold that: the peak memory of ZeRO 1 and ZeRO 3 plans of the ~28M-parameter
+    model within 5%, and the losses those of one process."""
+    from planner.cluster import load_cluster
+    from planner.cost import estimate
+    cluster = load_cluster("dgx-a100-80gb").shaped_as(1, 2)  # memory does not depend on the device's speed
+    paths, predicted = [], {}
+    for zero in (1, 3):
+        plan = build_plan(ZOO["small"], cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=2,
+                          seq_len=SEQ_LEN, dtype="bf16", global_batch=4, micro_batch=1, zero=zero)
+        paths.append(tmp_path / f"zero{zero}.json")
+        plan.write(paths[-1])
+        predicted[paths[-1].stem] = estimate(plan, cluster).peak_memory_bytes
+    one = build_plan(ZOO["small"], cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=1,
+                     seq_len=SEQ_LEN, dtype="bf16", global_batch=4, micro_batch=2)
+    one.write(tmp_path / "one.json")
+    assert_ok(train(1, "--plan", tmp_path / "one.json", "--steps", 3, "--dtype", "bf16",
+                    "--out", tmp_path / "one.run.json"))
+    out = tmp_path / "runs"
+    out.mkdir()
+    assert_ok(train(2, "--plan", *paths, "--steps", 3, "--dtype", "bf16", "--out", out))
+    want = losses_of(tmp_path / "one.run.json")
+    for name, pred in predicted.items():
+        run = json.loads((out / f"{name}.json").read_text())
+        assert run["dtype"] == "bf16"
+        assert pred == pytest.approx(run["peak_memory_bytes"], rel=0.05), name
+        assert losses_of(out / f"{name}.json") == pytest.approx(want, rel=2e-4), name
+
+
 # -------------------------------------------------------------------- checkpoints
 def test_resume_gives_the_losses_of_an_uninterrupted_run(plans, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
