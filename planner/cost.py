@@ -418,6 +418,10 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
             g_bytes += P * gb / (shard if (st.zero >= 2 and mbs == 1) else 1)
             o_bytes += P * ob / (shard if st.zero >= 1 else 1)
+            if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
+                # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
+                p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
+                o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
             other += fsdp_extra_bytes(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds) if k == "block"],
                                       sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"), pb, gb, spb)
