@@ -25,9 +25,14 @@ Measured curves, where a profile has them, replace the straight lines:
   last value. Mid-size messages run well below the large-message busbw (NCCL's protocols and
   channel counts change with the size), which one alpha-beta line cannot follow.
 - `device.matmul_flops_by_size`: sustained GEMM FLOP/s at square sizes ([[edge, flop/s], ...]
-  per dtype). A product M x K x N runs at the rate of the square GEMM of the same FLOPs, edge
-  (M N K)^(1/3), interpolated in log(edge) and clamped to the measured range; dtypes without a
-  curve run at peak x matmul_efficiency.
+  per dtype). A product M x K x N runs at the rate of the square GEMM of the same arithmetic
+  intensity (FLOPs per element read or written: 2MNK / (MK + KN + MN), which for an n-cube is
+  2n/3), edge 3MNK / (MK + KN + MN), interpolated in log(edge) and clamped to the measured range;
+  dtypes without a curve run at peak x matmul_efficiency. Intensity, not FLOPs, sets what a
+  product reaches (the roofline's premise, Williams et al. 2009): on the three non-square
+  products of the source table the intensity edge misses by +1.3, +11 and -24% where the edge of
+  equal FLOPs, (MNK)^(1/3), missed by +1.5, +17 and +52% (profiles/hardware/dgx-a100-80gb.json,
+  sources).
 """
 from __future__ import annotations
 
@@ -116,12 +121,15 @@ class DeviceSpec:
         return self.peak_flops[dtype] * self.matmul_efficiency[dtype]
 
     def gemm_flops_per_s(self, dtype: str, M: float, N: float, K: float) -> float:
-        """Achieved FLOP/s of an M x K by K x N product: the measured curve at edge (M N K)^(1/3)
-        where the profile has one for `dtype` (module doc), else matmul_flops_per_s."""
+        """Achieved FLOP/s of an M x K by K x N product: the measured curve at the edge of the
+        square product of equal arithmetic intensity, 3MNK / (MK + KN + MN), where the profile
+        has one for `dtype` (module doc), else matmul_flops_per_s."""
         curve = self.matmul_by_size.get(dtype)
         if not curve:
             return self.matmul_flops_per_s(dtype)
-        return _interp(curve, (float(M) * N * K) ** (1.0 / 3.0), log_y=False)
+        M, N, K = float(M), float(N), float(K)
+        edge = 3.0 * M * N * K / (M * K + K * N + M * N)
+        return _interp(curve, edge, log_y=False)
 
     @property
     def memory_bytes_per_s(self) -> float:

@@ -168,12 +168,18 @@ def test_measured_busbw_curve_prices_each_size_at_its_own_bandwidth():
 
 
 def test_gemm_rate_follows_the_measured_curve_and_falls_back_to_the_scalar():
+    from planner.cost import gemm_time
     dev = A100.device
     pts = _a100_dict()["device"]["matmul_flops_by_size"]["bf16"]
     for edge, rate in pts:
         assert dev.gemm_flops_per_s("bf16", edge, edge, edge) == pytest.approx(rate)
-    # a product of the same FLOPs as the 8192 cube runs at its rate, whatever its shape
-    assert dev.gemm_flops_per_s("bf16", 8192 * 4, 8192 // 2, 8192 // 2) == pytest.approx(pts[3][1])
+    # a product of the same arithmetic intensity as the 8192 cube runs at its rate, whatever its shape
+    assert dev.gemm_flops_per_s("bf16", 16384, 16384, 4096) == pytest.approx(pts[3][1])
+    # the non-square products of the curve's source table (Azure AI-benchmarking-guide, A100 FP16)
+    for (M, N, K), measured in (((6144, 12288, 12288), 250.8e12), ((1024, 2145, 1024), 132.8e12),
+                                ((802816, 192, 768), 157.8e12)):
+        t = gemm_time(1, M, N, K, 2, lambda a, b, c: dev.gemm_flops_per_s("fp16", a, b, c), dev.memory_bytes_per_s)
+        assert -0.25 < 2 * M * N * K / t / measured - 1 < 0.12, (M, N, K)
     # between two measured cubes: between their rates; outside the range: clamped
     assert pts[3][1] < dev.gemm_flops_per_s("bf16", 12000, 12000, 12000) < pts[4][1]
     assert dev.gemm_flops_per_s("bf16", 64, 64, 64) == pytest.approx(pts[0][1])
