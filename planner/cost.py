@@ -26,7 +26,9 @@ compute by prefetching; the optimizer step (AdamW with gradient clipping) is mem
 
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
-with Adam; 2 + 2 + 8 without an fp32 master copy), activations of the micro-batches in flight as
+with Adam, 2 + 2 + 8 without an fp32 master copy; gradients are held in the dtype they are
+accumulated and reduced in, float32 in the runtime's and Megatron-LM's bf16 mixed precision:
+2 + 4 + 12, grad_bytes), activations of the micro-batches in flight as
 the schedule holds them (planner.schedule.peak_in_flight) by recompute mode (planner.model),
 the transient of replaying one block, activation gradients, communication buffers, the
 pipeline's receive buffers, and what FSDP2 holds beyond that accounting (planner.memory).
@@ -313,7 +315,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tpc_f = sum(c.fwd_tp_s for c in costs)
         tpc_b = sum(c.bwd_tp_s for c in costs)
         params = sum(c.params for c in costs)
-        grad_bytes = params * gb
+        grad_total = params * gb
         zero3_f = zero3_b = 0.0
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
         if dp > 1 and st.zero == 3:  # gather parameters before forward and again before backward
@@ -325,14 +327,14 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             zero3_b = sum(c.dp_measured["backward_s"] for c in costs)
             # FSDP (ZeRO >= 1) shards block by block, as measured layer by layer; replicate (ZeRO 0)
             # all-reduces the whole chunk's gradients at once: one collective, priced by the cluster
-            sync = (cluster.collective_time("all_reduce", grad_bytes, dp_ranks) if st.zero == 0 else
+            sync = (cluster.collective_time("all_reduce", grad_total, dp_ranks) if st.zero == 0 else
                     sum(c.dp_measured["backward_sync_s"] for c in costs))
         elif dp <= 1:
             sync = 0.0
         elif st.zero == 0:
-            sync = cluster.collective_time("all_reduce", grad_bytes, dp_ranks)
+            sync = cluster.collective_time("all_reduce", grad_total, dp_ranks)
         else:
-            sync = cluster.collective_time("reduce_scatter", grad_bytes, dp_ranks)
+            sync = cluster.collective_time("reduce_scatter", grad_total, dp_ranks)
         # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
         # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
         act_msg = e * t.micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)
@@ -363,7 +365,6 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     for r in range(pp):
         mine = [stage_info[i] for i in plan.stages_of_rank(r)]
         opt_params = sum(si["params"] / (dp if si["zero"] >= 1 else 1) for si in mine)
-        # AdamW: read grad, both moments and the master copy, write them back and the parameter
         opt_s = opt_params * optimizer_step_bytes(t) / bw
         if model_profile is not None:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)

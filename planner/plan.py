@@ -81,7 +81,8 @@ class Training:
     # parallel-allreduce to disable; planner.cost); DTensor's tensor parallelism, the runtime's, does not
     async_tp_allreduce: bool = False
     # how micro-batch gradients add up (planner.cost): "separate-fp32", a pass over float32 gradients
-    # (the runtime: parameters stay float32 under autocast, so autograd adds float32 gradients);
+    # (the runtime: autograd adds them into float32 parameters' gradients, and under bf16 FSDP2
+    # accumulates its unsharded gradients in float32, its reduce dtype);
     # "separate-16bit", a pass over 16-bit gradients (Megatron-LM fp16 without fp32 accumulation,
     # DeepSpeed fp16); "fused", inside the weight-gradient GEMM (Megatron-LM's
     # gradient_accumulation_fusion)
