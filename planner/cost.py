@@ -427,7 +427,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             other += fsdp_extra_bytes(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds) if k == "block"],
                                       sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"), pb, gb, spb)
             if st.zero == 0 and dp > 1:
-                other += P * gb  # replicate (FSDP2) all-reduces the chunk's gradients from one flat buffer
+                # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
+                # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
+                other += P * pb
             replay = max(replay, max((c.replay_bytes for c in si["costs"]), default=0.0))
         # gradients of the activation flowing back (output and input of the layer in backward)
         act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden

@@ -133,8 +133,8 @@ class StageCosts:
                      + P * ctx.ob / (dp if z >= 1 else 1))
             fixed += fsdp_extra_bytes(z, dp, cfg.micro_batches, [blk[0].params] * k, sum(x.params for x in ends),
                                       ctx.pb, ctx.gb, ctx.spb)
-            if z == 0 and dp > 1:  # replicate all-reduces the chunk's gradients from one flat buffer
-                fixed += P * ctx.gb
+            if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
+                fixed += P * ctx.pb
             fixed += self.head_logits if head else 0.0
             sl = slice(at, at + len(keep))
             at += len(keep)

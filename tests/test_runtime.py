@@ -209,13 +209,13 @@ def test_bf16_autocast_with_fsdp_trains_like_one_process(plans, tmp_path):
 def test_bf16_fsdp_holds_what_the_planner_counts_for_mixed_precision(tmp_path):
     """Under bf16 FSDP2 keeps float32 parameters (the master copy), gathers bf16 ones and reduces
     and accumulates gradients in float32 (MixedPrecisionPolicy). The planner's mixed-precision
-    accounting must hold that: the peak memory of ZeRO 1 and ZeRO 3 plans of the ~28M-parameter
+    accounting must hold that: the peak memory of ZeRO 0, 1 and 3 plans of the ~28M-parameter
     model within 5%, and the losses those of one process."""
     from planner.cluster import load_cluster
     from planner.cost import estimate
     cluster = load_cluster("dgx-a100-80gb").shaped_as(1, 2)  # memory does not depend on the device's speed
     paths, predicted = [], {}
-    for zero in (1, 3):
+    for zero in (0, 1, 3):
         plan = build_plan(ZOO["small"], cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=2,
                           seq_len=SEQ_LEN, dtype="bf16", global_batch=4, micro_batch=1, zero=zero)
         paths.append(tmp_path / f"zero{zero}.json")
