@@ -212,8 +212,8 @@ class Plan:
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         """The plan as JSON data. Options added after format 1 (training.overlap_grad_reduce,
-        training.async_tp_allreduce, training.grad_accumulation, pipeline.lockstep, pipeline.recv_buffers, pipeline.p2p) are
-        written only when they differ from their
+        training.async_tp_allreduce, training.grad_accumulation, pipeline.lockstep,
+        pipeline.recv_buffers, pipeline.p2p) are written only when they differ from their
         defaults, so that plans without them keep their bytes and content hash."""
         training = dataclasses.asdict(self.training)
         if self.training.overlap_grad_reduce:
