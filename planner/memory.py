@@ -12,11 +12,12 @@ def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list,
     paper's accounting of one stage, per device. ZeRO 1/2 (not resharded after forward): the
     sharded parameters besides the unsharded ones (shard_pb bytes each, default pb; none under
     mixed precision, where the shard is the float32 master copy the optimizer state counts), and
-    the flat reduce-scatter input of one group's gradients. ZeRO 3: the two largest blocks unsharded at once (current and prefetched), the root
-    group unsharded all step (FSDP2 does not reshard the root after forward) with its unsharded
-    gradients held from the head's backward to the end (with one micro-batch; more micro-batches
-    accumulate every unsharded gradient, counted already), and one reduce-scatter input. Measured
-    on CPU against run.json peaks (benchmarks/prediction_accuracy.py)."""
+    the flat reduce-scatter input of one group's gradients. ZeRO 3: the two largest blocks
+    unsharded at once (current and prefetched), the root group unsharded all step (FSDP2 does not
+    reshard the root after forward) with its unsharded gradients held from the head's backward to
+    the end (with one micro-batch; more micro-batches accumulate every unsharded gradient, counted
+    already), and one reduce-scatter input. Measured on CPU against run.json peaks
+    (benchmarks/prediction_accuracy.py), fp32 and bf16 (tests/test_runtime.py)."""
     if dp <= 1 or zero == 0:
         return 0.0
     group = max(list(block_params) + [root_params])
