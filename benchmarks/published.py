@@ -91,7 +91,11 @@ def row_model(row) -> ModelConfig:
                        vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), tie_embeddings=(arch == "gpt"))
 
 
-def candidates(row, model, gpus):
+def candidates(row, model, gpus, framework: bool = True):
+    """The settings to try for a row. With `framework` false the row's time is priced as trident's
+    runtime would run it (none of the framework options of RUN_SETTINGS); its configuration
+    (degrees, micro-batch, virtual stages) and memory (receive buffers in flight, as the published
+    engines held them) stay the published ones, so that it still fits where it fitted."""
     tp, pp, dp = int(row["tp"]), int(row["pp"]), int(row["dp"])
     gbs = int(row["global_batch"])
     per_dp = gbs // dp
@@ -104,7 +108,8 @@ def candidates(row, model, gpus):
         vs = [v for v in range(1, 9) if pp * v <= model.num_layers_total]
     vs = [known["virtual_stages"]] if "virtual_stages" in known else vs
     how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation")
-           if k in known}
+           if k in known and framework}
+    how["recv_buffers"] = "in-flight"
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
     # Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3 separately);
     # MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; Llama 3 does not say: search.
@@ -114,15 +119,15 @@ def candidates(row, model, gpus):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
         yield dict(micro_batch=b, virtual_stages=v, recompute=rec, zero=zero, tp=tp, pp=pp, dp=dp,
-                   schedule=sched, global_batch=gbs, recv_buffers="in-flight", **how)
+                   schedule=sched, global_batch=gbs, **how)
 
 
-def predict_row(row):
+def predict_row(row, framework: bool = True):
     model = row_model(row)
     gpus = int(row["gpus"])
     cluster = load_cluster(row["cluster"], nodes=gpus // 8)
     best = None
-    for c in candidates(row, model, gpus):
+    for c in candidates(row, model, gpus, framework):
         try:
             plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=gpus // 8,
                               devices_per_node=8, seq_len=int(row["seq_len"]), dtype=row["dtype"],

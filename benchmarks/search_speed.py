@@ -9,9 +9,11 @@ the process (resource.getrusage, ru_maxrss). Targets: llama2-7b on 8 GPUs < 1 s,
 1024 GPUs < 10 s, llama3-405b on 16384 GPUs < 30 s, peak memory < 2 GiB.
 
 Quality: for every Megatron row of shared/reference/published_runs.csv, the published configuration
-priced by benchmarks/published.py (the fastest fitting choice of the settings the row leaves open)
-against the searched plan for the same model, cluster, GPU count, global batch, dtype, dropout and
-attention kernel. The search must be at least as fast under the same cost model.
+priced by benchmarks/published.py (the fastest fitting choice of the settings the row leaves open),
+timed as trident's runtime would run it (without the row's framework options: those describe
+Megatron-LM's and DeepSpeed's engines, not the runtime the search plans for), against the searched
+plan for the same model, cluster, GPU count, global batch, dtype, dropout and attention kernel. The
+search must be at least as fast under the same cost model.
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ def quality(args) -> int:
     for row in csv.DictReader(open(args.csv)):
         if row["source"] not in ("megatron-sc21-table1", "mt-nlg-530b"):
             continue
-        model, pub = predict_row(row)
+        model, pub = predict_row(row, framework=False)
         gpus = int(row["gpus"])
         cluster = load_cluster(row["cluster"], nodes=gpus // 8)
         t0 = time.perf_counter()
