@@ -33,6 +33,11 @@ Measured curves, where a profile has them, replace the straight lines:
   products of the source table the intensity edge misses by +1.3, +11 and -24% where the edge of
   equal FLOPs, (MNK)^(1/3), missed by +1.5, +17 and +52% (profiles/hardware/dgx-a100-80gb.json,
   sources).
+- `device.attention_flops`: FLOP/s of fused (flash) attention per dtype, forward and backward
+  together, as FlashAttention's benchmark counts them (4 s^2 d per head forward, 2.5x that
+  backward). Fused attention is not a library GEMM: FlashAttention-2 reaches 50-73% of the dense
+  peak (Dao 2023), below what cuBLAS sustains. Without it, fused attention runs at peak x
+  matmul_efficiency.
 """
 from __future__ import annotations
 
@@ -116,9 +121,15 @@ class DeviceSpec:
     reserved_bytes: int = 0  # held outside the allocator: runtime context, communicator buffers
     allocator_overhead_fraction: float = 0.0  # caching-allocator fragmentation, as a fraction of what it hands out
     matmul_by_size: dict = field(default_factory=dict)  # dtype -> ((edge, flop/s), ...) measured, ascending
+    attention_flops: dict = field(default_factory=dict)  # dtype -> fused attention FLOP/s, measured
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         return self.peak_flops[dtype] * self.matmul_efficiency[dtype]
+
+    def attention_flops_per_s(self, dtype: str) -> float:
+        """Achieved FLOP/s of fused (flash) attention, forward and backward together, where the
+        profile measured it (module doc), else matmul_flops_per_s."""
+        return self.attention_flops.get(dtype) or self.matmul_flops_per_s(dtype)
 
     def gemm_flops_per_s(self, dtype: str, M: float, N: float, K: float) -> float:
         """Achieved FLOP/s of an M x K by K x N product: the measured curve at the edge of the
@@ -270,6 +281,19 @@ def _matmul_curves(d, peak: dict, where: str) -> dict:
     return out
 
 
+def _rates(d, peak: dict, where: str) -> dict:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected an object of dtype -> FLOP/s")
+    for k in d:
+        if k not in peak:
+            raise ConfigError(f"{where}.{k}: no peak_flops for this dtype; use one of {', '.join(peak)}")
+        if _num(d, k, where) > peak[k]:
+            raise ConfigError(f"{where}.{k}: above peak_flops.{k}; give achieved FLOP/s")
+    return {k: float(v) for k, v in d.items()}
+
+
 def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
     """Parse and check a cluster profile; errors name the field."""
     if not isinstance(d, dict):
@@ -309,6 +333,7 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
         allocator_overhead_fraction=(_num(dv, "allocator_overhead_fraction", w, positive=False)
                                      if "allocator_overhead_fraction" in dv else 0.0),
         matmul_by_size=_matmul_curves(dv.get("matmul_flops_by_size"), peak, f"{w}.matmul_flops_by_size"),
+        attention_flops=_rates(dv.get("attention_flops"), peak, f"{w}.attention_flops"),
     )
     coll = d["collectives"]
     if not isinstance(coll, dict):

@@ -163,7 +163,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     dropout = t.dropout > 0
     kind = m.layer_kind(index)
     rec = stage.recompute[index - stage.start]
-    rate = cluster.device.matmul_flops_per_s(t.dtype)  # fused attention (not a library GEMM)
+    rate = cluster.device.attention_flops_per_s(t.dtype)  # fused attention (not a library GEMM)
     grate = lambda M, N, K: cluster.device.gemm_flops_per_s(t.dtype, M, N, K)  # noqa: E731
     bw = cluster.device.memory_bytes_per_s
     if kind == "block":

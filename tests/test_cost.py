@@ -199,6 +199,9 @@ def test_measured_curves_are_validated_with_one_line_errors():
         (("device", "matmul_flops_by_size", "bf16"), [[1024, 1e12], [2048, "fast"]], "matmul_flops_by_size.bf16"),
         (("device", "matmul_flops_by_size", "bf16"), [[1024, 1e12], [2048, 9e14]], "above peak_flops.bf16"),
         (("device", "matmul_flops_by_size", "int4"), [[1024, 1e12], [2048, 2e12]], "matmul_flops_by_size.int4"),
+        (("device", "attention_flops", "bf16"), 4e14, "attention_flops.bf16: above peak_flops.bf16"),
+        (("device", "attention_flops", "bf16"), "fast", "attention_flops"),
+        (("device", "attention_flops"), [1e14], "attention_flops"),
     ]
     for path, value, words in cases:
         d = _a100_dict()
@@ -326,3 +329,23 @@ def test_optimizer_and_gradient_reduction_bytes_follow_the_gradient_dtype():
     P = wide.stages[0]["params"]
     assert wide.stages[0]["grad_sync_s"] == pytest.approx(A100.collective_time("all_reduce", 4 * P, list(range(8))))
     assert narrow.stages[0]["grad_sync_s"] == pytest.approx(A100.collective_time("all_reduce", 2 * P, list(range(8))))
+
+
+def test_fused_attention_runs_at_the_profiles_measured_rate():
+    """FlashAttention is not a library GEMM: where the profile measured it (device.attention_flops),
+    the fused attention core runs at that rate, forward and backward; without it, at the MAMF rate."""
+    from planner.cluster import cluster_from_dict
+    from planner.cost import attention_core_hw_flops, layer_cost
+    d = _a100_dict()
+    measured = cluster_from_dict(d, "a100")
+    del d["device"]["attention_flops"]
+    scalar = cluster_from_dict(d, "a100")
+    assert measured.device.attention_flops_per_s("bf16") == pytest.approx(179.5e12)
+    assert scalar.device.attention_flops_per_s("bf16") == pytest.approx(scalar.device.matmul_flops_per_s("bf16"))
+    plan = plan_for(model="llama2-7b", tp=2, seq_len=4096, micro_batch=1)
+    m, tp = plan.model, 2
+    a, b = (layer_cost(plan, c, 1, plan.pipeline.stages[0], [0, 1]) for c in (measured, scalar))
+    f_core, b_core = attention_core_hw_flops(m, 1, 4096, "flash")
+    rate_m, rate_s = measured.device.attention_flops_per_s("bf16"), scalar.device.attention_flops_per_s("bf16")
+    assert a.fwd_compute_s - b.fwd_compute_s == pytest.approx(f_core / tp * (1 / rate_m - 1 / rate_s), rel=1e-6)
+    assert a.bwd_compute_s - b.bwd_compute_s == pytest.approx(b_core / tp * (1 / rate_m - 1 / rate_s), rel=1e-6)
