@@ -28,7 +28,7 @@ Memory per device follows what the runtime holds: parameters, gradients and opti
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
 with Adam, 2 + 2 + 8 without an fp32 master copy; gradients are held in the dtype they are
 accumulated and reduced in, float32 in the runtime's and Megatron-LM's bf16 mixed precision:
-2 + 4 + 12, grad_bytes), activations of the micro-batches in flight as
+2 + 4 + 12; planner.precision), activations of the micro-batches in flight as
 the schedule holds them (planner.schedule.peak_in_flight) by recompute mode (planner.model),
 the transient of replaying one block, activation gradients, communication buffers, the
 pipeline's receive buffers, and what FSDP2 holds beyond that accounting (planner.memory).
@@ -43,14 +43,11 @@ from planner.comm import clip_norm_comm, runtime_sync, tp_comm
 from planner.memory import fsdp_extra_bytes, recv_buffer_bytes
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
+from planner.precision import (ADAM_STATE_BYTES, GRAD_ACCUMULATION_BYTES, model_state_bytes, optimizer_step_bytes,
+                               sharded_param_bytes)
 from planner.schedule import Sharing, StageTimes, peak_in_flight, simulate
 
-ADAM_STATE_BYTES = 8  # two float32 moments per parameter
-MASTER_BYTES = 4  # float32 master copy under mixed precision
 BWD_ELEMENTWISE_FACTOR = 1.5  # backward of a memory-bound op moves 3 tensors to the forward's 2
-# bytes per parameter and micro-batch of adding a micro-batch's gradient to the accumulated one
-# (training.grad_accumulation): read both, write the sum; fused into the weight-gradient GEMM, none
-GRAD_ACCUMULATION_BYTES = {"separate-fp32": 3 * 4, "separate-16bit": 3 * 2, "fused": 0}
 # Share of an all-reduce running beside a GEMM that the overlap hides (training.async_tp_allreduce).
 # Not all of it: the NCCL kernel and the GEMM share the GPU's SMs. Derived from Korthikanti et al.
 # 2022, Table 4 (one 22B layer on A100, Megatron-LM with the asynchronous all-reduce on by default):
@@ -230,58 +227,6 @@ def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
 
 
 # ------------------------------------------------------------------ the estimate
-def _model_state_bytes(t) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes per parameter. Gradients are held in the dtype they
-    are accumulated and reduced in (grad_bytes)."""
-    e = DTYPES[t.dtype]
-    master = MASTER_BYTES if (t.master_weights and t.dtype != "fp32") else 0
-    return e, grad_bytes(t), ADAM_STATE_BYTES + master
-
-
-def sharded_param_bytes(t) -> int:
-    """Bytes per parameter of the shard of parameters FSDP2 keeps (ZeRO 3; beside the unsharded
-    parameters under ZeRO 1/2) beyond the optimizer state: none under mixed precision, where
-    FSDP2 keeps float32 parameters and gathers 16-bit ones (MixedPrecisionPolicy), so its shard is
-    the master copy; the parameter dtype otherwise."""
-    e = DTYPES[t.dtype]
-    return 0 if (t.master_weights and e == 2) else e
-
-
-def grad_bytes(t) -> int:
-    """Bytes per gradient element as gradients are accumulated, held and reduced across data
-    parallelism. Mixed precision keeps them in float32: the runtime's FSDP2 reduces in float32
-    (MixedPrecisionPolicy reduce_dtype) and, between micro-batches, accumulates its unsharded
-    gradients in that dtype; Megatron-LM's bf16 runs keep float32 main_grad buffers. They stay in
-    16 bits where they add up in 16 bits (training.grad_accumulation separate-16bit: Megatron-LM
-    fp16, DeepSpeed fp16) and in pure 16-bit training (no master weights)."""
-    e = DTYPES[t.dtype]
-    if t.grad_accumulation == "separate-16bit" or not t.master_weights:
-        return e
-    return max(e, 4)
-
-
-def optimizer_step_bytes(t) -> int:
-    """HBM bytes per parameter the optimizer step moves on the parameters a rank updates. AdamW
-    reads the parameter it updates (the float32 master copy under mixed precision), its gradient
-    and both float32 moments, and writes the parameter and moments back; clipping reads the
-    gradients for their norm and scales them in place (3 passes). Gradients held in 16 bits under
-    mixed precision are first copied into float32 (2 + 4), fp16 training unscales them and checks
-    them for inf/NaN (2 passes; loss scaling: Micikevicius et al. 2018), and a master copy ends the
-    step by writing the 16-bit parameters (4 + 2)."""
-    e = DTYPES[t.dtype]
-    mixed = t.master_weights and e == 2
-    p = 4 if mixed else e  # what AdamW updates
-    g = 4 if mixed else grad_bytes(t)  # the gradient it reads
-    n = 2 * p + g + 2 * ADAM_STATE_BYTES + 3 * g
-    if mixed and grad_bytes(t) == 2:
-        n += 2 + 4
-    if t.dtype == "fp16":
-        n += 2 * g
-    if mixed:
-        n += 4 + e
-    return n
-
-
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
              keep_timeline: bool = False, model_profile=None) -> Estimate:
     """Predict step time, throughput and per-device memory of `plan` on `cluster`.
@@ -300,7 +245,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     cluster = cluster.shaped_as(plan.cluster.nodes, plan.cluster.devices_per_node)
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
-    pb, gb, ob = _model_state_bytes(t)
+    pb, gb, ob = model_state_bytes(t)
     spb = sharded_param_bytes(t)
     bw = cluster.device.memory_bytes_per_s
     stage_times, stage_info = [], []

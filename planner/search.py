@@ -38,7 +38,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from planner.cluster import ClusterSpec
-from planner.cost import Estimate, _model_state_bytes, estimate, layer_cost, optimizer_step_bytes, sharded_param_bytes
+from planner.cost import Estimate, estimate, layer_cost
+from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ModelConfig
 from planner.partition import Inner
 from planner.plan import DTYPES, SCHEDULES, Plan, Training
@@ -131,7 +132,7 @@ class Ctx:
         self.limit = limit
         self.lim_eff = (limit - dev.reserved_bytes) / (1 + dev.allocator_overhead_fraction)
         self.e = DTYPES[train.dtype]
-        self.pb, self.gb, self.ob = _model_state_bytes(train)
+        self.pb, self.gb, self.ob = model_state_bytes(train)
         self.osb = optimizer_step_bytes(train)  # per parameter the optimizer step moves
         self.spb = sharded_param_bytes(train)  # per parameter of FSDP2's shard beyond the optimizer state
         self.bw = dev.memory_bytes_per_s

@@ -314,7 +314,7 @@ def test_async_tp_allreduce_hides_backward_allreduces_behind_weight_gradients():
 
 
 def test_optimizer_and_gradient_reduction_bytes_follow_the_gradient_dtype():
-    from planner.cost import grad_bytes, optimizer_step_bytes
+    from planner.precision import grad_bytes, optimizer_step_bytes
     runtime = plan_for().training  # bf16 autocast over float32 parameters: float32 gradients
     assert grad_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 28 + 12 + 6
     fp32 = plan_for(dtype="fp32").training

@@ -1,0 +1,69 @@
+"""Bytes per parameter under a plan's precision: what model states take in memory, what the
+gradients are held and reduced in, and what the optimizer step moves (planner.cost and the search
+price plans with them).
+
+Mixed precision keeps 16-bit working parameters, float32 master weights and float32 Adam moments
+(Micikevicius et al. 2018; Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter); the
+runtime (FSDP2 MixedPrecisionPolicy) and Megatron-LM's bf16 runs hold their gradients in float32.
+"""
+from __future__ import annotations
+
+from planner.plan import DTYPES
+
+ADAM_STATE_BYTES = 8  # two float32 moments per parameter
+MASTER_BYTES = 4  # float32 master copy under mixed precision
+# bytes per parameter and micro-batch of adding a micro-batch's gradient to the accumulated one
+# (training.grad_accumulation): read both, write the sum; fused into the weight-gradient GEMM, none
+GRAD_ACCUMULATION_BYTES = {"separate-fp32": 3 * 4, "separate-16bit": 3 * 2, "fused": 0}
+
+
+def model_state_bytes(t) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter. Gradients are held in the dtype they
+    are accumulated and reduced in (grad_bytes)."""
+    e = DTYPES[t.dtype]
+    master = MASTER_BYTES if (t.master_weights and t.dtype != "fp32") else 0
+    return e, grad_bytes(t), ADAM_STATE_BYTES + master
+
+
+def sharded_param_bytes(t) -> int:
+    """Bytes per parameter of the shard of parameters FSDP2 keeps (ZeRO 3; beside the unsharded
+    parameters under ZeRO 1/2) beyond the optimizer state: none under mixed precision, where
+    FSDP2 keeps float32 parameters and gathers 16-bit ones (MixedPrecisionPolicy), so its shard is
+    the master copy; the parameter dtype otherwise."""
+    e = DTYPES[t.dtype]
+    return 0 if (t.master_weights and e == 2) else e
+
+
+def grad_bytes(t) -> int:
+    """Bytes per gradient element as gradients are accumulated, held and reduced across data
+    parallelism. Mixed precision keeps them in float32: the runtime's FSDP2 reduces in float32
+    (MixedPrecisionPolicy reduce_dtype) and, between micro-batches, accumulates its unsharded
+    gradients in that dtype; Megatron-LM's bf16 runs keep float32 main_grad buffers. They stay in
+    16 bits where they add up in 16 bits (training.grad_accumulation separate-16bit: Megatron-LM
+    fp16, DeepSpeed fp16) and in pure 16-bit training (no master weights)."""
+    e = DTYPES[t.dtype]
+    if t.grad_accumulation == "separate-16bit" or not t.master_weights:
+        return e
+    return max(e, 4)
+
+
+def optimizer_step_bytes(t) -> int:
+    """HBM bytes per parameter the optimizer step moves on the parameters a rank updates. AdamW
+    reads the parameter it updates (the float32 master copy under mixed precision), its gradient
+    and both float32 moments, and writes the parameter and moments back; clipping reads the
+    gradients for their norm and scales them in place (3 passes). Gradients held in 16 bits under
+    mixed precision are first copied into float32 (2 + 4), fp16 training unscales them and checks
+    them for inf/NaN (2 passes; loss scaling: Micikevicius et al. 2018), and a master copy ends the
+    step by writing the 16-bit parameters (4 + 2)."""
+    e = DTYPES[t.dtype]
+    mixed = t.master_weights and e == 2
+    p = 4 if mixed else e  # what AdamW updates
+    g = 4 if mixed else grad_bytes(t)  # the gradient it reads
+    n = 2 * p + g + 2 * ADAM_STATE_BYTES + 3 * g
+    if mixed and grad_bytes(t) == 2:
+        n += 2 + 4
+    if t.dtype == "fp16":
+        n += 2 * g
+    if mixed:
+        n += 4 + e
+    return n
