@@ -38,6 +38,16 @@ BETAS = (0.9, 0.95)
 # FSDP2 warns when a chunk returns a view; nothing here modifies a chunk's output in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+# plan options that describe other frameworks, for predicting their runs: (field, the value the
+# runtime runs, whose engine the other values describe)
+PREDICTION_ONLY = (
+    ("training.overlap_grad_reduce", True, "Megatron-LM's local DDP or DeepSpeed's pipeline engine"),
+    ("training.async_tp_allreduce", False, "Megatron-LM"),
+    ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),
+    ("pipeline.lockstep", False, "DeepSpeed's pipeline engine"),
+    ("pipeline.recv_buffers", "preallocated", "Megatron-LM or DeepSpeed"),
+    ("pipeline.p2p", "full", "Megatron-LM or DeepSpeed"),
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,25 +82,12 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     if t.attention != "flash":
         raise ConfigError(f"training.attention: {t.attention} (materialized softmax) is for predicting older runs; the "
                           "runtime runs fused scaled_dot_product_attention, set it to flash to run")
-    if not t.overlap_grad_reduce:
-        raise ConfigError("training.overlap_grad_reduce: false describes other frameworks (Megatron-LM local DDP) for "
-                          "prediction; the runtime reduces gradients during the backward, set it to true to run")
-    if plan.pipeline.recv_buffers != "preallocated":
-        raise ConfigError(f"pipeline.recv_buffers: {plan.pipeline.recv_buffers} describes other frameworks (Megatron-LM, "
-                          "DeepSpeed) for prediction; torch.distributed.pipelining preallocates them, set it to "
-                          "preallocated to run")
-    if plan.pipeline.p2p != "full":
-        raise ConfigError(f"pipeline.p2p: {plan.pipeline.p2p} describes other frameworks (Megatron-LM, DeepSpeed) for "
-                          "prediction; torch.distributed.pipelining sends whole tensors, set it to full to run")
-    if t.grad_accumulation != "separate-fp32":
-        raise ConfigError(f"training.grad_accumulation: {t.grad_accumulation} describes other frameworks (Megatron-LM, "
-                          "DeepSpeed) for prediction; the runtime adds float32 gradients, set it to separate-fp32 to run")
-    if t.async_tp_allreduce:
-        raise ConfigError("training.async_tp_allreduce: true describes Megatron-LM for prediction; the runtime's "
-                          "DTensor tensor parallelism does not overlap it, set it to false to run")
-    if plan.pipeline.lockstep:
-        raise ConfigError("pipeline.lockstep: true describes DeepSpeed's pipeline engine for prediction; the runtime "
-                          "runs torch.distributed.pipelining, set it to false to run")
+    for name, runs, who in PREDICTION_ONLY:
+        section, field = name.split(".")
+        value = getattr(getattr(plan, section), field)
+        if value != runs:
+            raise ConfigError(f"{name}: {json.dumps(value)} describes {who} for prediction; the runtime runs "
+                              f"{json.dumps(runs)}, set it to that to run")
     if plan.model.tie_embeddings and plan.stage_rank(0) != plan.stage_rank(len(plan.pipeline.stages) - 1):
         raise ConfigError("model.tie_embeddings: the embedding and the head are on different pipeline ranks; "
                           "tied embeddings need them on one rank (untie them or use pp=1)")
