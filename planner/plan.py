@@ -33,7 +33,14 @@ RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# options added after format 1, written only when they differ from their defaults (Plan.to_dict)
+ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation"),
+                 "pipeline": ("lockstep", "recv_buffers", "p2p")}
 MESH_DIMS = ("pp", "dp", "tp")
+
+
+def _default(cls, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _strict(cls, d, where):
@@ -211,22 +218,15 @@ class Plan:
 
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
-        """The plan as JSON data. Options added after format 1 (training.overlap_grad_reduce,
-        training.async_tp_allreduce, training.grad_accumulation, pipeline.lockstep,
-        pipeline.recv_buffers, pipeline.p2p) are written only when they differ from their
-        defaults, so that plans without them keep their bytes and content hash."""
-        training = dataclasses.asdict(self.training)
-        if self.training.overlap_grad_reduce:
-            training.pop("overlap_grad_reduce")
-        if not self.training.async_tp_allreduce:
-            training.pop("async_tp_allreduce")
-        if self.training.grad_accumulation == "separate-fp32":
-            training.pop("grad_accumulation")
-        pipeline = {"lockstep": True} if self.pipeline.lockstep else {}
-        if self.pipeline.recv_buffers != "preallocated":
-            pipeline["recv_buffers"] = self.pipeline.recv_buffers
-        if self.pipeline.p2p != "full":
-            pipeline["p2p"] = self.pipeline.p2p
+        """The plan as JSON data. Options added after format 1 (ADDED_OPTIONS) are written only
+        when they differ from their defaults, so that plans without them keep their bytes and
+        content hash."""
+        def changed(obj, names):
+            return {k: getattr(obj, k) for k in names if getattr(obj, k) != _default(type(obj), k)}
+        kept = changed(self.training, ADDED_OPTIONS["training"])
+        training = {k: v for k, v in dataclasses.asdict(self.training).items()
+                    if k not in ADDED_OPTIONS["training"] or k in kept}
+        pipeline = changed(self.pipeline, ADDED_OPTIONS["pipeline"])
         return {
             "format_version": self.format_version,
             "model": self.model.to_dict(),
@@ -272,8 +272,8 @@ class Plan:
         _need(isinstance(p["stages"], list), "pipeline.stages", "expected a list of stages")
         stages = [Stage(**_strict(Stage, s, f"pipeline.stages[{i}]")) for i, s in enumerate(p["stages"])]
         pipeline = Pipeline(schedule=p["schedule"], virtual_stages=p["virtual_stages"],
-                            micro_batches=p["micro_batches"], stages=stages, lockstep=p.get("lockstep", False),
-                            recv_buffers=p.get("recv_buffers", "preallocated"), p2p=p.get("p2p", "full"))
+                            micro_batches=p["micro_batches"], stages=stages,
+                            **{k: p[k] for k in ADDED_OPTIONS["pipeline"] if k in p})
         plan = cls(model=model, training=training, cluster=cluster, mesh=mesh, pipeline=pipeline,
                    prediction=d.get("prediction"), format_version=fv)
         plan.validate()
