@@ -39,6 +39,10 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
                           "compare a run with the plan it ran")
     if run.get("plan_hash") not in (None, plan.content_hash()):
         raise ConfigError("run.plan_hash: this run was made from a different plan; compare it with the plan it ran")
+    if run.get("dtype") not in (None, plan.training.dtype):
+        raise ConfigError(f"run.dtype: the run computed in {run['dtype']} but the plan is priced for "
+                          f"{plan.training.dtype}; rerun it with --dtype {plan.training.dtype} or plan it with "
+                          f"--dtype {run['dtype']}")
     timed = run["step_times_s"][run["warmup_steps"]:]
     measured_step = statistics.median(timed)
     tokens = plan.training.global_batch * plan.training.seq_len

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync, tp_comm
-from planner.memory import fsdp_extra_bytes, recv_buffer_bytes
+from planner.memory import fsdp_extra_parts, recv_buffer_bytes
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
 from planner.precision import (ADAM_STATE_BYTES, GRAD_ACCUMULATION_BYTES, model_state_bytes, optimizer_step_bytes,
@@ -355,7 +355,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
         acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**{i: 0.0 for i in range(len(pipe.stages))}, **weights})
         p_bytes = g_bytes = o_bytes = other = 0.0
-        replay = 0.0
+        transient_bytes = 0.0  # of the stage computing: one at a time on a rank
         for i in ids:
             si, st = stage_info[i], pipe.stages[i]
             P = si["params"]
@@ -369,19 +369,23 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
-            other += fsdp_extra_bytes(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds) if k == "block"],
-                                      sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"), pb, gb, spb)
+            held, transient = fsdp_extra_parts(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds)
+                                                                   if k == "block"],
+                                               sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"),
+                                               pb, gb, spb)
+            other += held
+            stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
+            transient_bytes = max(transient_bytes, stage_replay + transient)
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
                 other += P * pb
-            replay = max(replay, max((c.replay_bytes for c in si["costs"]), default=0.0))
         # gradients of the activation flowing back (output and input of the layer in backward)
         act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
         head_logits = 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # logits gradient
             head_logits = 4.0 * t.micro_batch * t.seq_len * math.ceil(m.vocab / tp)
-        other += replay + act_grad + head_logits + recv_buffer_bytes(plan, ids)
+        other += transient_bytes + act_grad + head_logits + recv_buffer_bytes(plan, ids)
         total = p_bytes + g_bytes + o_bytes + acts + other
         mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,
                                 optimizer_bytes=o_bytes, activations_bytes=acts, other_bytes=other,

@@ -7,24 +7,42 @@ from planner.plan import DTYPES, Plan
 
 def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
                      pb: float, gb: float, shard_pb: float | None = None) -> float:
-    """Bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's root module, which
-    holds every parameter outside the blocks: embedding, head, final norm) holds beyond the ZeRO
-    paper's accounting of one stage, per device. ZeRO 1/2 (not resharded after forward): the
-    sharded parameters besides the unsharded ones (shard_pb bytes each, default pb; none under
-    mixed precision, where the shard is the float32 master copy the optimizer state counts), and
-    the flat reduce-scatter input of one group's gradients. ZeRO 3: the two largest blocks
-    unsharded at once (current and prefetched), the root group unsharded all step (FSDP2 does not
-    reshard the root after forward) with its unsharded gradients held from the head's backward to
-    the end (with one micro-batch; more micro-batches accumulate every unsharded gradient, counted
-    already), and one reduce-scatter input. Measured on CPU against run.json peaks
-    (benchmarks/prediction_accuracy.py), fp32 and bf16 (tests/test_runtime.py)."""
-    if dp <= 1 or zero == 0:
-        return 0.0
+    """Bytes the runtime's ZeRO holds for one stage beyond the ZeRO paper's accounting: the sum of
+    fsdp_extra_parts."""
+    return sum(fsdp_extra_parts(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb))
+
+
+def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
+                     pb: float, gb: float, shard_pb: float | None = None) -> tuple[float, float]:
+    """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's
+    root module, which holds every parameter outside the blocks: embedding, head, final norm)
+    holds beyond the ZeRO paper's accounting of one stage, per device; `held` all step, `transient`
+    only while the stage computes, so a rank with several stages (interleaved) holds the held
+    bytes of each and the transient bytes of one.
+    ZeRO 1/2 (not resharded after forward): held, the sharded parameters besides the unsharded
+    ones (shard_pb bytes each, default pb; none under mixed precision, where the shard is the
+    float32 master copy the optimizer state counts); transient, the flat reduce-scatter input of
+    one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input). ZeRO 3:
+    held, the root group unsharded all step (FSDP2 does not reshard the root after forward) with
+    its unsharded gradients held from the head's backward to the end (with one micro-batch; more
+    micro-batches accumulate every unsharded gradient, counted already); transient, the two
+    largest blocks unsharded at once (current and prefetched), the gather of the next one in
+    flight (its all-gather input, the shard, and flat output, which FSDP2 copies out into the
+    unsharded parameters before freeing it: torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py, foreach_all_gather and foreach_all_gather_copy_out), and one
+    reduce-scatter input. Measured on CPU against run.json peaks
+    (benchmarks/prediction_accuracy.py; tests/test_runtime.py: fp32, bf16, and pipelines)."""
+    if dp <= 1:
+        return 0.0, 0.0
     group = max(list(block_params) + [root_params])
+    if zero == 0:
+        return 0.0, group * gb
     if zero in (1, 2):
-        return (sum(block_params) + root_params) * (pb if shard_pb is None else shard_pb) / dp + group * gb
-    two = sum(sorted(block_params, reverse=True)[:2])
-    return two * pb + root_params * pb + (root_params * gb if micro_batches == 1 else 0.0) + group * gb
+        return (sum(block_params) + root_params) * (pb if shard_pb is None else shard_pb) / dp, group * gb
+    ordered = sorted(block_params, reverse=True) or [0.0]
+    gather = ordered[0] * (1 + 1 / dp)
+    return (root_params * pb + (root_params * gb if micro_batches == 1 else 0.0),
+            (sum(ordered[:2]) + gather) * pb + group * gb)
 
 
 def recv_buffer_bytes(plan: Plan, stage_ids) -> float:

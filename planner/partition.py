@@ -59,7 +59,7 @@ class Inner(StageCosts):
                 mn = self.menu(k, *flags)
                 if "order" not in mn:  # options by c, and their memory parts in that order
                     mn["order"] = o = np.argsort(mn["c"], kind="stable")
-                    mn["mem_sorted"] = ((mn["fixed"] + mn["replay"])[o], mn["act"][o])
+                    mn["mem_sorted"] = ((mn["fixed"] + mn["replay"] + mn["transient"])[o], mn["act"][o])
                 order, (fixed_rep, act) = mn["order"], mn["mem_sorted"]
                 fits = (fixed_rep + extra)[None, :] + cnt * act[None, :] <= lim
                 anyfit = fits.any(axis=1)

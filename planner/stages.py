@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import fsdp_extra_bytes
+from planner.memory import fsdp_extra_parts
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
@@ -118,7 +118,7 @@ class StageCosts:
         P = k * blk[0].params + sum(x.params for x in ends)
         dp, e = cfg.dp, ctx.e
         n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
-        arr = np.empty((10, n_all))
+        arr = np.empty((11, n_all))
         at = 0
         for z in self.zeros:
             ag = self.ag(P * e) if (z == 3 and dp > 1) else 0.0
@@ -131,17 +131,20 @@ class StageCosts:
             fixed = ((P * ctx.spb / dp if (z == 3 and dp > 1) else P * ctx.pb)
                      + P * ctx.gb / (dp if (z >= 2 and cfg.micro_batches == 1) else 1)
                      + P * ctx.ob / (dp if z >= 1 else 1))
-            fixed += fsdp_extra_bytes(z, dp, cfg.micro_batches, [blk[0].params] * k, sum(x.params for x in ends),
-                                      ctx.pb, ctx.gb, ctx.spb)
+            held, transient = fsdp_extra_parts(z, dp, cfg.micro_batches, [blk[0].params] * k,
+                                               sum(x.params for x in ends), ctx.pb, ctx.gb, ctx.spb)
+            fixed += held
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed += P * ctx.pb
             fixed += self.head_logits if head else 0.0
             sl = slice(at, at + len(keep))
             at += len(keep)
-            for row, val in enumerate((f, b[keep], sync, opt, gather, fixed, act[keep], replay[keep], z, keep)):
+            for row, val in enumerate((f, b[keep], sync, opt, gather, fixed, act[keep], replay[keep], z, keep,
+                                       transient)):
                 arr[row, sl] = val
         arr = arr[:, :at]
-        menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo"), arr))
+        menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo", "transient"),
+                        arr))
         menu["combo"] = menu["combo"].astype(int)
         menu["cb"] = cb
         menu["c"] = cfg.micro_batches * (menu["f"] + menu["b"]) + menu["sync"] + menu["opt"] + menu["gather"]
@@ -240,7 +243,7 @@ class StageCosts:
             fixed = sum(mn["fixed"][i] for _, mn, i in mine) + sum(self.recv[r::p])
             acts = np.array([mn["act"][i] for _, mn, i in mine])
             peak = float((self.flight[r] @ acts).max())
-            rep = max(mn["replay"][i] for _, mn, i in mine)
+            rep = max(mn["replay"][i] + mn["transient"][i] for _, mn, i in mine)  # one stage computes at a time
             if fixed + peak + rep + self.act_grad > self.ctx.lim_eff * (1 + TOL):
                 return None
         return max(lb1, lb2)

@@ -12,8 +12,35 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining._backward import stage_backward
 
 from planner.plan import Plan
+
+class _Stage(PipelineStage):
+    """A PipelineStage whose ZeRO-3 chunk frees each block's gathered parameters after the block's
+    backward, as it does after its forward.
+
+    torch.distributed.pipelining turns FSDP2's reshard-after-backward off for every micro-batch's
+    backward (stage.py, backward_maybe_with_nosync: no gradient sync, no reshard), so a ZeRO-3
+    chunk would hold every block unsharded by the end of each backward: ZeRO-1's parameter
+    memory. A ZeRO-3 stage of a plan promises sharded parameters outside the blocks in use, so
+    this stage runs the same backward with resharding on; gradients still accumulate unsharded
+    until the step's last backward, and each micro-batch's forward and backward gather the
+    parameters again, as the planner prices them."""
+
+    def __init__(self, *args, reshard_after_backward: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reshard = reshard_after_backward
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if not self._reshard or backward_type != "full":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(False)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -24,7 +51,10 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
     loss of one micro-batch; the schedule divides gradients by the number of micro-batches
     (scale_grads), so they are those of the mean over the rank's batch."""
     n_stages = len(plan.pipeline.stages)
-    stages = [PipelineStage(chunk, sid, n_stages, device, group=pp_group) for chunk, sid in zip(chunks, stage_ids)]
+    zero3 = plan.mesh.dp > 1
+    stages = [_Stage(chunk, sid, n_stages, device, group=pp_group,
+                     reshard_after_backward=zero3 and plan.pipeline.stages[sid].zero == 3)
+              for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     if cls is ScheduleInterleaved1F1B:
         return cls(stages, n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)

@@ -278,6 +278,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     plan_hash = plan.content_hash()
     source = make_source(args.data, t.seq_len, t.seed, plan.model.vocab, args.data_dtype)
     start_step = 0
+    if trainer.dtype != t.dtype and not args.dtype and rank == 0:
+        print(f"note: the plan's training.dtype is {t.dtype}; on {device.type} the runtime computes in "
+              f"{trainer.dtype} unless asked (--dtype)", flush=True)
     if args.checkpoint_dir:
         found = ckpt.checkpoints(args.checkpoint_dir)
         if args.resume and not found and rank == 0:

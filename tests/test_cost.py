@@ -269,16 +269,36 @@ def test_pipelining_receive_buffers_are_held_for_every_micro_batch():
 
 
 def test_fsdp2_holds_more_than_the_zero_paper_counts():
-    from planner.memory import fsdp_extra_bytes
+    from planner.memory import fsdp_extra_bytes, fsdp_extra_parts
     blocks, root = [100.0, 100.0, 100.0], 50.0
-    assert fsdp_extra_bytes(0, 8, 1, blocks, root, 2, 4) == 0.0
     assert fsdp_extra_bytes(3, 1, 1, blocks, root, 2, 4) == 0.0  # no data parallelism: no FSDP
+    # ZeRO 0 (replicate): one group's flat all-reduce input while the stage computes
+    assert fsdp_extra_parts(0, 8, 1, blocks, root, 2, 4) == (0.0, pytest.approx(100 * 4))
     # ZeRO 1/2: the sharded copy beside the unsharded parameters, one group's reduce-scatter input
-    assert fsdp_extra_bytes(1, 4, 2, blocks, root, 2, 4) == pytest.approx(350 * 2 / 4 + 100 * 4)
-    # ZeRO 3: two blocks gathered, the root group unsharded all step with its gradients (one
-    # micro-batch), one reduce-scatter input
-    assert fsdp_extra_bytes(3, 4, 1, blocks, root, 2, 4) == pytest.approx(200 * 2 + 50 * 2 + 50 * 4 + 100 * 4)
-    assert fsdp_extra_bytes(3, 4, 2, blocks, root, 2, 4) == pytest.approx(200 * 2 + 50 * 2 + 100 * 4)
+    assert fsdp_extra_parts(1, 4, 2, blocks, root, 2, 4) == (pytest.approx(350 * 2 / 4), pytest.approx(100 * 4))
+    # ZeRO 3: the root group unsharded all step with its gradients (one micro-batch); while the
+    # stage computes, two blocks gathered, the next one's all-gather input and output in flight,
+    # one reduce-scatter input
+    gathered = (200 + 100 * (1 + 1 / 4)) * 2 + 100 * 4
+    assert fsdp_extra_parts(3, 4, 1, blocks, root, 2, 4) == (pytest.approx(50 * 2 + 50 * 4), pytest.approx(gathered))
+    assert fsdp_extra_parts(3, 4, 2, blocks, root, 2, 4) == (pytest.approx(50 * 2), pytest.approx(gathered))
+    assert fsdp_extra_bytes(3, 4, 2, blocks, root, 2, 4) == pytest.approx(50 * 2 + gathered)
+
+
+def test_a_rank_holds_the_transient_fsdp_bytes_of_one_of_its_stages():
+    """Interleaved: the rank's stages keep their held FSDP2 bytes all step, but only the stage that
+    computes has blocks gathered and gradients in its reduce-scatter input. The same layers on a
+    rank as one stage or as two hold the same buffers beyond activations."""
+    def other(v):
+        plan = build_plan(ZOO["llama2-7b"], cluster_name="dgx-a100-80gb", device="a100", nodes=2,
+                          devices_per_node=8, seq_len=4096, global_batch=64, micro_batch=1, tp=2, pp=2, dp=4,
+                          zero=3, schedule="interleaved-1f1b", virtual_stages=v, recompute="full",
+                          recv_buffers="in-flight")
+        mem = estimate(plan, A100).breakdown["memory"]
+        return mem["pp_rank"], mem["other_bytes"]
+    one, two = other(1), other(2)
+    assert one[0] == two[0]
+    assert two[1] == pytest.approx(one[1], rel=1e-9)
 
 
 def test_scatter_gather_sends_a_tp_share_across_nodes_and_gathers_it_inside():

@@ -255,3 +255,16 @@ def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
     assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "plan_hash" in err
+
+
+def test_compare_refuses_a_run_in_another_dtype_in_one_line(tmp_path, capsys):
+    """A bf16 plan run on CPU computes in fp32 unless asked: its memory and time are not the
+    plan's, so compare names the field and both fixes instead of printing errors of 2x."""
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    for dtype, code in (("fp32", 0), ("bf16", 2)):
+        run["dtype"] = dtype
+        (tmp_path / "run.json").write_text(json.dumps(run))
+        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == code
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.dtype" in err and "--dtype fp32" in err
