@@ -296,9 +296,14 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
             raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
                               "to continue from it or choose an empty directory")
     # two warm-up steps, not timed: the first allocates the optimizer state, the second measures the
-    # peak memory (tracking every allocation slows it several-fold); fewer when fewer steps are asked
-    warmup = min(2, args.steps - start_step - 1)
-    measure_at = start_step + max(0, warmup - 1)
+    # peak memory (tracking every allocation slows it several-fold). With fewer steps there is no
+    # clean time, and with one the peak misses the optimizer state: say so.
+    left = args.steps - start_step
+    warmup, measure_at = min(2, left), start_step + (1 if left >= 2 else 0)
+    if left < 3 and rank == 0:
+        print(f"note: {left} step(s): the step times include a warm-up or the memory-measuring step"
+              + ("; the peak memory is the first step's, before the optimizer state exists" if left < 2 else "")
+              + "; ask for 3 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers)
     losses, times, grad_norms, opt_times = [], [], [], []
     for step in range(start_step, args.steps):
