@@ -21,8 +21,10 @@ Time of a layer on one device, per micro-batch:
 Per stage the per-layer times add up; the pipeline schedule is then played (planner.schedule).
 Data-parallel gradient communication runs after each stage's last backward on a communication
 stream, overlapping the rest of the backward (with training.overlap_grad_reduce false: after the
-whole backward); ZeRO-3 gathers parameters before each forward and backward, overlapped with
-compute by prefetching; the optimizer step (AdamW with gradient clipping) is memory-bound.
+whole backward); ZeRO-2 reduce-scatters every micro-batch's gradients on that stream, which
+slows a backward only where it takes longer; ZeRO-3 gathers parameters before each forward and
+backward, overlapped with compute by prefetching; the optimizer step (AdamW with gradient
+clipping) is memory-bound.
 
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync, tp_comm
-from planner.memory import fsdp_extra_parts, recv_buffer_bytes
+from planner.memory import fsdp_extra_parts, grads_sharded, recv_buffer_bytes
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
 from planner.precision import (ADAM_STATE_BYTES, GRAD_ACCUMULATION_BYTES, model_state_bytes, optimizer_step_bytes,
@@ -274,12 +276,16 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             # all-reduces the whole chunk's gradients at once: one collective, priced by the cluster
             sync = (cluster.collective_time("all_reduce", grad_total, dp_ranks) if st.zero == 0 else
                     sum(c.dp_measured["backward_sync_s"] for c in costs))
+            if st.zero == 2 and mbs > 1:  # every backward is a synchronizing one, as measured
+                zero3_b, sync = zero3_b + sync, 0.0
         elif dp <= 1:
             sync = 0.0
         elif st.zero == 0:
             sync = cluster.collective_time("all_reduce", grad_total, dp_ranks)
         else:
             sync = cluster.collective_time("reduce_scatter", grad_total, dp_ranks)
+            if st.zero == 2 and mbs > 1:  # each micro-batch's, beside its backward
+                zero3_b = max(0.0, sync - comp_b)
         # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
         # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
         act_msg = e * t.micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)
@@ -317,7 +323,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         gather = 0.0
         if dp > 1:
             for si in mine:
-                if si["zero"] in (1, 2) and not si["measured_dp"]:
+                if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         rank_total.append(tl.end_s[r] + opt_s + gather)
@@ -362,7 +368,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             shard = dp if dp > 1 else 1
             p_bytes += P * (spb / shard if st.zero == 3 and shard > 1 else pb)
             # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
-            g_bytes += P * gb / (shard if (st.zero >= 2 and mbs == 1) else 1)
+            # (ZeRO-2 reduce-scatters every micro-batch's and accumulates them sharded)
+            g_bytes += P * gb / (shard if grads_sharded(st.zero, mbs) else 1)
             o_bytes += P * ob / (shard if st.zero >= 1 else 1)
             if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters

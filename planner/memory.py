@@ -5,6 +5,13 @@ from __future__ import annotations
 from planner.plan import DTYPES, Plan
 
 
+def grads_sharded(zero: int, micro_batches: int) -> bool:
+    """Whether a stage holds its gradients sharded over data parallelism between micro-batches:
+    ZeRO 2 reduce-scatters every micro-batch's; ZeRO 1 and 3 accumulate them unsharded and reduce
+    once after the last (a single micro-batch's are reduced as they are produced)."""
+    return zero == 2 or (zero == 3 and micro_batches == 1)
+
+
 def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
                      pb: float, gb: float, shard_pb: float | None = None) -> float:
     """Bytes the runtime's ZeRO holds for one stage beyond the ZeRO paper's accounting: the sum of
@@ -22,7 +29,8 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     ZeRO 1/2 (not resharded after forward): held, the sharded parameters besides the unsharded
     ones (shard_pb bytes each, default pb; none under mixed precision, where the shard is the
     float32 master copy the optimizer state counts); transient, the flat reduce-scatter input of
-    one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input). ZeRO 3:
+    one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input); under ZeRO
+    2 with several micro-batches, a group's gradients and input beside the previous group's input. ZeRO 3:
     held, the root group unsharded all step (FSDP2 does not reshard the root after forward) with
     its unsharded gradients held from the head's backward to the end (with one micro-batch; more
     micro-batches accumulate every unsharded gradient, counted already); transient, the two
@@ -38,7 +46,16 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     if zero == 0:
         return 0.0, group * gb
     if zero in (1, 2):
-        return (sum(block_params) + root_params) * (pb if shard_pb is None else shard_pb) / dp, group * gb
+        rs = group * gb
+        if zero == 2 and micro_batches > 1:
+            # ZeRO 2 reduce-scatters during every backward: a group's unsharded gradients and their
+            # flat input, beside the previous group's input, which FSDP2 keeps until the next
+            # reduce-scatter starts (FSDPCommContext.reduce_scatter_states, at most one; torch
+            # _fsdp_param_group.py post_backward). Groups reduce in backward order: the blocks
+            # last to first, then the root (its post-backward waits for the embedding's gradient).
+            order = sorted(block_params, reverse=True)[:2][::-1] + ([root_params] if root_params else [])
+            rs = max(prev + 2 * cur for prev, cur in zip([0.0] + order, order)) * gb
+        return (sum(block_params) + root_params) * (pb if shard_pb is None else shard_pb) / dp, rs
     ordered = sorted(block_params, reverse=True) or [0.0]
     gather = ordered[0] * (1 + 1 / dp)
     return (root_params * pb + (root_params * gb if micro_batches == 1 else 0.0),

@@ -255,8 +255,8 @@ def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: float, plan_ranks: l
     (runtime.profile_model: ranks 0, tp, 2 tp, ...) to the plan's: each extra plus the difference of
     the cluster profile's prediction of its collectives on the two groups (a group of another size
     or on another tier). ZeRO-3 gathers the layer before each forward and backward (FSDP2 resharding
-    after forward); ZeRO-1/2 gathers it once per step and reduce-scatters its gradients once per
-    step; ZeRO-0 (replicate) all-reduces, priced by the caller at the plan's ranks."""
+    after forward); ZeRO-1/2 reduce-scatters its gradients (and gathers it once per step, priced by
+    the caller at the plan's ranks, as is ZeRO-0's all-reduce)."""
     if zero == 0 or plan_ranks == measured_ranks:
         return dpm
 
@@ -269,7 +269,7 @@ def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: float, plan_ranks: l
         out["backward_s"] = max(0.0, dpm["backward_s"] + ag)
         out["backward_sync_s"] = max(0.0, dpm["backward_sync_s"] + rs)
     else:
-        out["backward_sync_s"] = max(0.0, dpm["backward_sync_s"] + rs + ag)
+        out["backward_sync_s"] = max(0.0, dpm["backward_sync_s"] + rs)
     return out
 
 

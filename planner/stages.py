@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import fsdp_extra_parts
+from planner.memory import fsdp_extra_parts, grads_sharded
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
@@ -122,14 +122,16 @@ class StageCosts:
         at = 0
         for z in self.zeros:
             ag = self.ag(P * e) if (z == 3 and dp > 1) else 0.0
-            f = comp_f + tp_f + max(0.0, ag - comp_f)
-            b = comp_b + tp_b + np.maximum(0.0, ag - comp_b)
-            keep = _pareto(b, act, replay) if ag > comp_b.min() else plain  # exposure reorders
             sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
+            # ZeRO-2 reduce-scatters each micro-batch's gradients beside its backward
+            beside = sync if (z == 2 and dp > 1 and cfg.micro_batches > 1) else ag
+            f = comp_f + tp_f + max(0.0, ag - comp_f)
+            b = comp_b + tp_b + np.maximum(0.0, beside - comp_b)
+            keep = _pareto(b, act, replay) if beside > comp_b.min() else plain  # exposure reorders
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0
             fixed = ((P * ctx.spb / dp if (z == 3 and dp > 1) else P * ctx.pb)
-                     + P * ctx.gb / (dp if (z >= 2 and cfg.micro_batches == 1) else 1)
+                     + P * ctx.gb / (dp if grads_sharded(z, cfg.micro_batches) else 1)
                      + P * ctx.ob / (dp if z >= 1 else 1))
             held, transient = fsdp_extra_parts(z, dp, cfg.micro_batches, [blk[0].params] * k,
                                                sum(x.params for x in ends), ctx.pb, ctx.gb, ctx.spb)
@@ -177,7 +179,7 @@ class StageCosts:
         lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
-        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
+        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if grads_sharded(z, mbs) else 1)
                     + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros)
         return lb, P * state / p + self.act_grad
 
@@ -194,7 +196,7 @@ class StageCosts:
         t = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
         dp, mbs = cfg.dp, cfg.micro_batches
-        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if (z >= 2 and mbs == 1) else 1)
+        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if grads_sharded(z, mbs) else 1)
                     + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros) * blk[0].params
         M = ctx.lim_eff * (1 + TOL) - self.act_grad
         mem = state + kappa[:, None] * a[None, :]  # (ranks, modes)

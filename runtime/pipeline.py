@@ -17,27 +17,26 @@ from torch.distributed.pipelining._backward import stage_backward
 from planner.plan import Plan
 
 class _Stage(PipelineStage):
-    """A PipelineStage whose ZeRO-3 chunk frees each block's gathered parameters after the block's
-    backward, as it does after its forward.
+    """A PipelineStage that runs each micro-batch's backward as its chunk's ZeRO level says.
 
-    torch.distributed.pipelining turns FSDP2's reshard-after-backward off for every micro-batch's
-    backward (stage.py, backward_maybe_with_nosync: no gradient sync, no reshard), so a ZeRO-3
-    chunk would hold every block unsharded by the end of each backward: ZeRO-1's parameter
-    memory. A ZeRO-3 stage of a plan promises sharded parameters outside the blocks in use, so
-    this stage runs the same backward with resharding on; gradients still accumulate unsharded
-    until the step's last backward, and each micro-batch's forward and backward gather the
-    parameters again, as the planner prices them."""
+    torch.distributed.pipelining runs every micro-batch's backward without gradient sync and
+    without resharding (stage.py, backward_maybe_with_nosync), and reduces all gradients after the
+    last one: right for ZeRO 0 and 1. A ZeRO-3 chunk would then hold every block gathered by the
+    end of each backward (ZeRO-1's parameter memory), so it reshards after each block's backward,
+    as after its forward; a ZeRO-2 chunk reduce-scatters each micro-batch's gradients as they are
+    produced and accumulates them sharded (the ZeRO paper's P_os+g, DeepSpeed's stage 2), keeping
+    its parameters gathered. The planner prices both so."""
 
-    def __init__(self, *args, reshard_after_backward: bool = False, **kwargs):
+    def __init__(self, *args, zero: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
-        self._reshard = reshard_after_backward
+        self._zero = zero
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        if not self._reshard or backward_type != "full":
+        if self._zero not in (2, 3) or backward_type != "full":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         self.submod.set_is_last_backward(False)
-        self.submod.set_reshard_after_backward(True)
-        self.submod.set_requires_gradient_sync(False)
+        self.submod.set_reshard_after_backward(self._zero == 3)
+        self.submod.set_requires_gradient_sync(self._zero == 2)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
 
@@ -51,9 +50,8 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
     loss of one micro-batch; the schedule divides gradients by the number of micro-batches
     (scale_grads), so they are those of the mean over the rank's batch."""
     n_stages = len(plan.pipeline.stages)
-    zero3 = plan.mesh.dp > 1
-    stages = [_Stage(chunk, sid, n_stages, device, group=pp_group,
-                     reshard_after_backward=zero3 and plan.pipeline.stages[sid].zero == 3)
+    sharded = plan.mesh.dp > 1
+    stages = [_Stage(chunk, sid, n_stages, device, group=pp_group, zero=plan.pipeline.stages[sid].zero if sharded else 0)
               for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     if cls is ScheduleInterleaved1F1B:

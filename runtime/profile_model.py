@@ -114,14 +114,17 @@ def _passes_per_sample(seconds: float) -> int:
     return int(k)
 
 
-def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None):
+def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None, zero=0):
     """Median forward and backward seconds per pass over `repeats` samples, each of k passes back
     to back (after two warm-up passes). `sync` (FSDP modules only): whether gradients are
-    synchronized, as the runtime's last micro-batch does."""
+    synchronized, as the runtime's last micro-batch does (ZeRO 1/2 keep the parameters gathered
+    between the micro-batches before it, as the runtime does)."""
     from torch.distributed.fsdp import FSDPModule
     from runtime.train import cross_entropy
     if sync is not None and isinstance(chunk, FSDPModule):
         chunk.set_requires_gradient_sync(sync)
+        if zero in (1, 2):
+            chunk.set_reshard_after_backward(sync)
 
     def one():
         if x.grad is not None:
@@ -181,8 +184,8 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
     for zero in (0, 1, 3):
         chunk = _build(cfg, kind, tp_mesh, sp, "none", dp_mesh, zero)
         x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
-        f, b_nosync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=False)
-        f2, b_sync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=True)
+        f, b_nosync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=False, zero=zero)
+        f2, b_sync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=True, zero=zero)
         opt = _time_optimizer(list(chunk.parameters()), repeats)
         vals = torch.tensor([min(f, f2), b_nosync, b_sync, opt], dtype=torch.float64)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)

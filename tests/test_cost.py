@@ -276,6 +276,11 @@ def test_fsdp2_holds_more_than_the_zero_paper_counts():
     assert fsdp_extra_parts(0, 8, 1, blocks, root, 2, 4) == (0.0, pytest.approx(100 * 4))
     # ZeRO 1/2: the sharded copy beside the unsharded parameters, one group's reduce-scatter input
     assert fsdp_extra_parts(1, 4, 2, blocks, root, 2, 4) == (pytest.approx(350 * 2 / 4), pytest.approx(100 * 4))
+    # ZeRO 2 reduce-scatters in every backward: a block's gradients and input beside the previous
+    # block's input (the root, smaller here, reduces last)
+    assert fsdp_extra_parts(2, 4, 2, blocks, root, 2, 4)[1] == pytest.approx((100 + 2 * 100) * 4)
+    assert fsdp_extra_parts(2, 4, 2, blocks, 300.0, 2, 4)[1] == pytest.approx((100 + 2 * 300) * 4)
+    assert fsdp_extra_parts(2, 4, 1, blocks, root, 2, 4)[1] == pytest.approx(100 * 4)  # one micro-batch: as ZeRO 1
     # ZeRO 3: the root group unsharded all step with its gradients (one micro-batch); while the
     # stage computes, two blocks gathered, the next one's all-gather input and output in flight,
     # one reduce-scatter input
@@ -369,3 +374,19 @@ def test_fused_attention_runs_at_the_profiles_measured_rate():
     rate_m, rate_s = measured.device.attention_flops_per_s("bf16"), scalar.device.attention_flops_per_s("bf16")
     assert a.fwd_compute_s - b.fwd_compute_s == pytest.approx(f_core / tp * (1 / rate_m - 1 / rate_s), rel=1e-6)
     assert a.bwd_compute_s - b.bwd_compute_s == pytest.approx(b_core / tp * (1 / rate_m - 1 / rate_s), rel=1e-6)
+
+
+def test_zero2_reduce_scatters_every_micro_batch_and_holds_its_gradients_sharded():
+    """ZeRO-2 (P_os+g, Rajbhandari et al. 2020; DeepSpeed's stage 2) shards the gradients as they are
+    produced, every micro-batch: 1/dp of ZeRO-1's gradient memory, and a backward that waits for its
+    reduce-scatter where that takes longer (here: 16 DP ranks across nodes, a short backward)."""
+    def est(zero, mb, nodes=2):
+        plan = build_plan(ZOO["llama2-7b"], cluster_name="dgx-a100-80gb", device="a100", nodes=nodes,
+                          devices_per_node=8, seq_len=128, global_batch=8 * nodes * mb, micro_batch=1, zero=zero)
+        return estimate(plan, A100)
+    one, two = est(1, 8), est(2, 8)
+    assert two.breakdown["memory"]["gradients_bytes"] == pytest.approx(one.breakdown["memory"]["gradients_bytes"] / 16)
+    assert two.step_time_s > one.step_time_s * 1.2
+    assert two.breakdown["time"]["dp_comm_exposed_s"] > one.breakdown["time"]["dp_comm_exposed_s"]
+    # one micro-batch: its gradients are reduced as produced either way
+    assert est(2, 1).step_time_s == pytest.approx(est(1, 1).step_time_s)
