@@ -29,11 +29,12 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     ZeRO 1/2 (not resharded after forward): held, the sharded parameters besides the unsharded
     ones (shard_pb bytes each, default pb; none under mixed precision, where the shard is the
     float32 master copy the optimizer state counts); transient, the flat reduce-scatter input of
-    one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input); under ZeRO
-    2 with several micro-batches, a group's gradients and input beside the previous group's input. ZeRO 3:
-    held, the root group unsharded all step (FSDP2 does not reshard the root after forward) with
-    its unsharded gradients held from the head's backward to the end (with one micro-batch; more
-    micro-batches accumulate every unsharded gradient, counted already); transient, the two
+    one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input); under
+    ZeRO 2 with several micro-batches, a group's gradients and input beside the previous group's
+    input. ZeRO 3: held, the root group unsharded all step (FSDP2 does not reshard the root after
+    forward) with its unsharded gradients held from the head's backward to the end (with one
+    micro-batch; more micro-batches accumulate every unsharded gradient, counted already);
+    transient, the two
     largest blocks unsharded at once (current and prefetched), the gather of the next one in
     flight (its all-gather input, the shard, and flat output, which FSDP2 copies out into the
     unsharded parameters before freeing it: torch/distributed/fsdp/_fully_shard/
