@@ -26,7 +26,7 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
 
 
 def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool) -> float:
-    """Seconds of the all-reduces runtime.train.clip_grad_norm issues once per step on a rank of
+    """Seconds of the all-reduces runtime.optim.clip_grad_norm issues once per step on a rank of
     pipeline rank `pp_rank`: one scalar per sharded mesh dimension, tp (TP-sharded parameters) and
     dp (FSDP-sharded parameters, ZeRO >= 1). The pipeline all-reduce is in runtime_sync."""
     groups = []

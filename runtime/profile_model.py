@@ -154,7 +154,7 @@ def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None, zero=0):
 
 
 def _time_optimizer(params, repeats) -> float:
-    from runtime.train import clip_grad_norm
+    from runtime.optim import clip_grad_norm
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
 
     def one():
@@ -337,7 +337,7 @@ def profile_model(args) -> dict | None:
                      f"sample at least {MIN_SAMPLE_S} s) after two warm-up passes, every rank at once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
             "activation_bytes": "measured: bytes one forward allocates and keeps until its backward, output "
                                 f"included ({_cpu_counter_name()})",
-            "optimizer_s": "measured: runtime.train.clip_grad_norm (local work: reduce=False) + "
+            "optimizer_s": "measured: runtime.optim.clip_grad_norm (local work: reduce=False) + "
                            "AdamW(foreach=False).step on the layer's parameters, as the runtime runs them on CPU; "
                            "the norm's all-reduces happen once per step, priced by planner.cost",
             "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
