@@ -21,7 +21,7 @@ Time of a layer on one device, per micro-batch:
 Per stage the per-layer times add up; the pipeline schedule is then played (planner.schedule).
 Data-parallel gradient communication runs after each stage's last backward on a communication
 stream, overlapping the rest of the backward (with training.overlap_grad_reduce false: after the
-whole backward); ZeRO-2 reduce-scatters every micro-batch's gradients on that stream, which
+whole backward); ZeRO-2 and 3 reduce-scatter every micro-batch's gradients on that stream, which
 slows a backward only where it takes longer; ZeRO-3 gathers parameters before each forward and
 backward, overlapped with compute by prefetching; the optimizer step (AdamW with gradient
 clipping) is memory-bound.
@@ -265,8 +265,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         grad_total = params * gb
         zero3_f = zero3_b = 0.0
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
-        if dp > 1 and st.zero == 3:  # gather parameters before forward and again before backward
-            ag = cluster.collective_time("all_gather", params * e, dp_ranks)
+        ag = cluster.collective_time("all_gather", params * e, dp_ranks) if (dp > 1 and st.zero == 3) else 0.0
+        if ag:  # gather parameters before forward and again before backward
             zero3_f = max(0.0, ag - comp_f)
             zero3_b = max(0.0, ag - comp_b)
         if measured_dp:  # the model profile measured the runtime's data-parallel wrapping itself
@@ -276,7 +276,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             # all-reduces the whole chunk's gradients at once: one collective, priced by the cluster
             sync = (cluster.collective_time("all_reduce", grad_total, dp_ranks) if st.zero == 0 else
                     sum(c.dp_measured["backward_sync_s"] for c in costs))
-            if st.zero == 2 and mbs > 1:  # every backward is a synchronizing one, as measured
+            if st.zero >= 2 and mbs > 1:  # every backward is a synchronizing one, as measured
                 zero3_b, sync = zero3_b + sync, 0.0
         elif dp <= 1:
             sync = 0.0
@@ -284,8 +284,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             sync = cluster.collective_time("all_reduce", grad_total, dp_ranks)
         else:
             sync = cluster.collective_time("reduce_scatter", grad_total, dp_ranks)
-            if st.zero == 2 and mbs > 1:  # each micro-batch's, beside its backward
-                zero3_b = max(0.0, sync - comp_b)
+            if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
+                zero3_b = max(0.0, ag + sync - comp_b)
         # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
         # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
         act_msg = e * t.micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)

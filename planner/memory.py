@@ -7,9 +7,9 @@ from planner.plan import DTYPES, Plan
 
 def grads_sharded(zero: int, micro_batches: int) -> bool:
     """Whether a stage holds its gradients sharded over data parallelism between micro-batches:
-    ZeRO 2 reduce-scatters every micro-batch's; ZeRO 1 and 3 accumulate them unsharded and reduce
-    once after the last (a single micro-batch's are reduced as they are produced)."""
-    return zero == 2 or (zero == 3 and micro_batches == 1)
+    ZeRO 2 and 3 reduce-scatter every micro-batch's (the ZeRO paper's P_os+g and P_os+g+p);
+    ZeRO 1 accumulates them unsharded and reduces once, after the last."""
+    return zero >= 2
 
 
 def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
@@ -32,15 +32,26 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input); under
     ZeRO 2 with several micro-batches, a group's gradients and input beside the previous group's
     input. ZeRO 3: held, the root group unsharded all step (FSDP2 does not reshard the root after
-    forward) with its unsharded gradients held from the head's backward to the end (with one
-    micro-batch; more micro-batches accumulate every unsharded gradient, counted already);
-    transient, the two
-    largest blocks unsharded at once (current and prefetched), the gather of the next one in
-    flight (its all-gather input, the shard, and flat output, which FSDP2 copies out into the
-    unsharded parameters before freeing it: torch/distributed/fsdp/_fully_shard/
+    forward); transient, its unsharded gradients from the head's backward to the end of the
+    backward, the two largest blocks unsharded at once (current and prefetched), the gather of
+    the next one in flight (its all-gather input, the shard, and flat output, which FSDP2 copies
+    out into the unsharded parameters before freeing it: torch/distributed/fsdp/_fully_shard/
     _fsdp_collectives.py, foreach_all_gather and foreach_all_gather_copy_out), and one
-    reduce-scatter input. Measured on CPU against run.json peaks
-    (benchmarks/prediction_accuracy.py; tests/test_runtime.py: fp32, bf16, and pipelines)."""
+    reduce-scatter input. ZeRO 2/3 with several micro-batches reduce-scatter in every backward,
+    and FSDP2 keeps the last input of each until the next: held by every stage of a rank.
+    Measured on CPU against run.json peaks (benchmarks/prediction_accuracy.py;
+    tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
+    held, transient = _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb)
+    if zero >= 2 and dp > 1 and micro_batches > 1:
+        # FSDP2 keeps the last reduce-scatter input of a backward until the stage's next backward
+        # starts reducing: the root's, or the first block's where the stage has no root parameters.
+        # A rank's other stages (interleaved) hold theirs while one computes.
+        retained = (root_params or (block_params[0] if block_params else 0.0)) * gb
+        return held + retained, transient - retained
+    return held, transient
+
+
+def _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb):
     if dp <= 1:
         return 0.0, 0.0
     group = max(list(block_params) + [root_params])
@@ -59,8 +70,7 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
         return (sum(block_params) + root_params) * (pb if shard_pb is None else shard_pb) / dp, rs
     ordered = sorted(block_params, reverse=True) or [0.0]
     gather = ordered[0] * (1 + 1 / dp)
-    return (root_params * pb + (root_params * gb if micro_batches == 1 else 0.0),
-            (sum(ordered[:2]) + gather) * pb + group * gb)
+    return root_params * pb, (sum(ordered[:2]) + gather) * pb + (root_params + group) * gb
 
 
 def recv_buffer_bytes(plan: Plan, stage_ids) -> float:

@@ -123,8 +123,8 @@ class StageCosts:
         for z in self.zeros:
             ag = self.ag(P * e) if (z == 3 and dp > 1) else 0.0
             sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
-            # ZeRO-2 reduce-scatters each micro-batch's gradients beside its backward
-            beside = sync if (z == 2 and dp > 1 and cfg.micro_batches > 1) else ag
+            # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
+            beside = ag + sync if (z >= 2 and dp > 1 and cfg.micro_batches > 1) else ag
             f = comp_f + tp_f + max(0.0, ag - comp_f)
             b = comp_b + tp_b + np.maximum(0.0, beside - comp_b)
             keep = _pareto(b, act, replay) if beside > comp_b.min() else plain  # exposure reorders

@@ -21,11 +21,12 @@ class _Stage(PipelineStage):
 
     torch.distributed.pipelining runs every micro-batch's backward without gradient sync and
     without resharding (stage.py, backward_maybe_with_nosync), and reduces all gradients after the
-    last one: right for ZeRO 0 and 1. A ZeRO-3 chunk would then hold every block gathered by the
-    end of each backward (ZeRO-1's parameter memory), so it reshards after each block's backward,
-    as after its forward; a ZeRO-2 chunk reduce-scatters each micro-batch's gradients as they are
-    produced and accumulates them sharded (the ZeRO paper's P_os+g, DeepSpeed's stage 2), keeping
-    its parameters gathered. The planner prices both so."""
+    last one: right for ZeRO 0 and 1. ZeRO-2 and 3 chunks reduce-scatter each micro-batch's
+    gradients as they are produced and accumulate them sharded (the ZeRO paper's P_os+g and
+    P_os+g+p, DeepSpeed's stages 2 and 3). A ZeRO-3 chunk also reshards after each block's
+    backward, as after its forward (else it would hold every block gathered by the end of each
+    backward: ZeRO-1's parameter memory); a ZeRO-2 chunk keeps its parameters gathered. The
+    planner prices both so."""
 
     def __init__(self, *args, zero: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -36,7 +37,7 @@ class _Stage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self._zero == 3)
-        self.submod.set_requires_gradient_sync(self._zero == 2)
+        self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
 
