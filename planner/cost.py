@@ -42,12 +42,11 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync, tp_comm
-from planner.memory import fsdp_extra_parts, grads_sharded, recv_buffer_bytes
+from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
-from planner.precision import (ADAM_STATE_BYTES, GRAD_ACCUMULATION_BYTES, model_state_bytes, optimizer_step_bytes,
-                               sharded_param_bytes)
-from planner.schedule import Sharing, StageTimes, peak_in_flight, simulate
+from planner.precision import GRAD_ACCUMULATION_BYTES, model_state_bytes, optimizer_step_bytes
+from planner.schedule import Sharing, StageTimes, simulate
 
 BWD_ELEMENTWISE_FACTOR = 1.5  # backward of a memory-bound op moves 3 tensors to the forward's 2
 # Share of an all-reduce running beside a GEMM that the overlap hides (training.async_tp_allreduce).
@@ -247,8 +246,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     cluster = cluster.shaped_as(plan.cluster.nodes, plan.cluster.devices_per_node)
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
-    pb, gb, ob = model_state_bytes(t)
-    spb = sharded_param_bytes(t)
+    gb = model_state_bytes(t)[1]
     bw = cluster.device.memory_bytes_per_s
     stage_times, stage_info = [], []
     pipe_op = model_profile.pipeline_overhead(pipe.schedule) if (model_profile is not None and pp > 1) else 0.0
@@ -354,49 +352,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         time_breakdown["runtime_sync_s"] = sync
         time_breakdown["pipeline_overhead_s"] = pipe_overhead
 
-    # memory, per pipeline rank
-    mem_by_rank = []
-    for rr in range(pp):
-        ids = plan.stages_of_rank(rr)
-        weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
-        acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**{i: 0.0 for i in range(len(pipe.stages))}, **weights})
-        p_bytes = g_bytes = o_bytes = other = 0.0
-        transient_bytes = 0.0  # of the stage computing: one at a time on a rank
-        for i in ids:
-            si, st = stage_info[i], pipe.stages[i]
-            P = si["params"]
-            shard = dp if dp > 1 else 1
-            p_bytes += P * (spb / shard if st.zero == 3 and shard > 1 else pb)
-            # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
-            # (ZeRO-2 reduce-scatters every micro-batch's and accumulates them sharded)
-            g_bytes += P * gb / (shard if grads_sharded(st.zero, mbs) else 1)
-            o_bytes += P * ob / (shard if st.zero >= 1 else 1)
-            if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
-                # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
-                p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
-                o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
-            kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
-            held, transient = fsdp_extra_parts(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds)
-                                                                   if k == "block"],
-                                               sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"),
-                                               pb, gb, spb)
-            other += held
-            stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
-            transient_bytes = max(transient_bytes, stage_replay + transient)
-            if st.zero == 0 and dp > 1:
-                # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
-                # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
-                other += P * pb
-        # gradients of the activation flowing back (output and input of the layer in backward)
-        act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
-        head_logits = 0.0
-        if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # logits gradient
-            head_logits = 4.0 * t.micro_batch * t.seq_len * math.ceil(m.vocab / tp)
-        other += transient_bytes + act_grad + head_logits + recv_buffer_bytes(plan, ids)
-        total = p_bytes + g_bytes + o_bytes + acts + other
-        mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,
-                                optimizer_bytes=o_bytes, activations_bytes=acts, other_bytes=other,
-                                total_bytes=total))
+    mem_by_rank = memory_by_rank(plan, stage_info)
     peak_rank = max(mem_by_rank, key=lambda d: d["total_bytes"])
     peak = peak_rank["total_bytes"]
     dev = cluster.device

@@ -2,7 +2,11 @@
 and optimizer state (planner.cost): the buffers of the runtime's FSDP2 and of its pipeline."""
 from __future__ import annotations
 
+import math
+
 from planner.plan import DTYPES, Plan
+from planner.precision import ADAM_STATE_BYTES, model_state_bytes, sharded_param_bytes
+from planner.schedule import peak_in_flight
 
 
 def grads_sharded(zero: int, micro_batches: int) -> bool:
@@ -87,3 +91,60 @@ def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
     msg = DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.hidden
     return sum(((i > 0) + (i < last)) * pipe.micro_batches * msg
                / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids)
+
+
+def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
+    """Bytes each pipeline rank holds at its peak, by kind (planner.cost's memory model): the
+    ZeRO paper's parameters, gradients and optimizer state by ZeRO level; the activations of the
+    micro-batches in flight as the schedule holds them; and, as other, what FSDP2 holds beyond
+    that (fsdp_extra_parts), replicate's compute-dtype gradients, the transient of the stage
+    computing (replay, FSDP2 buffers), activation and logits gradients and the pipeline's receive
+    buffers. `stage_info`: per stage, its "params" and per-layer "costs" (planner.cost.LayerCost)."""
+    m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
+    dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
+    e = DTYPES[t.dtype]
+    pb, gb, ob = model_state_bytes(t)
+    spb = sharded_param_bytes(t)
+    mem_by_rank = []
+    for rr in range(pp):
+        ids = plan.stages_of_rank(rr)
+        weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
+        acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**{i: 0.0 for i in range(len(pipe.stages))}, **weights})
+        p_bytes = g_bytes = o_bytes = other = 0.0
+        transient_bytes = 0.0  # of the stage computing: one at a time on a rank
+        for i in ids:
+            si, st = stage_info[i], pipe.stages[i]
+            P = si["params"]
+            shard = dp if dp > 1 else 1
+            p_bytes += P * (spb / shard if st.zero == 3 and shard > 1 else pb)
+            # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
+            # (ZeRO-2 reduce-scatters every micro-batch's and accumulates them sharded)
+            g_bytes += P * gb / (shard if grads_sharded(st.zero, mbs) else 1)
+            o_bytes += P * ob / (shard if st.zero >= 1 else 1)
+            if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
+                # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
+                p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
+                o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
+            kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
+            held, transient = fsdp_extra_parts(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds)
+                                                                   if k == "block"],
+                                               sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"),
+                                               pb, gb, spb)
+            other += held
+            stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
+            transient_bytes = max(transient_bytes, stage_replay + transient)
+            if st.zero == 0 and dp > 1:
+                # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
+                # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
+                other += P * pb
+        # gradients of the activation flowing back (output and input of the layer in backward)
+        act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
+        head_logits = 0.0
+        if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # logits gradient
+            head_logits = 4.0 * t.micro_batch * t.seq_len * math.ceil(m.vocab / tp)
+        other += transient_bytes + act_grad + head_logits + recv_buffer_bytes(plan, ids)
+        total = p_bytes + g_bytes + o_bytes + acts + other
+        mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,
+                                optimizer_bytes=o_bytes, activations_bytes=acts, other_bytes=other,
+                                total_bytes=total))
+    return mem_by_rank
