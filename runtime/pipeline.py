@@ -16,6 +16,7 @@ from torch.distributed.pipelining._backward import stage_backward
 
 from planner.plan import Plan
 
+
 class _Stage(PipelineStage):
     """A PipelineStage that runs each micro-batch's backward as its chunk's ZeRO level says.
 
