@@ -16,6 +16,17 @@ def grads_sharded(zero: int, micro_batches: int) -> bool:
     return zero >= 2
 
 
+def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: float, ob: float,
+                     spb: float) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer-state) bytes per parameter a device holds at a ZeRO level:
+    the ZeRO paper's partitioning of optimizer states (1+), gradients (grads_sharded) and
+    parameters (3: FSDP2's shard, spb bytes each; planner.precision)."""
+    shard = dp if dp > 1 else 1
+    return (spb / shard if zero == 3 and shard > 1 else pb,
+            gb / (shard if grads_sharded(zero, micro_batches) else 1),
+            ob / (shard if zero >= 1 else 1))
+
+
 def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
                      pb: float, gb: float, shard_pb: float | None = None) -> float:
     """Bytes the runtime's ZeRO holds for one stage beyond the ZeRO paper's accounting: the sum of
@@ -116,11 +127,8 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
             si, st = stage_info[i], pipe.stages[i]
             P = si["params"]
             shard = dp if dp > 1 else 1
-            p_bytes += P * (spb / shard if st.zero == 3 and shard > 1 else pb)
-            # FSDP keeps unsharded gradients while it accumulates micro-batches without syncing
-            # (ZeRO-2 reduce-scatters every micro-batch's and accumulates them sharded)
-            g_bytes += P * gb / (shard if grads_sharded(st.zero, mbs) else 1)
-            o_bytes += P * ob / (shard if st.zero >= 1 else 1)
+            ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
+            p_bytes, g_bytes, o_bytes = p_bytes + P * ps, g_bytes + P * gs, o_bytes + P * os_
             if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard

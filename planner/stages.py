@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import fsdp_extra_parts, grads_sharded
+from planner.memory import fsdp_extra_parts, zero_state_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
@@ -130,9 +130,7 @@ class StageCosts:
             keep = _pareto(b, act, replay) if beside > comp_b.min() else plain  # exposure reorders
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0
-            fixed = ((P * ctx.spb / dp if (z == 3 and dp > 1) else P * ctx.pb)
-                     + P * ctx.gb / (dp if grads_sharded(z, cfg.micro_batches) else 1)
-                     + P * ctx.ob / (dp if z >= 1 else 1))
+            fixed = P * sum(self._state(z))
             held, transient = fsdp_extra_parts(z, dp, cfg.micro_batches, [blk[0].params] * k,
                                                sum(x.params for x in ends), ctx.pb, ctx.gb, ctx.spb)
             fixed += held
@@ -152,6 +150,11 @@ class StageCosts:
         menu["c"] = cfg.micro_batches * (menu["f"] + menu["b"]) + menu["sync"] + menu["opt"] + menu["gather"]
         self.ctx._menus[key] = local[(k, emb, head)] = menu
         return menu
+
+    def _state(self, z):
+        """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z."""
+        ctx, cfg = self.ctx, self.cfg
+        return zero_state_bytes(z, cfg.dp, cfg.micro_batches, ctx.pb, ctx.gb, ctx.ob, ctx.spb)
 
     def flags(self, s):
         return s == 0, s == self.S - 1
@@ -179,8 +182,7 @@ class StageCosts:
         lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
-        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if grads_sharded(z, mbs) else 1)
-                    + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros)
+        state = min(sum(self._state(z)) for z in self.zeros)
         return lb, P * state / p + self.act_grad
 
     def balance_bound(self, bound=math.inf):
@@ -195,9 +197,8 @@ class StageCosts:
         blk = [lc["blk"][r] for r in self.modes]
         t = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
-        dp, mbs = cfg.dp, cfg.micro_batches
-        state = min((ctx.spb / dp if (z == 3 and dp > 1) else ctx.pb) + ctx.gb / (dp if grads_sharded(z, mbs) else 1)
-                    + ctx.ob / (dp if z >= 1 else 1) for z in self.zeros) * blk[0].params
+        mbs = cfg.micro_batches
+        state = min(sum(self._state(z)) for z in self.zeros) * blk[0].params
         M = ctx.lim_eff * (1 + TOL) - self.act_grad
         mem = state + kappa[:, None] * a[None, :]  # (ranks, modes)
         pairs = [(i, j) for i in range(len(t)) for j in range(i + 1, len(t))]
