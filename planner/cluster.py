@@ -24,31 +24,19 @@ Measured curves, where a profile has them, replace the straight lines:
   smallest size the time is that of the smallest size; above the largest, busbw stays at its
   last value. Mid-size messages run well below the large-message busbw (NCCL's protocols and
   channel counts change with the size), which one alpha-beta line cannot follow.
-- `device.matmul_flops_by_size`: sustained GEMM FLOP/s at square sizes ([[edge, flop/s], ...]
-  per dtype). A product M x K x N runs at the rate of the square GEMM of the same arithmetic
-  intensity (FLOPs per element read or written: 2MNK / (MK + KN + MN), which for an n-cube is
-  2n/3), edge 3MNK / (MK + KN + MN), interpolated in log(edge) and clamped to the measured range;
-  dtypes without a curve run at peak x matmul_efficiency. Intensity, not FLOPs, sets what a
-  product reaches (the roofline's premise, Williams et al. 2009): on the three non-square
-  products of the source table the intensity edge misses by +1.3, +11 and -24% where the edge of
-  equal FLOPs, (MNK)^(1/3), missed by +1.5, +17 and +52% (profiles/hardware/dgx-a100-80gb.json,
-  sources).
-- `device.attention_flops`: FLOP/s of fused (flash) attention per dtype, forward and backward
-  together, as FlashAttention's benchmark counts them (4 s^2 d per head forward, 2.5x that
-  backward). Fused attention is not a library GEMM: FlashAttention-2 reaches 50-73% of the dense
-  peak (Dao 2023), below what cuBLAS sustains. Without it, fused attention runs at peak x
-  matmul_efficiency.
+- The device's curves (GEMM rate by size, fused attention rate by sequence length):
+  planner.device.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import networkx as nx
 
+from planner.device import DeviceSpec, _curve, _interp, _num, device_from_dict  # noqa: F401 (DeviceSpec: re-exported)
 from planner.model import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -90,61 +78,12 @@ class AlphaBeta:
         return self.by_group_size.get(n, (self.alpha_s, self.bus_bandwidth_bytes_per_s))
 
 
-def _interp(curve: tuple, x: float, log_y: bool) -> float:
-    """y at x on measured (x, y) points, ascending in x: interpolated in log(x) (and in log(y)
-    with `log_y`), held at the end values outside the measured range."""
-    if x <= curve[0][0]:
-        return curve[0][1]
-    for (x1, y1), (x2, y2) in zip(curve, curve[1:]):
-        if x <= x2:
-            f = math.log(x / x1) / math.log(x2 / x1)
-            return math.exp(math.log(y1) + f * math.log(y2 / y1)) if log_y else y1 + f * (y2 - y1)
-    return curve[-1][1]
-
-
 def _busbw_at(curve: tuple, nbytes: float) -> float:
     """Bus bandwidth at `nbytes` from measured (bytes, busbw) points (module doc)."""
     s0, b0 = curve[0]
     if nbytes <= s0:
         return b0 * nbytes / s0  # the smallest message's time: latency-bound below it
     return _interp(curve, nbytes, log_y=True)
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    name: str
-    memory_bytes: int
-    peak_flops: dict
-    matmul_efficiency: dict
-    memory_bandwidth_bytes_per_s: float
-    memory_bandwidth_efficiency: float
-    reserved_bytes: int = 0  # held outside the allocator: runtime context, communicator buffers
-    allocator_overhead_fraction: float = 0.0  # caching-allocator fragmentation, as a fraction of what it hands out
-    matmul_by_size: dict = field(default_factory=dict)  # dtype -> ((edge, flop/s), ...) measured, ascending
-    attention_flops: dict = field(default_factory=dict)  # dtype -> fused attention FLOP/s, measured
-
-    def matmul_flops_per_s(self, dtype: str) -> float:
-        return self.peak_flops[dtype] * self.matmul_efficiency[dtype]
-
-    def attention_flops_per_s(self, dtype: str) -> float:
-        """Achieved FLOP/s of fused (flash) attention, forward and backward together, where the
-        profile measured it (module doc), else matmul_flops_per_s."""
-        return self.attention_flops.get(dtype) or self.matmul_flops_per_s(dtype)
-
-    def gemm_flops_per_s(self, dtype: str, M: float, N: float, K: float) -> float:
-        """Achieved FLOP/s of an M x K by K x N product: the measured curve at the edge of the
-        square product of equal arithmetic intensity, 3MNK / (MK + KN + MN), where the profile
-        has one for `dtype` (module doc), else matmul_flops_per_s."""
-        curve = self.matmul_by_size.get(dtype)
-        if not curve:
-            return self.matmul_flops_per_s(dtype)
-        M, N, K = float(M), float(N), float(K)
-        edge = 3.0 * M * N * K / (M * K + K * N + M * N)
-        return _interp(curve, edge, log_y=False)
-
-    @property
-    def memory_bytes_per_s(self) -> float:
-        return self.memory_bandwidth_bytes_per_s * self.memory_bandwidth_efficiency
 
 
 @dataclass
@@ -247,53 +186,6 @@ class ClusterSpec:
         return self.collective_time("send_recv", nbytes, [src, dst]) if src != dst else 0.0
 
 
-def _num(d: dict, key: str, where: str, positive: bool = True) -> float:
-    v = d.get(key)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or (positive and v <= 0) or v < 0:
-        raise ConfigError(f"{where}.{key}: {v!r} must be a {'positive ' if positive else 'non-negative '}number")
-    return float(v)
-
-
-def _curve(points, where: str, x: str, y: str) -> tuple:
-    """A measured curve [[x, y], ...]: at least two points, positive, x strictly ascending."""
-    ok = isinstance(points, list) and len(points) >= 2 and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                                                     for v in p) for p in points)
-    if not ok:
-        raise ConfigError(f"{where}: expected a list of at least two [{x}, {y}] pairs of positive numbers")
-    if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
-        raise ConfigError(f"{where}: the {x} values must rise strictly from one point to the next")
-    return tuple((float(a), float(b)) for a, b in points)
-
-
-def _matmul_curves(d, peak: dict, where: str) -> dict:
-    if d is None:
-        return {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected an object of dtype -> [[edge, flop/s], ...]")
-    out = {}
-    for k, points in d.items():
-        if k not in peak:
-            raise ConfigError(f"{where}.{k}: no peak_flops for this dtype; use one of {', '.join(peak)}")
-        out[k] = _curve(points, f"{where}.{k}", "edge", "flop/s")
-        if any(r > peak[k] for _, r in out[k]):
-            raise ConfigError(f"{where}.{k}: a rate above peak_flops.{k}; give achieved FLOP/s")
-    return out
-
-
-def _rates(d, peak: dict, where: str) -> dict:
-    if d is None:
-        return {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected an object of dtype -> FLOP/s")
-    for k in d:
-        if k not in peak:
-            raise ConfigError(f"{where}.{k}: no peak_flops for this dtype; use one of {', '.join(peak)}")
-        if _num(d, k, where) > peak[k]:
-            raise ConfigError(f"{where}.{k}: above peak_flops.{k}; give achieved FLOP/s")
-    return {k: float(v) for k, v in d.items()}
-
-
 def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
     """Parse and check a cluster profile; errors name the field."""
     if not isinstance(d, dict):
@@ -308,33 +200,7 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
     dpn = d["devices_per_node"]
     if not isinstance(dpn, int) or dpn < 1:
         raise ConfigError(f"{source}: devices_per_node {dpn!r} must be a positive integer")
-    dv = d["device"]
-    w = f"{source}: device"
-    if not isinstance(dv, dict):
-        raise ConfigError(f"{w}: expected an object")
-    peak, eff = dv.get("peak_flops"), dv.get("matmul_efficiency")
-    if not isinstance(peak, dict) or not peak:
-        raise ConfigError(f"{w}.peak_flops: expected an object of dtype -> FLOP/s")
-    if not isinstance(eff, dict) or set(eff) != set(peak):
-        raise ConfigError(f"{w}.matmul_efficiency: must give one efficiency per dtype of peak_flops ({', '.join(peak)})")
-    for k in peak:
-        _num(peak, k, f"{w}.peak_flops")
-        e = _num(eff, k, f"{w}.matmul_efficiency")
-        if e > 1:
-            raise ConfigError(f"{w}.matmul_efficiency.{k}: {e} is above 1; it is achieved / peak")
-    device = DeviceSpec(
-        name=str(dv.get("name", "unknown")),
-        memory_bytes=int(_num(dv, "memory_bytes", w)),
-        peak_flops={k: float(v) for k, v in peak.items()},
-        matmul_efficiency={k: float(v) for k, v in eff.items()},
-        memory_bandwidth_bytes_per_s=_num(dv, "memory_bandwidth_bytes_per_s", w),
-        memory_bandwidth_efficiency=_num(dv, "memory_bandwidth_efficiency", w),
-        reserved_bytes=int(_num(dv, "reserved_bytes", w, positive=False)) if "reserved_bytes" in dv else 0,
-        allocator_overhead_fraction=(_num(dv, "allocator_overhead_fraction", w, positive=False)
-                                     if "allocator_overhead_fraction" in dv else 0.0),
-        matmul_by_size=_matmul_curves(dv.get("matmul_flops_by_size"), peak, f"{w}.matmul_flops_by_size"),
-        attention_flops=_rates(dv.get("attention_flops"), peak, f"{w}.attention_flops"),
-    )
+    device = device_from_dict(d["device"], f"{source}: device")
     coll = d["collectives"]
     if not isinstance(coll, dict):
         raise ConfigError(f"{source}: collectives must be an object")

@@ -145,7 +145,7 @@ def gemm_time(count: int, M: int, N: int, K: int, e: int, rate, bw: float) -> fl
 def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str) -> tuple[float, float]:
     """(forward, backward) FLOPs the attention core really executes on one whole layer."""
     core = model.attention_core_flops(b, s)
-    if attention == "flash":
+    if attention != "unfused":  # fused: the causal half, the backward recomputing the scores
         return 0.5 * core, 0.5 * core * 2.5
     return core, 2.0 * core
 
@@ -161,14 +161,16 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     dropout = t.dropout > 0
     kind = m.layer_kind(index)
     rec = stage.recompute[index - stage.start]
-    rate = cluster.device.attention_flops_per_s(t.dtype)  # fused attention (not a library GEMM)
+    # fused attention (not a library GEMM), at its rate for this sequence length and head size
+    rate = (cluster.device.attention_flops_per_s(t.dtype, s, m.dim_per_head, t.attention)
+            if t.attention != "unfused" else None)
     grate = lambda M, N, K: cluster.device.gemm_flops_per_s(t.dtype, M, N, K)  # noqa: E731
     bw = cluster.device.memory_bytes_per_s
     if kind == "block":
         gemms = m.block_gemms(b, s, tp)
         dense = sum(gemm_time(*g, e, grate, bw) for g in gemms[:-2])
-        if t.attention == "flash":
-            core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, "flash"))
+        if t.attention != "unfused":
+            core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, t.attention))
         else:
             core_f = sum(gemm_time(*g, e, grate, bw) for g in gemms[-2:])
             core_b = 2 * core_f

@@ -25,7 +25,10 @@ from pathlib import Path
 
 ARCHS = ("gpt", "llama")
 RECOMPUTE_MODES = ("none", "selective", "full")
-ATTENTION_KERNELS = ("flash", "unfused")
+# flash: FlashAttention-2 (what torch's scaled_dot_product_attention runs on GPUs); flash-triton:
+# the Triton FlashAttention kernel (flash_attn_triton, MosaicML's MPT attn_impl "triton"), the
+# same algorithm and memory, its own speed; unfused: the softmax materialized (before FlashAttention)
+ATTENTION_KERNELS = ("flash", "flash-triton", "unfused")
 
 
 class ConfigError(ValueError):

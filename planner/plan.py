@@ -78,7 +78,7 @@ class Training:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     dropout: float = 0.0
-    attention: str = "flash"  # flash: fused attention keeps no s^2 scores; unfused: materialized softmax
+    attention: str = "flash"  # flash / flash-triton: fused, no s^2 scores kept; unfused: materialized softmax (model.py)
     seed: int = 0
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
     # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule

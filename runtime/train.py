@@ -81,7 +81,7 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     if t.dropout > 0:
         raise ConfigError(f"training.dropout: {t.dropout}; the runtime does not implement dropout yet, set it to 0")
     if t.attention != "flash":
-        raise ConfigError(f"training.attention: {t.attention} (materialized softmax) is for predicting older runs; the "
+        raise ConfigError(f"training.attention: {t.attention} is for predicting other frameworks' runs; the "
                           "runtime runs fused scaled_dot_product_attention, set it to flash to run")
     for name, runs, who in PREDICTION_ONLY:
         section, field = name.split(".")

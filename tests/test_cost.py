@@ -146,7 +146,7 @@ def test_measured_busbw_curve_prices_each_size_at_its_own_bandwidth():
     ranks = list(range(8))
     for size, busbw in curve:
         assert A100.collective_time("all_reduce", size, ranks) == pytest.approx(1.75 * size / busbw, rel=1e-9)
-    (s1, b1), (s2, b2) = curve[16], curve[17]  # 64 MiB and 128 MiB
+    (_, b1), (s2, b2) = curve[16], curve[17]  # 64 MiB and 128 MiB
     mid = 96 * 2**20
     bw = 1.75 * mid / A100.collective_time("all_reduce", mid, ranks)
     assert b1 < bw < b2
@@ -202,6 +202,12 @@ def test_measured_curves_are_validated_with_one_line_errors():
         (("device", "attention_flops", "bf16"), 4e14, "attention_flops.bf16: above peak_flops.bf16"),
         (("device", "attention_flops", "bf16"), "fast", "attention_flops"),
         (("device", "attention_flops"), [1e14], "attention_flops"),
+        (("device", "attention_flops_by_seq"), {"flash": []}, "attention_flops_by_seq: expected an object of kernel"),
+        (("device", "attention_flops_by_seq"), {"flash": {"d64": [[512, 1e14], [1024, 1e14]]}},
+         "attention_flops_by_seq.flash.d64: the key must be a head dimension"),
+        (("device", "attention_flops_by_seq"), {"flash": {"64": [[512, 1e14], [1024, 9e14]]}},
+         "attention_flops_by_seq.flash.64: a rate above the 16-bit peak_flops"),
+        (("device", "attention_flops_by_seq"), {"flash": {"64": [[1024, 1e14], [512, 1e14]]}}, "rise strictly"),
     ]
     for path, value, words in cases:
         d = _a100_dict()
@@ -362,23 +368,49 @@ def test_optimizer_and_gradient_reduction_bytes_follow_the_gradient_dtype():
 
 
 def test_fused_attention_runs_at_the_profiles_measured_rate():
-    """FlashAttention is not a library GEMM: where the profile measured it (device.attention_flops),
-    the fused attention core runs at that rate, forward and backward; without it, at the MAMF rate."""
+    """FlashAttention is not a library GEMM: where the profile measured it, the fused attention
+    core runs at that rate, forward and backward: the causal curve by sequence length and head
+    dimension (device.attention_flops_by_seq, FlashAttention-2 paper Fig. 4 for A100), else the
+    one figure (device.attention_flops), else the MAMF rate."""
+    import dataclasses
     from planner.cluster import cluster_from_dict
     from planner.cost import attention_core_hw_flops, layer_cost
+    from planner.model import ConfigError
     d = _a100_dict()
-    measured = cluster_from_dict(d, "a100")
+    curve = cluster_from_dict(d, "a100").device
+    del d["device"]["attention_flops_by_seq"]
+    figure = cluster_from_dict(d, "a100").device
     del d["device"]["attention_flops"]
-    scalar = cluster_from_dict(d, "a100")
-    assert measured.device.attention_flops_per_s("bf16") == pytest.approx(179.5e12)
-    assert scalar.device.attention_flops_per_s("bf16") == pytest.approx(scalar.device.matmul_flops_per_s("bf16"))
+    none = cluster_from_dict(d, "a100").device
+    # the curve's own points (Dao 2023, Fig. 4c/4d), between them in log(seq) and head dimension,
+    # held outside; the Triton kernel has its own
+    assert curve.attention_flops_per_s("bf16", 4096, 128) == pytest.approx(173e12)
+    assert curve.attention_flops_per_s("fp16", 512, 64) == pytest.approx(88e12)
+    assert curve.attention_flops_per_s("bf16", 2048, 96) == pytest.approx((140e12 + 155e12) / 2)
+    assert curve.attention_flops_per_s("bf16", 2048 * 2 ** 0.5, 128) == pytest.approx((155e12 + 173e12) / 2)
+    assert curve.attention_flops_per_s("bf16", 65536, 128) == pytest.approx(189e12)
+    assert curve.attention_flops_per_s("bf16", 128, 256) == pytest.approx(99e12)
+    assert curve.attention_flops_per_s("bf16", 2048, 128, "flash-triton") == pytest.approx(68e12)
+    assert curve.attention_flops_per_s("fp32", 2048, 128) == pytest.approx(curve.matmul_flops_per_s("fp32"))
+    assert figure.attention_flops_per_s("bf16", 2048, 128) == pytest.approx(179.5e12)
+    assert none.attention_flops_per_s("bf16", 2048, 128) == pytest.approx(none.matmul_flops_per_s("bf16"))
+    with pytest.raises(ConfigError, match="no attention_flops_by_seq.flash-triton"):
+        figure.attention_flops_per_s("bf16", 2048, 128, "flash-triton")
     plan = plan_for(model="llama2-7b", tp=2, seq_len=4096, micro_batch=1)
     m, tp = plan.model, 2
-    a, b = (layer_cost(plan, c, 1, plan.pipeline.stages[0], [0, 1]) for c in (measured, scalar))
     f_core, b_core = attention_core_hw_flops(m, 1, 4096, "flash")
-    rate_m, rate_s = measured.device.attention_flops_per_s("bf16"), scalar.device.attention_flops_per_s("bf16")
-    assert a.fwd_compute_s - b.fwd_compute_s == pytest.approx(f_core / tp * (1 / rate_m - 1 / rate_s), rel=1e-6)
-    assert a.bwd_compute_s - b.bwd_compute_s == pytest.approx(b_core / tp * (1 / rate_m - 1 / rate_s), rel=1e-6)
+    slow = 1 / none.matmul_flops_per_s("bf16")
+    ref = layer_cost(plan, dataclasses.replace(A100, device=none), 1, plan.pipeline.stages[0], [0, 1])
+    for dev, rate in ((curve, 173e12), (figure, 179.5e12)):
+        a = layer_cost(plan, dataclasses.replace(A100, device=dev), 1, plan.pipeline.stages[0], [0, 1])
+        assert a.fwd_compute_s - ref.fwd_compute_s == pytest.approx(f_core / tp * (1 / rate - slow), rel=1e-6)
+        assert a.bwd_compute_s - ref.bwd_compute_s == pytest.approx(b_core / tp * (1 / rate - slow), rel=1e-6)
+    # the Triton kernel: the same FLOPs and memory, at its own (lower) rate
+    triton = plan_for(model="llama2-7b", tp=2, seq_len=4096, micro_batch=1, attention="flash-triton")
+    t = layer_cost(triton, A100, 1, triton.pipeline.stages[0], [0, 1])
+    a = layer_cost(plan, A100, 1, plan.pipeline.stages[0], [0, 1])
+    assert t.fwd_compute_s - a.fwd_compute_s == pytest.approx(f_core / tp * (1 / 74e12 - 1 / 173e12), rel=1e-6)
+    assert t.activation_bytes == a.activation_bytes
 
 
 def test_zero2_reduce_scatters_every_micro_batch_and_holds_its_gradients_sharded():
