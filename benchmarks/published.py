@@ -17,9 +17,11 @@ recompute); where a row gives no step time, the published step time is model FLO
 GPUs). Prints per-row predicted vs published and the mean absolute percentage error.
 
 Held out (reported apart, no target): Korthikanti et al. 2022's Megatron-LM iteration times
-(heldout_runs.csv), and MosaicML's llm-foundry throughput table for A100 80GB
-(heldout_mosaicml.csv): MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3),
-bf16, with and without activation checkpointing, sequence lengths 512 to 65536.
+(heldout_runs.csv); MosaicML's llm-foundry throughput table for A100 80GB (heldout_mosaicml.csv):
+MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3), bf16, with and without
+activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 runs of Llama 2
+13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
+built on.
 
     python benchmarks/published.py [--csv PATH] [--heldout PATH ...] [--json]
 """
@@ -50,6 +52,13 @@ HELDOUT_CSV = ROOT / "benchmarks" / "heldout_runs.csv"
 # mpt-*.yaml at that commit (d_model, n_heads, n_layers, expansion_ratio 4, vocab 50368); the
 # parameter counts trident computes for them equal the table's NumParams.
 MOSAICML_CSV = ROOT / "benchmarks" / "heldout_mosaicml.csv"
+# docs/performance.md of github.com/pytorch/torchtitan (commit 157a12c56, 2024-04-24): FSDP2 on 64
+# A100 80GB, bf16 parameters with float32 gradient reduction (torchtitan/parallelisms/
+# parallelize_llama.py at that commit), F.scaled_dot_product_attention, no torch.compile; the rows
+# whose activation checkpointing trident can express: none, and full (every block). Their "WPS" is
+# tokens per second per GPU, so step time = local batch x sequence length / WPS. The interconnect
+# is not stated; priced as DGX A100 nodes (8 GPUs, a 200 Gb/s NIC per GPU).
+TORCHTITAN_CSV = ROOT / "benchmarks" / "heldout_torchtitan.csv"
 # published/trained before May 2022 (FlashAttention); Korthikanti et al. 2022 (arXiv 2205.05198,
 # May 2022) ran Megatron-LM's own softmax kernels
 BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-2022-table5", "korthikanti-2022-section6"}
@@ -58,6 +67,16 @@ BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-20
 # Triton FlashAttention kernel; MPT's dropouts (attn_pdrop, resid_pdrop, emb_pdrop) default to 0
 ATTENTION = {"mosaicml-llm-foundry-2023": "flash-triton"}
 DROPOUT = {"mosaicml-llm-foundry-2023": 0.0}
+# memory-bound operations (planner.pointwise): Megatron-LM (and Megatron-DeepSpeed, MT-NLG's model
+# code) runs fused kernels (megatron/fused_kernels: scale + mask + softmax, layer norm; bias + GeLU
+# and bias + dropout + add fused by the JIT); MPT's blocks are native LayerNorm (low_precision_
+# layernorm) and GELU kernels with a fused Wqkv, what `fused` counts; Llama 3 does not say, and a
+# 400 TFLOP/s run fuses its norms and rotary embeddings
+# torchtitan's blocks are eager PyTorch as trident's are: rotary embeddings as a complex multiply in
+# float32, SwiGLU as silu and a product; its train configs at that commit set norm_type
+# "fused_rmsnorm" (a Triton kernel) for the 13B model and "rmsnorm" (eager) for the 70B ones, which
+# the 70B rows (FSDP only, unlike those configs' TP 8) may or may not have kept
+KERNELS = {"torchtitan-2024": "eager"}
 
 # Megatron-LM's scripts for the SC21 paper, examples/sc21/run_table_1.sh at tag v2.6 (commit
 # 3860e99526, 2021-08-27; added in de7dc40f88 "scripts for sc21"): per model size MBS,
@@ -128,12 +147,14 @@ def candidates(row, model, gpus, framework: bool = True):
     how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation")
            if k in known and framework}
     how["recv_buffers"] = "in-flight"
+    how["elementwise_kernels"] = KERNELS.get(row["source"], "fused") if framework else "eager"
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
     # Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3 separately);
     # MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; Llama 3 does not say: search.
-    # MosaicML's rows ran FSDP FULL_SHARD (ZeRO-3), gradients reduce-scattered every micro-batch.
+    # MosaicML's rows ran FSDP FULL_SHARD and torchtitan's FSDP2 resharding after forward (ZeRO-3).
     zeros = {"megatron-sc21-table1": (0,), "mt-nlg-530b": (1,), "korthikanti-2022-table5": (0,),
-             "korthikanti-2022-section6": (0,), "mosaicml-llm-foundry-2023": (3,)}.get(row["source"], (0, 1, 2, 3))
+             "korthikanti-2022-section6": (0,), "mosaicml-llm-foundry-2023": (3,),
+             "torchtitan-2024": (3,)}.get(row["source"], (0, 1, 2, 3))
     for b, v, rec, zero in itertools.product(mbs, vs, recs, zeros):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
@@ -220,7 +241,7 @@ def show(out, title: str, targets: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
-    ap.add_argument("--heldout", nargs="*", default=[str(HELDOUT_CSV), str(MOSAICML_CSV)],
+    ap.add_argument("--heldout", nargs="*", default=[str(HELDOUT_CSV), str(MOSAICML_CSV), str(TORCHTITAN_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")

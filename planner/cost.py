@@ -45,10 +45,10 @@ from planner.comm import clip_norm_comm, runtime_sync, tp_comm
 from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
+from planner.pointwise import pointwise_bytes
 from planner.precision import GRAD_ACCUMULATION_BYTES, model_state_bytes, optimizer_step_bytes
 from planner.schedule import Sharing, StageTimes, simulate
 
-BWD_ELEMENTWISE_FACTOR = 1.5  # backward of a memory-bound op moves 3 tensors to the forward's 2
 # Share of an all-reduce running beside a GEMM that the overlap hides (training.async_tp_allreduce).
 # Not all of it: the NCCL kernel and the GEMM share the GPU's SMs. Derived from Korthikanti et al.
 # 2022, Table 4 (one 22B layer on A100, Megatron-LM with the asynchronous all-reduce on by default):
@@ -105,33 +105,6 @@ class Estimate:
 
 
 # ------------------------------------------------------------------ per-layer traffic
-def elementwise_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
-                      dropout: bool, attention: str) -> float:
-    """Bytes the memory-bound ops of one layer's forward move on one device (fused kernels as
-    Megatron-LM uses them: bias+GeLU, bias+dropout+residual, scale+mask+softmax, SwiGLU)."""
-    kind = model.layer_kind(index)
-    sbh = s * b * model.hidden
-    rep = tp if sp else 1
-    if kind == "embedding":
-        pos = 3 * e * sbh if model.arch == "gpt" else 0  # add learned positions
-        return (2 * e * sbh + pos + ((2 * e + 1) * sbh if dropout else 0)) / rep
-    if kind == "head":
-        vocab = math.ceil(model.vocab / tp)
-        # final norm; cross-entropy reads the logits, writes and re-reads float32 exponentials
-        return 2 * e * sbh / rep + (e + 8) * s * b * vocab
-    res = (3 * e + 1) if dropout else 3 * e  # residual add (with bias + dropout fused)
-    replicated = 2 * (2 * e * sbh) + 2 * res * sbh
-    if model.arch == "gpt":
-        sharded = 2 * e * s * b * model.ffn_hidden  # bias + GeLU
-    else:
-        sharded = 2 * e * s * b * (model.q_dim + model.kv_dim)  # RoPE on q and k
-        sharded += 3 * e * s * b * model.ffn_hidden  # silu(gate) * up
-    if attention == "unfused":
-        per = 4 * e + 1 if dropout else 2 * e  # scale+mask+softmax, then dropout
-        sharded += per * model.heads * s * s * b
-    return replicated / rep + sharded / tp
-
-
 def gemm_time(count: int, M: int, N: int, K: int, e: int, rate, bw: float) -> float:
     """Roofline time of `count` (M x K) @ (K x N) products (Williams et al., Roofline, 2009):
     the slower of their FLOPs at the matmul rate and their bytes at the memory bandwidth. `rate`
@@ -180,8 +153,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         mm_b = 2 * mm_f
     else:
         mm_f = mm_b = 0.0
-    el_f = elementwise_bytes(m, index, b, s, tp, sp, e, dropout, t.attention) / bw
-    el_b = BWD_ELEMENTWISE_FACTOR * el_f
+    el_f, el_b = (x / bw for x in pointwise_bytes(t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
+                                                  t.attention))
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient

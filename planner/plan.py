@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS, ConfigError, ModelConfig
+from planner.pointwise import ELEMENTWISE_KERNELS
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -34,7 +35,7 @@ P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
-ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation"),
+ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p")}
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -94,6 +95,10 @@ class Training:
     # DeepSpeed fp16); "fused", inside the weight-gradient GEMM (Megatron-LM's
     # gradient_accumulation_fusion)
     grad_accumulation: str = "separate-fp32"
+    # memory-bound operations (planner.pointwise): "eager", one PyTorch kernel per operation as the
+    # runtime runs them (RMSNorm and rotary embeddings in float32 inside); "fused", one kernel per
+    # fused group as Megatron-LM writes them
+    elementwise_kernels: str = "eager"
 
 
 @dataclass
@@ -311,6 +316,8 @@ class Plan:
         _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
         _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
         _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
+        _need(t.elementwise_kernels in ELEMENTWISE_KERNELS, "training.elementwise_kernels",
+              f"{t.elementwise_kernels!r}; use one of {', '.join(ELEMENTWISE_KERNELS)}")
         _need(t.grad_accumulation in GRAD_ACCUMULATION, "training.grad_accumulation",
               f"{t.grad_accumulation!r}; use one of {', '.join(GRAD_ACCUMULATION)}")
         for name in ("lr", "weight_decay", "grad_clip", "dropout"):

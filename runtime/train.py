@@ -45,6 +45,7 @@ PREDICTION_ONLY = (
     ("training.overlap_grad_reduce", True, "Megatron-LM's local DDP or DeepSpeed's pipeline engine"),
     ("training.async_tp_allreduce", False, "Megatron-LM"),
     ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),
+    ("training.elementwise_kernels", "eager", "Megatron-LM's fused kernels"),
     ("pipeline.lockstep", False, "DeepSpeed's pipeline engine"),
     ("pipeline.recv_buffers", "preallocated", "Megatron-LM or DeepSpeed"),
     ("pipeline.p2p", "full", "Megatron-LM or DeepSpeed"),

@@ -243,7 +243,7 @@ def test_one_22b_layer_against_korthikanti_table_4(monkeypatch):
     for (rec, sp), ms in table4.items():
         plan = build_plan(m, cluster_name=A100.name, device=A100.device.name, nodes=1, devices_per_node=8,
                           seq_len=2048, dtype="bf16", sequence_parallel=sp, dropout=0.1, attention="unfused",
-                          micro_batch=4, recompute=rec, tp=8, pp=1, dp=1, global_batch=4)
+                          elementwise_kernels="fused", micro_batch=4, recompute=rec, tp=8, pp=1, dp=1, global_batch=4)
         overlapped = dataclasses.replace(plan, training=dataclasses.replace(plan.training, async_tp_allreduce=True))
         got = layer_ms(overlapped)
         assert got == pytest.approx(ms, rel=0.06), (rec, sp, got, ms)

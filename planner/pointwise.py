@@ -1,0 +1,125 @@
+"""Bytes the memory-bound (pointwise, normalization, softmax) operations of one layer move.
+
+Two implementations, chosen by the plan's `training.elementwise_kernels`:
+
+- `eager`: the operations trident's runtime runs on GPUs (runtime/model.py, PyTorch eager), one
+  kernel per operation, each reading its inputs and writing its output. Norms are one kernel
+  each (GPT: native LayerNorm; Llama: F.rms_norm, on CUDA the fused aten::_fused_rms_norm,
+  PyTorch PR #153666; on CPU it decomposes into float32 pow, mean, rsqrt and products, which
+  this does not price). Rotary embeddings run in float32: a cast, one complex multiply, a cast
+  back (20 bytes per bf16 element where a fused kernel moves 4); SwiGLU as silu and a product;
+  GPT's GELU as one kernel. Backward counts what autograd runs for each operation, plus the
+  sums of gradients where a tensor feeds several operations (the norm output feeds wq, wk and
+  wv; in Llama blocks the second norm's output feeds w1 and w3; each residual stream feeds its
+  branch and the add) and, for GPT blocks, the bias gradients (one sum over the tokens of each
+  biased output). tests/test_pointwise.py traces the runtime's own block, head and loss with a
+  dispatch-mode byte counter and checks these counts against it.
+- `fused`: one kernel per fused group as Megatron-LM writes them (bias + GeLU, bias + dropout +
+  residual add, scale + mask + softmax, SwiGLU, rotary embeddings, each in one pass): every tensor read and written once; the backward moves 1.5x the forward (three
+  tensors to the forward's two). For predicting frameworks with fused kernels.
+
+All counts are per layer per micro-batch on one device: tensors a TP group holds whole (the
+residual stream) are divided by tp only under sequence parallelism, sharded ones (heads, FFN
+columns, vocabulary) by tp.
+"""
+from __future__ import annotations
+
+import math
+
+from planner.model import ModelConfig
+
+ELEMENTWISE_KERNELS = ("eager", "fused")
+BWD_ELEMENTWISE_FACTOR = 1.5  # fused: backward of a memory-bound op moves 3 tensors to the forward's 2
+
+
+def fused_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
+                dropout: bool, attention: str) -> tuple[float, float]:
+    """(forward, backward) bytes with fused kernels (module doc)."""
+    kind = model.layer_kind(index)
+    sbh = s * b * model.hidden
+    rep = tp if sp else 1
+    if kind == "embedding":
+        pos = 3 * e * sbh if model.arch == "gpt" else 0  # add learned positions
+        fwd = (2 * e * sbh + pos + ((2 * e + 1) * sbh if dropout else 0)) / rep
+    elif kind == "head":
+        vocab = math.ceil(model.vocab / tp)
+        # final norm; cross-entropy reads the logits, writes and re-reads float32 exponentials
+        fwd = 2 * e * sbh / rep + (e + 8) * s * b * vocab
+    else:
+        res = (3 * e + 1) if dropout else 3 * e  # residual add (with bias + dropout fused)
+        replicated = 2 * (2 * e * sbh) + 2 * res * sbh
+        if model.arch == "gpt":
+            sharded = 2 * e * s * b * model.ffn_hidden  # bias + GeLU
+        else:
+            sharded = 2 * e * s * b * (model.q_dim + model.kv_dim)  # RoPE on q and k
+            sharded += 3 * e * s * b * model.ffn_hidden  # silu(gate) * up
+        sharded += _softmax_bytes(model, b, s, e, dropout, attention)
+        fwd = replicated / rep + sharded / tp
+    return fwd, BWD_ELEMENTWISE_FACTOR * fwd
+
+
+def _softmax_bytes(model: ModelConfig, b: int, s: int, e: int, dropout: bool, attention: str) -> float:
+    """A materialized (unfused) attention's scale + mask + softmax (and dropout), forward."""
+    if attention != "unfused":
+        return 0.0
+    return (4 * e + 1 if dropout else 2 * e) * model.heads * s * s * b
+
+
+def _cast(e: int) -> int:
+    """Bytes per element of a float32 upcast or of the cast back (none when already float32)."""
+    return 0 if e == 4 else e + 4
+
+
+def _norm(e: int) -> tuple[int, int]:
+    """(forward, backward) bytes per element of a norm on a GPU: one kernel that reads and writes
+    once (2e), a backward that reads the gradient and the input and writes one (3e); LayerNorm
+    and fused RMSNorm alike (per-row statistics aside)."""
+    return 2 * e, 3 * e
+
+
+def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
+                dropout: bool, attention: str) -> tuple[float, float]:
+    """(forward, backward) bytes of the runtime's eager operations (module doc)."""
+    kind = model.layer_kind(index)
+    tokens = s * b
+    h = model.hidden
+    rep = tp if sp else 1
+    drop = (2 * e + 1) if dropout else 0  # read, write, one-byte mask; the same backward
+    if kind == "embedding":
+        fwd, _ = fused_bytes(model, index, b, s, tp, sp, e, dropout, attention)
+        return fwd, BWD_ELEMENTWISE_FACTOR * fwd
+    norm_f, norm_b = _norm(e)
+    if kind == "head":
+        vocab = tokens * math.ceil(model.vocab / tp)
+        # cross-entropy: logits.float(), log_softmax (read and write float32), nll_loss (reads
+        # one entry per token); backward: nll_loss_backward writes the float32 gradient,
+        # log_softmax_backward reads two and writes one, and the cast back
+        return (norm_f * tokens * h / rep + (_cast(e) + 8) * vocab,
+                norm_b * tokens * h / rep + (16 + _cast(e)) * vocab)
+    q, kv, f = model.q_dim / tp, model.kv_dim / tp, model.ffn_hidden / tp
+    # per token: two norms and two residual adds on the residual stream (3e each: two reads,
+    # one write; backward, the add of the branch's gradient to the stream's)
+    stream_f = 2 * norm_f + 2 * 3 * e + 2 * drop
+    stream_b = 2 * norm_b + 2 * 3 * e + 2 * drop
+    # the attention input feeds wq, wk and wv (two gradient adds), the FFN input w1 and w3 in a
+    # gated FFN (one); these run on the whole sequence, before sequence parallelism's scatter
+    fan_in = (2 + (1 if model.arch == "llama" else 0)) * 3 * e * h
+    if model.arch == "gpt":
+        ffn_f, ffn_b = 2 * e * f, 3 * e * f  # GELU
+        rope_f = rope_b = 0.0
+        bias = e * (q + 2 * kv + f + 2 * h / rep)  # bias gradients: a sum over each output
+    else:
+        ffn_f, ffn_b = 5 * e * f, 9 * e * f  # silu(w1 x) * w3 x
+        # rotary embeddings on q and k: cast to float32, one complex multiply (read and write 4
+        # bytes per element), cast back; the backward the same three kernels
+        rope_f = rope_b = (2 * _cast(e) + 8) * (q + kv)
+        bias = e * (q + 2 * kv) if model.qkv_bias else 0.0
+    soft = _softmax_bytes(model, b, s, e, dropout, attention) / tp
+    fwd = tokens * (stream_f * h / rep + ffn_f + rope_f) + soft
+    bwd = tokens * (stream_b * h / rep + fan_in + ffn_b + rope_b + bias) + BWD_ELEMENTWISE_FACTOR * soft
+    return fwd, bwd
+
+
+def pointwise_bytes(kernels: str, *args) -> tuple[float, float]:
+    """(forward, backward) bytes of one layer's memory-bound operations with `kernels`."""
+    return (eager_bytes if kernels == "eager" else fused_bytes)(*args)

@@ -1,0 +1,115 @@
+"""The eager memory-bound traffic the planner prices (planner.pointwise) is what the runtime's own
+modules run: every aten operation of a block's (and the head's and loss's) forward and backward is
+counted as the bytes of its inputs and outputs, matmuls and attention left out (priced as FLOPs).
+On a GPU F.rms_norm is one fused kernel (aten::_fused_rms_norm); on this CPU it decomposes, so the
+traced modules stand native LayerNorm in for it, which moves the same bytes (one read and one
+write forward; two reads and one write backward)."""
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from planner.model import ZOO
+from planner.pointwise import eager_bytes, fused_bytes
+from runtime.model import Block, Head, rope_tables
+from runtime.train import cross_entropy
+
+FLOPS_OPS = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention_for_cpu_backward"}
+# operations that read one entry per row of an input, not the whole of it: their outputs only
+PARTIAL_READS = {"nll_loss_forward", "nll_loss_backward"}
+
+
+def _bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_bytes(y) for y in x)
+    return 0
+
+
+class ByteCounter(TorchDispatchMode):
+    """Bytes read and written by the memory-bound kernels dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        views = any(r.alias_info is not None for r in func._schema.returns) or name == "_unsafe_view"
+        if name not in FLOPS_OPS and not views:
+            reads = 0 if name in PARTIAL_READS else _bytes(list(args)) + _bytes(list((kwargs or {}).values()))
+            self.total += reads + _bytes(out)
+        return out
+
+
+def _traced(fn, x):
+    fwd, bwd = ByteCounter(), ByteCounter()
+    with fwd:
+        y = fn(x)
+    grad = torch.ones_like(y)
+    with bwd:
+        y.backward(grad)
+    return fwd.total, bwd.total
+
+
+def _gpu_norms(module, cfg, dtype):
+    """The module with each RMSNorm replaced by a LayerNorm: one kernel, as on a GPU (module doc)."""
+    for name, child in list(module.named_modules()):
+        if type(child).__name__ == "RMSNorm":
+            parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+            setattr(parent, name.rpartition(".")[2], nn.LayerNorm(cfg.hidden).to(dtype))
+    return module
+
+
+def _small(name, **kw):
+    m = ZOO[name]
+    shape = dict(layers=1, hidden=256, heads=4, vocab=512, seq_len=32)
+    shape.update(kv_heads=2, ffn_hidden=688) if m.arch == "llama" else shape.update(kv_heads=4, ffn_hidden=1024)
+    shape.update(kw)
+    return dataclasses.replace(m, **shape)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "tiny-gpt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_block_traffic_is_what_the_runtime_block_moves(name, dtype):
+    cfg = _small(name)
+    b, s, e = 8, 32, torch.tensor([], dtype=dtype).element_size()
+    block = _gpu_norms(Block(cfg).to(dtype), cfg, dtype)
+    cos, sin = rope_tables(cfg)
+    x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
+    fwd, bwd = _traced(lambda t: block(t, cos, sin), x)
+    pf, pb = eager_bytes(cfg, 1, b, s, 1, False, e, False, "flash")
+    assert pf == pytest.approx(fwd, rel=0.03) and pb == pytest.approx(bwd, rel=0.03), (pf, fwd, pb, bwd)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_head_and_loss_traffic_is_what_the_runtime_moves(dtype):
+    cfg = _small("llama3-8b")
+    b, s, e = 8, 32, torch.tensor([], dtype=dtype).element_size()
+    head = _gpu_norms(Head(cfg).to(dtype), cfg, dtype)
+    targets = torch.randint(0, cfg.vocab, (b, s))
+    x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
+    fwd, bwd = _traced(lambda t: cross_entropy(head(t), targets), x)
+    index = cfg.num_layers_total - 1
+    pf, pb = eager_bytes(cfg, index, b, s, 1, False, e, False, "flash")
+    assert pf == pytest.approx(fwd, rel=0.03) and pb == pytest.approx(bwd, rel=0.03), (pf, fwd, pb, bwd)
+
+
+def test_eager_llama_blocks_move_several_times_what_fused_kernels_would():
+    """Rotary embeddings in float32 and SwiGLU in two kernels: a bf16 Llama 2 7B block moves about
+    twice what fused kernels would, a GPT-3 block (native LayerNorm and GELU) the same forward;
+    under TP with SP everything shrinks with tp."""
+    llama, gpt = ZOO["llama2-7b"], ZOO["gpt3-175b"]
+    eager = eager_bytes(llama, 1, 1, 4096, 1, False, 2, False, "flash")
+    fused = fused_bytes(llama, 1, 1, 4096, 1, False, 2, False, "flash")
+    assert 1.6 < eager[0] / fused[0] < 2.4 and 1.6 < eager[1] / fused[1] < 2.4
+    g_eager = eager_bytes(gpt, 1, 1, 2048, 1, False, 2, False, "flash")
+    g_fused = fused_bytes(gpt, 1, 1, 2048, 1, False, 2, False, "flash")
+    assert g_eager[0] == pytest.approx(g_fused[0])
+    tp4 = eager_bytes(llama, 1, 1, 4096, 4, True, 2, False, "flash")
+    assert tp4[0] == pytest.approx(eager[0] / 4)
