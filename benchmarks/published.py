@@ -77,6 +77,10 @@ DROPOUT = {"mosaicml-llm-foundry-2023": 0.0}
 # "fused_rmsnorm" (a Triton kernel) for the 13B model and "rmsnorm" (eager) for the 70B ones, which
 # the 70B rows (FSDP only, unlike those configs' TP 8) may or may not have kept
 KERNELS = {"torchtitan-2024": "eager"}
+# copies around the data-parallel collectives (planner.precision.fsdp_copy_bytes): torchtitan runs
+# FSDP2, as trident's runtime does; Megatron-LM's DDP, DeepSpeed's ZeRO and PyTorch's FSDP1
+# (MosaicML) gather into and reduce from flat buffers
+FSDP_COPIES = {"torchtitan-2024": True}
 
 # Megatron-LM's scripts for the SC21 paper, examples/sc21/run_table_1.sh at tag v2.6 (commit
 # 3860e99526, 2021-08-27; added in de7dc40f88 "scripts for sc21"): per model size MBS,
@@ -148,6 +152,7 @@ def candidates(row, model, gpus, framework: bool = True):
            if k in known and framework}
     how["recv_buffers"] = "in-flight"
     how["elementwise_kernels"] = KERNELS.get(row["source"], "fused") if framework else "eager"
+    how["fsdp_copies"] = FSDP_COPIES.get(row["source"], False) if framework else True
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
     # Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3 separately);
     # MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; Llama 3 does not say: search.

@@ -46,7 +46,7 @@ from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
 from planner.pointwise import pointwise_bytes
-from planner.precision import GRAD_ACCUMULATION_BYTES, model_state_bytes, optimizer_step_bytes
+from planner.precision import GRAD_ACCUMULATION_BYTES, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes
 from planner.schedule import Sharing, StageTimes, simulate
 
 # Share of an all-reduce running beside a GEMM that the overlap hides (training.async_tp_allreduce).
@@ -242,6 +242,11 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         if ag:  # gather parameters before forward and again before backward
             zero3_f = max(0.0, ag - comp_f)
             zero3_b = max(0.0, ag - comp_b)
+        # FSDP2's copies out of its gather buffers and into its reduce buffers, on the compute stream
+        # (measured with the data-parallel wrapping where the model profile has it)
+        copy_f = copy_b = copy_step = 0.0
+        if t.fsdp_copies and not measured_dp:
+            copy_f, copy_b, copy_step = (x * params / bw for x in fsdp_copy_bytes(st.zero, dp, mbs, e, gb))
         if measured_dp:  # the model profile measured the runtime's data-parallel wrapping itself
             zero3_f = sum(c.dp_measured["forward_s"] for c in costs)
             zero3_b = sum(c.dp_measured["backward_s"] for c in costs)
@@ -271,11 +276,13 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             return cluster.p2p_time(act_msg / tp, src, dst) + cluster.collective_time("all_gather", act_msg, tp_ranks)
         send = transfer((si + 1) % pp) if si + 1 < len(pipe.stages) else 0.0
         send_back = transfer((si - 1) % pp) if si > 0 else 0.0
-        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f + pipe_op, bwd_s=comp_b + tpc_b + zero3_b + pipe_op,
+        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f + copy_f + pipe_op,
+                                      bwd_s=comp_b + tpc_b + zero3_b + copy_b + pipe_op,
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
                                fwd_compute_s=comp_f, bwd_compute_s=comp_b, fwd_tp_s=tpc_f, bwd_tp_s=tpc_b,
                                zero3_gather_exposed_s=(zero3_f + zero3_b) * mbs, grad_sync_s=sync,
+                               fsdp_copy_s=(copy_f + copy_b) * mbs, fsdp_copy_step_s=copy_step,
                                params=params, optimizer_s=sum(c.optimizer_s for c in costs),
                                measured_dp=measured_dp, costs=costs))
     timed_busy = model_profile.processes if model_profile is not None else 1  # processes computing when timed
@@ -299,8 +306,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
-        rank_total.append(tl.end_s[r] + opt_s + gather)
-        per_rank.append((opt_s, gather))
+        copies = sum(si["fsdp_copy_step_s"] for si in mine)
+        rank_total.append(tl.end_s[r] + opt_s + gather + copies)
+        per_rank.append((opt_s, gather, copies))
     sync = runtime_sync(cluster, mesh) if model_profile is not None else 0.0
     rank_total = [x + sync for x in rank_total]
     step = max(rank_total)
@@ -310,15 +318,18 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
     zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
     pipe_overhead = 2 * pipe_op * mbs * len(mine)
-    busy = compute + tp_time + zero3 + pipe_overhead
+    copies = sum(si["fsdp_copy_s"] for si in mine)
+    busy = compute + tp_time + zero3 + copies + pipe_overhead
     if how["sharing"] is not None and busy > 0:  # operations ran at the shared speed: scale to the played time
         f = tl0.busy_s[r] / busy
-        compute, tp_time, zero3, pipe_overhead, busy = (x * f for x in (compute, tp_time, zero3, pipe_overhead, busy))
+        compute, tp_time, zero3, copies, pipe_overhead, busy = (
+            x * f for x in (compute, tp_time, zero3, copies, pipe_overhead, busy))
     bubble = max(0.0, tl0.compute_end_s[r] - busy)
     p2p = max(0.0, tl.compute_end_s[r] - tl0.compute_end_s[r])
     dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
     optimizer = per_rank[r][0]
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_exposed_s": dp_exposed,
+                      "fsdp_copy_s": copies + per_rank[r][2],
                       "pipeline_bubble_s": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
                       "critical_pp_rank": r}
     if how["sharing"] is not None:  # the ranks' processes share this many compute units (CPU cores)

@@ -47,6 +47,28 @@ def grad_bytes(t) -> int:
     return max(e, 4)
 
 
+def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int) -> tuple[int, int, int]:
+    """(per forward, per backward, per step) bytes per parameter that the runtime's data
+    parallelism copies on the compute stream around its collectives (torch 2.13,
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): foreach_all_gather_copy_out reads
+    each gathered parameter out of the all-gather buffer into its unsharded tensor (e read, e
+    written) on the current stream once the gather lands; foreach_reduce_scatter_copy_in
+    concatenates the unsharded gradients into the reduce-scatter (or replicate's all-reduce)
+    buffer in the reduce dtype (e read, gb written), also on the current stream. ZeRO-3 gathers
+    before every forward and backward and reduce-scatters every backward; ZeRO-2 reduce-scatters
+    every backward and gathers once a step; ZeRO-1 and 0 reduce once a step, ZeRO-1 gathering once.
+    Frameworks that gather into and reduce from flat buffers (Megatron-LM's DDP, PyTorch's FSDP1)
+    copy nothing (training.fsdp_copies false). Nothing without data parallelism."""
+    if dp <= 1:
+        return 0, 0, 0
+    gather, reduce = 2 * e, e + gb
+    if zero == 3:
+        return gather, gather + reduce, 0
+    if zero == 2:
+        return 0, reduce, gather
+    return 0, 0, (gather if zero == 1 else 0) + reduce
+
+
 def optimizer_step_bytes(t) -> int:
     """HBM bytes per parameter the optimizer step moves on the parameters a rank updates. AdamW
     reads the parameter it updates (the float32 master copy under mixed precision), its gradient

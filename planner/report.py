@@ -39,6 +39,7 @@ def estimate_table(est: Estimate) -> str:
         ("  compute", f"{tb['compute_s']:.4g} s"),
         ("  TP communication", f"{tb['tp_comm_s']:.4g} s"),
         ("  DP/FSDP communication (exposed)", f"{tb['dp_comm_exposed_s']:.4g} s"),
+        ("  FSDP buffer copies", f"{tb.get('fsdp_copy_s', 0.0):.4g} s"),
         ("  pipeline bubble", f"{tb['pipeline_bubble_s']:.4g} s"),
         ("  pipeline p2p (exposed)", f"{tb['p2p_s']:.4g} s"),
         ("  optimizer", f"{tb['optimizer_s']:.4g} s"),

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from planner.memory import fsdp_extra_parts, zero_state_bytes
+from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
@@ -125,11 +126,14 @@ class StageCosts:
             sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
             beside = ag + sync if (z >= 2 and dp > 1 and cfg.micro_batches > 1) else ag
-            f = comp_f + tp_f + max(0.0, ag - comp_f)
-            b = comp_b + tp_b + np.maximum(0.0, beside - comp_b)
+            # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
+            copy_f, copy_b, copy_s = ((x * P / ctx.bw for x in fsdp_copy_bytes(z, dp, cfg.micro_batches, e, ctx.gb))
+                                      if ctx.train.fsdp_copies else (0.0, 0.0, 0.0))
+            f = comp_f + tp_f + max(0.0, ag - comp_f) + copy_f
+            b = comp_b + tp_b + np.maximum(0.0, beside - comp_b) + copy_b
             keep = _pareto(b, act, replay) if beside > comp_b.min() else plain  # exposure reorders
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
-            gather = self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0
+            gather = (self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0) + copy_s
             fixed = P * sum(self._state(z))
             held, transient = fsdp_extra_parts(z, dp, cfg.micro_batches, [blk[0].params] * k,
                                                sum(x.params for x in ends), ctx.pb, ctx.gb, ctx.spb)

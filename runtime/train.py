@@ -46,6 +46,7 @@ PREDICTION_ONLY = (
     ("training.async_tp_allreduce", False, "Megatron-LM"),
     ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),
     ("training.elementwise_kernels", "eager", "Megatron-LM's fused kernels"),
+    ("training.fsdp_copies", True, "flat-buffer data parallelism (Megatron-LM's DDP, FSDP1)"),
     ("pipeline.lockstep", False, "DeepSpeed's pipeline engine"),
     ("pipeline.recv_buffers", "preallocated", "Megatron-LM or DeepSpeed"),
     ("pipeline.p2p", "full", "Megatron-LM or DeepSpeed"),

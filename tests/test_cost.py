@@ -427,3 +427,22 @@ def test_zero2_reduce_scatters_every_micro_batch_and_holds_its_gradients_sharded
     assert two.breakdown["time"]["dp_comm_exposed_s"] > one.breakdown["time"]["dp_comm_exposed_s"]
     # one micro-batch: its gradients are reduced as produced either way
     assert est(2, 1).step_time_s == pytest.approx(est(1, 1).step_time_s)
+
+
+def test_fsdp2_buffer_copies_run_on_the_compute_stream():
+    """FSDP2 copies every gathered parameter out of its all-gather buffer and every gradient into
+    its reduce buffer (in float32) on the compute stream: ZeRO-3 twice and once per micro-batch,
+    ZeRO-1 once a step; frameworks with flat buffers (training.fsdp_copies false) copy nothing."""
+    from planner.cost import layer_params_on_device
+    bw = A100.device.memory_bytes_per_s
+    for zero, per_mb, per_step in ((3, 2 * 2 + 2 * 2 + (2 + 4), 0), (1, 0, 2 * 2 + (2 + 4))):
+        plan = plan_for(global_batch=32, micro_batch=1, zero=zero, seq_len=1024)
+        flat = dataclasses.replace(plan, training=dataclasses.replace(plan.training, fsdp_copies=False))
+        with_copies, without = estimate(plan, A100), estimate(flat, A100)
+        params = sum(layer_params_on_device(plan.model, i, 1) for i in range(plan.model.num_layers_total))
+        want = params * (per_mb * plan.pipeline.micro_batches + per_step) / bw
+        assert with_copies.step_time_s - without.step_time_s == pytest.approx(want, rel=1e-6)
+        assert with_copies.breakdown["time"]["fsdp_copy_s"] == pytest.approx(want, rel=1e-6)
+        assert without.breakdown["time"]["fsdp_copy_s"] == 0.0
+    single = plan_for(global_batch=4, micro_batch=1, zero=3, nodes=1, dpn=1)
+    assert estimate(single, A100).breakdown["time"]["fsdp_copy_s"] == 0.0

@@ -67,6 +67,7 @@ def edit(plan, path, value):
     ("training.async_tp_allreduce", "yes", "training.async_tp_allreduce"),
     ("training.grad_accumulation", "fp8", "training.grad_accumulation"),
     ("training.elementwise_kernels", "triton", "training.elementwise_kernels"),
+    ("training.fsdp_copies", "no", "training.fsdp_copies"),
     ("training.attention", "xformers", "training.attention"),
 ])
 def test_validation_names_the_field(path, value, field):
@@ -129,15 +130,15 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
     assert "overlap_grad_reduce" not in d["training"] and "lockstep" not in d["pipeline"]
     assert "recv_buffers" not in d["pipeline"] and "p2p" not in d["pipeline"]
     assert "async_tp_allreduce" not in d["training"] and "grad_accumulation" not in d["training"]
-    assert "elementwise_kernels" not in d["training"]
+    assert "elementwise_kernels" not in d["training"] and "fsdp_copies" not in d["training"]
     plan = make(overlap_grad_reduce=False, lockstep=True, recv_buffers="in-flight", p2p="scatter-gather",
-                async_tp_allreduce=True, grad_accumulation="fused", elementwise_kernels="fused")
+                async_tp_allreduce=True, grad_accumulation="fused", elementwise_kernels="fused", fsdp_copies=False)
     first = plan.to_json()
     back = Plan.from_json(first)
     assert back.training.overlap_grad_reduce is False and back.pipeline.lockstep is True
     assert back.pipeline.recv_buffers == "in-flight" and back.pipeline.p2p == "scatter-gather"
     assert back.training.async_tp_allreduce is True and back.training.grad_accumulation == "fused"
-    assert back.training.elementwise_kernels == "fused"
+    assert back.training.elementwise_kernels == "fused" and back.training.fsdp_copies is False
     assert back.to_json() == first
     assert back.content_hash() != default.content_hash()
 
