@@ -7,8 +7,9 @@ import sys
 
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.model import ConfigError, load_model
+from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import SCHEDULES, Plan
+from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.report import describe_plan, estimate_table
 
@@ -76,7 +77,8 @@ def cmd_plan(args) -> int:
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
         recv_buffers=args.recv_buffers, p2p=args.p2p, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-        async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation)
+        async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation,
+        attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies)
     plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args))
     if args.output:
         plan.write(args.output)
@@ -216,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how micro-batch gradients add up: a pass over fp32 gradients (the runtime), over 16-bit "
                         "ones (Megatron-LM fp16, DeepSpeed), or inside the weight-gradient GEMM (Megatron-LM "
                         "gradient accumulation fusion); the last two for prediction only")
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
+                   help="attention kernel: FlashAttention-2 (the runtime's SDPA), the Triton FlashAttention "
+                        "kernel, or a materialized softmax; the last two for prediction only")
+    p.add_argument("--elementwise-kernels", choices=ELEMENTWISE_KERNELS, default="eager",
+                   help="memory-bound operations one PyTorch kernel each (the runtime) or fused as Megatron-LM "
+                        "fuses them (prediction only)")
+    p.add_argument("--no-fsdp-copies", action="store_true",
+                   help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
+                        "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", help="write the plan file here")
     p.add_argument("--model-profile", default=None,

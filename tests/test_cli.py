@@ -89,3 +89,10 @@ def test_execution_flags_reach_the_plan_and_the_estimate(tmp_path, capsys):
     assert megatron_like["step_time_s"] < default["step_time_s"]
     assert main(["estimate", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == megatron_like
+    assert main(base + ["--elementwise-kernels", "fused", "--no-fsdp-copies", "--attention", "unfused",
+                        "-o", str(out)]) == 0
+    fused = json.loads(capsys.readouterr().out)
+    written = json.loads(out.read_text())["training"]
+    assert written["elementwise_kernels"] == "fused" and written["fsdp_copies"] is False
+    assert written["attention"] == "unfused"
+    assert fused["breakdown"]["time"]["fsdp_copy_s"] == 0.0 < default["breakdown"]["time"]["fsdp_copy_s"]
