@@ -62,25 +62,44 @@ TORCHTITAN_CSV = ROOT / "benchmarks" / "heldout_torchtitan.csv"
 # published/trained before May 2022 (FlashAttention); Korthikanti et al. 2022 (arXiv 2205.05198,
 # May 2022) ran Megatron-LM's own softmax kernels
 BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-2022-table5", "korthikanti-2022-section6"}
-# the attention kernel and dropout where the run states them: MosaicML's benchmark sets the MPT
-# model's attn_impl to its --attn_impl, default "triton" (submit_benchmarks.py at b2a43a147), the
-# Triton FlashAttention kernel; MPT's dropouts (attn_pdrop, resid_pdrop, emb_pdrop) default to 0
-ATTENTION = {"mosaicml-llm-foundry-2023": "flash-triton"}
-DROPOUT = {"mosaicml-llm-foundry-2023": 0.0}
-# memory-bound operations (planner.pointwise): Megatron-LM (and Megatron-DeepSpeed, MT-NLG's model
-# code) runs fused kernels (megatron/fused_kernels: scale + mask + softmax, layer norm; bias + GeLU
-# and bias + dropout + add fused by the JIT); MPT's blocks are native LayerNorm (low_precision_
-# layernorm) and GELU kernels with a fused Wqkv, what `fused` counts; Llama 3 does not say, and a
-# 400 TFLOP/s run fuses its norms and rotary embeddings
-# torchtitan's blocks are eager PyTorch as trident's are: rotary embeddings as a complex multiply in
-# float32, SwiGLU as silu and a product; its train configs at that commit set norm_type
-# "fused_rmsnorm" (a Triton kernel) for the 13B model and "rmsnorm" (eager) for the 70B ones, which
-# the 70B rows (FSDP only, unlike those configs' TP 8) may or may not have kept
-KERNELS = {"torchtitan-2024": "eager"}
-# copies around the data-parallel collectives (planner.precision.fsdp_copy_bytes): torchtitan runs
-# FSDP2, as trident's runtime does; Megatron-LM's DDP, DeepSpeed's ZeRO and PyTorch's FSDP1
-# (MosaicML) gather into and reduce from flat buffers
-FSDP_COPIES = {"torchtitan-2024": True}
+# What each source states (or its framework implies) beyond its rows, one entry per source; the
+# defaults, for sources not listed, are in source_settings.
+# - attention: before FlashAttention (BEFORE_FLASH_ATTENTION) a materialized softmax; MosaicML's
+#   benchmark sets the MPT model's attn_impl to its --attn_impl, default "triton"
+#   (submit_benchmarks.py at b2a43a147), the Triton FlashAttention kernel.
+# - dropout: Megatron-LM's default 0.1 for GPT runs, none for Llama; MPT's dropouts (attn_pdrop,
+#   resid_pdrop, emb_pdrop) default to 0.
+# - elementwise_kernels (planner.pointwise): Megatron-LM (and Megatron-DeepSpeed, MT-NLG's model
+#   code) runs fused kernels (megatron/fused_kernels: scale + mask + softmax, layer norm; bias + GeLU
+#   and bias + dropout + add fused by the JIT); MPT's blocks are native LayerNorm (low_precision_
+#   layernorm) and GELU kernels with a fused Wqkv, what `fused` counts; Llama 3 does not say, and a
+#   400 TFLOP/s run fuses its norms and rotary embeddings. torchtitan's blocks are eager PyTorch as
+#   trident's are: rotary embeddings as a complex multiply in float32, SwiGLU as silu and a
+#   product; its train configs at that commit set norm_type "fused_rmsnorm" (a Triton kernel) for
+#   the 13B model and "rmsnorm" (eager) for the 70B ones, which the 70B rows (FSDP only, unlike
+#   those configs' TP 8) may or may not have kept.
+# - fsdp_copies (planner.precision.fsdp_copy_bytes): torchtitan runs FSDP2, as trident's runtime
+#   does; Megatron-LM's DDP, DeepSpeed's ZeRO and PyTorch's FSDP1 (MosaicML) gather into and reduce
+#   from flat buffers.
+# - zeros: Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3
+#   separately); MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; MosaicML's rows ran FSDP
+#   FULL_SHARD and torchtitan's FSDP2 resharding after forward (ZeRO-3); Llama 3 does not say: search.
+SOURCES = {
+    "megatron-sc21-table1": dict(zeros=(0,)),
+    "mt-nlg-530b": dict(zeros=(1,)),
+    "korthikanti-2022-table5": dict(zeros=(0,)),
+    "korthikanti-2022-section6": dict(zeros=(0,)),
+    "mosaicml-llm-foundry-2023": dict(attention="flash-triton", dropout=0.0, zeros=(3,)),
+    "torchtitan-2024": dict(elementwise_kernels="eager", fsdp_copies=True, zeros=(3,)),
+}
+
+
+def source_settings(source: str, arch: str) -> dict:
+    """attention, dropout, elementwise_kernels, fsdp_copies and the ZeRO levels to try for a source."""
+    return {"attention": "unfused" if source in BEFORE_FLASH_ATTENTION else "flash",
+            "dropout": 0.1 if arch == "gpt" else 0.0, "elementwise_kernels": "fused", "fsdp_copies": False,
+            "zeros": (0, 1, 2, 3), **SOURCES.get(source, {})}
+
 
 # Megatron-LM's scripts for the SC21 paper, examples/sc21/run_table_1.sh at tag v2.6 (commit
 # 3860e99526, 2021-08-27; added in de7dc40f88 "scripts for sc21"): per model size MBS,
@@ -151,15 +170,12 @@ def candidates(row, model, gpus, framework: bool = True):
     how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation")
            if k in known and framework}
     how["recv_buffers"] = "in-flight"
-    how["elementwise_kernels"] = KERNELS.get(row["source"], "fused") if framework else "eager"
-    how["fsdp_copies"] = FSDP_COPIES.get(row["source"], False) if framework else True
+    src = source_settings(row["source"], row["arch"])
+    how["elementwise_kernels"] = src["elementwise_kernels"] if framework else "eager"
+    how["fsdp_copies"] = src["fsdp_copies"] if framework else True
+    how.update(attention=src["attention"], dropout=src["dropout"])
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
-    # Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3 separately);
-    # MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; Llama 3 does not say: search.
-    # MosaicML's rows ran FSDP FULL_SHARD and torchtitan's FSDP2 resharding after forward (ZeRO-3).
-    zeros = {"megatron-sc21-table1": (0,), "mt-nlg-530b": (1,), "korthikanti-2022-table5": (0,),
-             "korthikanti-2022-section6": (0,), "mosaicml-llm-foundry-2023": (3,),
-             "torchtitan-2024": (3,)}.get(row["source"], (0, 1, 2, 3))
+    zeros = src["zeros"]
     for b, v, rec, zero in itertools.product(mbs, vs, recs, zeros):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
@@ -176,10 +192,7 @@ def predict_row(row, framework: bool = True):
         try:
             plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=gpus // 8,
                               devices_per_node=8, seq_len=int(row["seq_len"]), dtype=row["dtype"],
-                              sequence_parallel=row["sequence_parallel"] == "true",
-                              dropout=DROPOUT.get(row["source"], 0.1 if row["arch"] == "gpt" else 0.0),
-                              attention=("unfused" if row["source"] in BEFORE_FLASH_ATTENTION
-                                         else ATTENTION.get(row["source"], "flash")), **c)
+                              sequence_parallel=row["sequence_parallel"] == "true", **c)
         except ConfigError:
             continue
         est = estimate(plan, cluster)
