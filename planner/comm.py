@@ -3,7 +3,10 @@ communication per layer, the gradient-norm reductions of clipping and the per-st
 synchronization. planner.cost adds them up."""
 from __future__ import annotations
 
+import math
+
 from planner.cluster import ClusterSpec
+from planner.model import LOSS_CHUNKS
 
 SCALAR_BYTES = 8.0  # one float64 partial sum or loss
 
@@ -17,8 +20,11 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
     rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
     if kind == "embedding":  # vocab-parallel lookup: partial sums combined
         return (rs, ag) if sp else (ar, 0.0)
-    if kind == "head":  # column-parallel head: gather input (SP), combine input grads; loss-parallel reductions
-        loss = 3 * cluster.collective_time("all_reduce", 4.0 * b * s, tp_ranks)
+    if kind == "head":  # column-parallel head: gather input (SP), combine input grads; the loss's reductions
+        # runtime/loss.py, per row chunk: the float32 row maxima, then two float32 sums per row
+        rows = math.ceil(b * s / LOSS_CHUNKS)
+        loss = LOSS_CHUNKS * (cluster.collective_time("all_reduce", 4.0 * rows, tp_ranks)
+                              + cluster.collective_time("all_reduce", 8.0 * rows, tp_ranks))
         return ((ag + loss, rs) if sp else (loss, ar))
     if sp:
         return 2 * (ag + rs), 2 * (ag + rs)

@@ -2,7 +2,6 @@
 and optimizer state (planner.cost): the buffers of the runtime's FSDP2 and of its pipeline."""
 from __future__ import annotations
 
-import math
 
 from planner.plan import DTYPES, Plan
 from planner.precision import ADAM_STATE_BYTES, model_state_bytes, sharded_param_bytes
@@ -148,8 +147,8 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
         # gradients of the activation flowing back (output and input of the layer in backward)
         act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
         head_logits = 0.0
-        if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # logits gradient
-            head_logits = 4.0 * t.micro_batch * t.seq_len * math.ceil(m.vocab / tp)
+        if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
+            head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]
         other += transient_bytes + act_grad + head_logits + recv_buffer_bytes(plan, ids)
         total = p_bytes + g_bytes + o_bytes + acts + other
         mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # the Triton FlashAttention kernel (flash_attn_triton, MosaicML's MPT attn_impl "triton"), the
 # same algorithm and memory, its own speed; unfused: the softmax materialized (before FlashAttention)
 ATTENTION_KERNELS = ("flash", "flash-triton", "unfused")
+# the runtime's cross-entropy (runtime/loss.py) runs its float32 work on this many row chunks
+LOSS_CHUNKS = 4
 
 
 class ConfigError(ValueError):
@@ -203,6 +206,15 @@ class ModelConfig:
         return out
 
     # ---------------------------------------------------------------- activations
+    def loss_bytes(self, micro_batch: int, seq_len: int, tp: int, bytes_per_element: int) -> tuple[float, float]:
+        """(held, transient) bytes of the runtime's cross-entropy (runtime/loss.py) on one device:
+        held from forward to backward, the logits' gradient in the logits' dtype (this rank's
+        vocabulary slice); transient while the loss's forward runs, the logits themselves and
+        the float32 buffer of one of LOSS_CHUNKS row chunks."""
+        tokens, vocab = micro_batch * seq_len, math.ceil(self.vocab / tp)
+        held = bytes_per_element * tokens * vocab
+        return held, held + 4.0 * math.ceil(tokens / LOSS_CHUNKS) * vocab
+
     def activation_bytes(self, index: int, micro_batch: int, seq_len: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          bytes_per_element: int = 2, dropout: bool = False,
@@ -226,9 +238,9 @@ class ModelConfig:
             mask = sbh / rep if dropout else 0.0  # embedding dropout mask
             return 8.0 * b * s + mask  # int64 token ids (and positions) for the gather's backward
         if kind == "head":
-            # final norm input and head input (whole per rank unless SP), float32 log-softmax output
-            # plus the logits in the training dtype, vocab-parallel across TP.
-            return 2 * e * sbh / rep + (4 + e) * s * b * self.vocab / t
+            # final norm input and head input (whole per rank unless SP), and the loss's logits
+            # gradient, computed in the forward (loss_bytes)
+            return 2 * e * sbh / rep + self.loss_bytes(micro_batch, seq_len, tp, e)[0]
         if recompute == "full":
             return e * sbh / rep  # only the block input is kept (Korthikanti: 2 s b h per layer)
         f, a = self.ffn_hidden, self.heads

@@ -91,11 +91,11 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
     norm_f, norm_b = _norm(e)
     if kind == "head":
         vocab = tokens * math.ceil(model.vocab / tp)
-        # cross-entropy: logits.float(), log_softmax (read and write float32), nll_loss (reads
-        # one entry per token); backward: nll_loss_backward writes the float32 gradient,
-        # log_softmax_backward reads two and writes one, and the cast back
-        return (norm_f * tokens * h / rep + (_cast(e) + 8) * vocab,
-                norm_b * tokens * h / rep + (16 + _cast(e)) * vocab)
+        # runtime/loss.py: the row maximum (reads the logits), logits - maximum into float32,
+        # exp in place, the row sum, the gradient written back in the logits' dtype; the
+        # backward scales the gradient in place
+        return (norm_f * tokens * h / rep + (3 * e + 20) * vocab,
+                norm_b * tokens * h / rep + 2 * e * vocab)
     q, kv, f = model.q_dim / tp, model.kv_dim / tp, model.ffn_hidden / tp
     # per token: two norms and two residual adds on the residual stream (3e each: two reads,
     # one write; backward, the add of the branch's gradient to the stream's)

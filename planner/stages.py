@@ -39,7 +39,7 @@ class StageCosts:
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
         t = ctx.train
         self.act_grad = 2 * ctx.e * cfg.micro_batch * t.seq_len * m.hidden
-        self.head_logits = 4.0 * cfg.micro_batch * t.seq_len * math.ceil(m.vocab / cfg.tp)
+        self.head_logits = m.loss_bytes(cfg.micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
 
     def setup(self):
         """Collective costs of the data-parallel group and the activations in flight."""

@@ -13,6 +13,8 @@ Every function takes a plain `Transformer` chunk (runtime.model) and changes it 
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,6 +30,10 @@ from torch.distributed.tensor.parallel import (
 
 from planner.model import ConfigError
 from runtime.model import Block, Embedding, Head, Transformer
+
+# FSDP2 warns when a wrapped chunk returns a view (under TP the head returns its local slice of the
+# logits, a view of the DTensor's): nothing here modifies a chunk's output in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 class ReplicateParallel(ParallelStyle):
@@ -69,10 +75,10 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard the chunk's layers over `tp_mesh`. The embedding is split by vocabulary rows
-    (RowwiseParallel), the head by vocabulary columns (ColwiseParallel); with `loss_parallel`
-    the head returns vocab-sharded DTensor logits for torch's vocab-parallel cross-entropy.
+    (RowwiseParallel), the head by vocabulary columns (ColwiseParallel): it returns this rank's
+    vocabulary slice of the logits as a local tensor, for runtime.loss's vocab-parallel loss.
     Between layers the hidden state is a local tensor, sequence-sharded under SP."""
     cfg, tp = chunk.cfg, tp_mesh.size()
     if cfg.vocab % tp:
@@ -88,8 +94,7 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
             plan = {
                 "norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
                 "output": ColwiseParallel(input_layouts=seq,
-                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                          use_local_output=not loss_parallel),
+                                          output_layouts=Shard(-1), use_local_output=True),
             }
         else:
             plan = _block_plan(sequence_parallel)

@@ -27,11 +27,21 @@ class _Stage(PipelineStage):
     P_os+g+p, DeepSpeed's stages 2 and 3). A ZeRO-3 chunk also reshards after each block's
     backward, as after its forward (else it would hold every block gathered by the end of each
     backward: ZeRO-1's parameter memory); a ZeRO-2 chunk keeps its parameters gathered. The
-    planner prices both so."""
+    planner prices both so.
+
+    The last stage drops its output (the logits) from the forward cache once the forward is done:
+    its backward starts from the loss, which keeps what it needs (runtime.loss), and the cached
+    logits would otherwise stay until each micro-batch's backward (all of them, under GPipe)."""
 
     def __init__(self, *args, zero: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self._zero = zero
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.is_last:
+            self.fwd_cache[fwd_chunk_id] = ((), self.fwd_cache[fwd_chunk_id][1])
+        return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self._zero not in (2, 3) or backward_type != "full":

@@ -12,7 +12,6 @@ run.json's peak memory uses (views of the parameters allocate nothing and count 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import dataclasses
 import statistics
@@ -76,7 +75,7 @@ def _build(cfg, kind: str, tp_mesh, sp: bool, rec: str, dp_mesh=None, zero: int 
     with torch.device("meta"):
         chunk = Transformer(cfg, index, index + 1)
     if tp_mesh.size() > 1:
-        apply_tp(chunk, tp_mesh, sp, loss_parallel=True)
+        apply_tp(chunk, tp_mesh, sp)
     apply_recompute(chunk, {index: rec})
     if dp_mesh is not None:
         apply_data_parallel(chunk, dp_mesh, zero)
@@ -114,13 +113,19 @@ def _passes_per_sample(seconds: float) -> int:
     return int(k)
 
 
-def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None, zero=0):
+def _loss_fn(tp_mesh):
+    """The runtime's loss on this rank's vocabulary slice (runtime.loss)."""
+    from runtime.loss import cross_entropy
+    group = tp_mesh.get_group() if tp_mesh.size() > 1 else None
+    return lambda out, targets: cross_entropy(out, targets, group, tp_mesh.get_local_rank())
+
+
+def _time_passes(chunk, kind, x, targets, loss, repeats, sync=None, zero=0):
     """Median forward and backward seconds per pass over `repeats` samples, each of k passes back
     to back (after two warm-up passes). `sync` (FSDP modules only): whether gradients are
     synchronized, as the runtime's last micro-batch does (ZeRO 1/2 keep the parameters gathered
     between the micro-batches before it, as the runtime does)."""
     from torch.distributed.fsdp import FSDPModule
-    from runtime.train import cross_entropy
     if sync is not None and isinstance(chunk, FSDPModule):
         chunk.set_requires_gradient_sync(sync)
         if zero in (1, 2):
@@ -129,14 +134,13 @@ def _time_passes(chunk, kind, x, targets, lp, repeats, sync=None, zero=0):
     def one():
         if x.grad is not None:
             x.grad = None
-        with lp():
-            t0 = time.perf_counter()
-            out = chunk(x)
-            if kind == "head":
-                out = cross_entropy(out, targets)
-            t1 = time.perf_counter()
-            out.backward(torch.ones_like(out) if kind != "head" else None)
-            t2 = time.perf_counter()
+        t0 = time.perf_counter()
+        out = chunk(x)
+        if kind == "head":
+            out = loss(out, targets)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out) if kind != "head" else None)
+        t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
     one()
@@ -176,16 +180,15 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
     """Extra forward / backward time per micro-batch, the extra of the gradient-synchronizing
     backward, and the optimizer step, of the layer wrapped as the runtime wraps it for ZeRO 0
     (replicate), 1-2 and 3 (FSDP2) on the dp sub-mesh, over the unwrapped layer's `plain` times."""
-    from torch.distributed.tensor.parallel import loss_parallel
     tp_mesh, dp_mesh = mesh2d["tp"], mesh2d["dp"]
     tp = tp_mesh.size()
-    lp = loss_parallel if (kind == "head" and tp > 1) else contextlib.nullcontext
+    loss = _loss_fn(tp_mesh)
     out = {"dp": dp_mesh.size(), "micro_batch": mb}
     for zero in (0, 1, 3):
         chunk = _build(cfg, kind, tp_mesh, sp, "none", dp_mesh, zero)
         x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
-        f, b_nosync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=False, zero=zero)
-        f2, b_sync = _time_passes(chunk, kind, x, targets, lp, repeats, sync=True, zero=zero)
+        f, b_nosync = _time_passes(chunk, kind, x, targets, loss, repeats, sync=False, zero=zero)
+        f2, b_sync = _time_passes(chunk, kind, x, targets, loss, repeats, sync=True, zero=zero)
         opt = _time_optimizer(list(chunk.parameters()), repeats)
         vals = torch.tensor([min(f, f2), b_nosync, b_sync, opt], dtype=torch.float64)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
@@ -196,14 +199,12 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
 
 
 def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, repeats: int) -> dict:
-    from torch.distributed.tensor.parallel import loss_parallel
     from runtime.metrics import LiveTensorBytes, cpu_counter
-    from runtime.train import cross_entropy
     tp_mesh = mesh2d["tp"]
     tp = tp_mesh.size()
     chunk = _build(cfg, kind, tp_mesh, sp, rec)
     params = list(chunk.parameters())
-    lp = loss_parallel if (kind == "head" and tp > 1) else contextlib.nullcontext
+    loss = _loss_fn(tp_mesh)
     points = []
     for mb in mbs:
         x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
@@ -211,19 +212,18 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
         def forward():
             out = chunk(x)
             if kind == "head":
-                out = cross_entropy(out, targets)
+                out = loss(out, targets)
             return out
-        f, b = _time_passes(chunk, kind, x, targets, lp, repeats)
+        f, b = _time_passes(chunk, kind, x, targets, loss, repeats)
         counter, _ = cpu_counter()
         if isinstance(counter, LiveTensorBytes):  # a storage count: the input and the parameters are not the layer's
             for t in [x, *params]:
                 counter.track(t)
         base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # HeapPeak counts from entry
-        with lp(), counter:
+        with counter:
             out = forward()
             act = counter.current_bytes - base
-        with lp():
-            out.backward(torch.ones_like(out) if kind != "head" else None)
+        out.backward(torch.ones_like(out) if kind != "head" else None)
         del out
         points.append([mb, f, b, act])
     grad_bytes = _bytes(p.grad for p in params)
@@ -343,6 +343,6 @@ def profile_model(args) -> dict | None:
             "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
                         "one of the model's blocks per stage at micro-batch 1; the per-operation overhead that makes "
                         "planner.schedule, with the block's measured times, reproduce it)",
-            "runtime": f"torch {torch.__version__}, gloo, fp32, loss-parallel head under TP",
+            "runtime": f"torch {torch.__version__}, gloo, fp32, vocab-parallel loss under TP",
         },
     }

@@ -16,19 +16,18 @@ import json
 import os
 import sys
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.model import ConfigError
 from planner.plan import Plan
 from runtime import checkpoint as ckpt
 from runtime.data import local_rows, make_source
+from runtime.loss import cross_entropy
 from runtime.metrics import PeakMemory, environment, gather
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm
@@ -36,8 +35,6 @@ from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, 
 from runtime.pipeline import build_schedule, run_schedule
 
 BETAS = (0.9, 0.95)
-# FSDP2 warns when a chunk returns a view; nothing here modifies a chunk's output in place.
-warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
 # plan options that describe other frameworks, for predicting their runs: (field, the value the
 # runtime runs, whose engine the other values describe)
@@ -124,11 +121,6 @@ def compute_dtype(plan: Plan, args, device: torch.device) -> str:
     return dtype
 
 
-def cross_entropy(logits, targets):
-    """Mean cross-entropy of a micro-batch (the pipeline's loss_fn)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-
-
 class Trainer:
     """The model chunks, optimizers and schedule of one plan on this rank."""
 
@@ -142,7 +134,6 @@ class Trainer:
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.stage_ids = plan.stages_of_rank(self.pp_rank)
         self.n_stages = len(plan.pipeline.stages)
-        self.loss_parallel = m.tp > 1 and m.pp == 1
         self.dtype = compute_dtype(plan, args, device)
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         t = plan.training
@@ -152,14 +143,14 @@ class Trainer:
         self.schedule = None
         if m.pp > 1:
             self.schedule = build_schedule(plan, self.chunks, self.stage_ids, self.mesh["pp"].get_group(), device,
-                                           cross_entropy)
+                                           self.loss)
 
     def _build_chunk(self, sid: int) -> Transformer:
         st, cfg, m = self.plan.pipeline.stages[sid], self.plan.model, self.plan.mesh
         with torch.device("meta"):
             chunk = Transformer(cfg, st.start, st.end)
         if m.tp > 1:
-            apply_tp(chunk, self.mesh["tp"], st.sequence_parallel, self.loss_parallel)
+            apply_tp(chunk, self.mesh["tp"], st.sequence_parallel)
         apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)})
         apply_data_parallel(chunk, self.mesh["dp"], st.zero, AUTOCAST_DTYPES.get(self.dtype))
         chunk.to_empty(device=self.device)
@@ -226,17 +217,18 @@ class Trainer:
         dist.all_reduce(total)
         return float(total) / plan.mesh.dp
 
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of a micro-batch from this rank's vocabulary slice of the logits."""
+        group = self.mesh["tp"].get_group() if self.plan.mesh.tp > 1 else None
+        return cross_entropy(logits, targets, group, self.tp_rank)
+
     def _accumulate(self, xs, ys) -> float:
-        from torch.distributed.tensor.parallel import loss_parallel
         total = 0.0
         for i, (x, y) in enumerate(zip(xs, ys)):
             self._set_grad_sync(i == len(xs) - 1)
-            ctx = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
-            with ctx:
-                loss = cross_entropy(self.chunks[0](x), y) / len(xs)
-                loss.backward()
-            loss = loss.detach()
-            total += float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+            loss = self.loss(self.chunks[0](x), y) / len(xs)
+            loss.backward()
+            total += float(loss.detach())
         return total
 
 

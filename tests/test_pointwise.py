@@ -14,12 +14,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.model import ZOO
 from planner.pointwise import eager_bytes, fused_bytes
 from runtime.model import Block, Head, rope_tables
-from runtime.train import cross_entropy
+from runtime.loss import cross_entropy
 
 FLOPS_OPS = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_flash_attention_for_cpu_backward"}
 # operations that read one entry per row of an input, not the whole of it: their outputs only
-PARTIAL_READS = {"nll_loss_forward", "nll_loss_backward"}
+PARTIAL_READS = {"nll_loss_forward", "nll_loss_backward", "gather"}
+# operations that update one entry per row of a tensor in place: a few bytes per row; allocations
+NO_TRAFFIC = {"scatter_add_", "empty", "empty_like"}
 
 
 def _bytes(x) -> int:
@@ -40,9 +42,12 @@ class ByteCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        views = any(r.alias_info is not None for r in func._schema.returns) or name == "_unsafe_view"
-        if name not in FLOPS_OPS and not views:
-            reads = 0 if name in PARTIAL_READS else _bytes(list(args)) + _bytes(list((kwargs or {}).values()))
+        # views alias their input and move nothing; in-place and out= operations alias what they write
+        views = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns) \
+            or name == "_unsafe_view"
+        if name not in FLOPS_OPS and not views and name not in NO_TRAFFIC:
+            inputs = list(args) + [v for k, v in (kwargs or {}).items() if k != "out"]  # out= is written
+            reads = 0 if name in PARTIAL_READS else _bytes(inputs)
             self.total += reads + _bytes(out)
         return out
 
