@@ -347,6 +347,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     memory_breakdown = {k: peak_rank[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
                                                   "activations_bytes", "other_bytes")}
     memory_breakdown["pp_rank"] = peak_rank["pp_rank"]
+    memory_breakdown["peak_at"] = peak_rank["peak_at"]  # backward | optimizer step
 
     world = mesh.world_size
     tokens = t.global_batch * t.seq_len

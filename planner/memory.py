@@ -2,9 +2,11 @@
 and optimizer state (planner.cost): the buffers of the runtime's FSDP2 and of its pipeline."""
 from __future__ import annotations
 
+import math
 
+from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan
-from planner.precision import ADAM_STATE_BYTES, model_state_bytes, sharded_param_bytes
+from planner.precision import ADAM_STATE_BYTES, model_state_bytes, optimizer_temp_bytes, sharded_param_bytes
 from planner.schedule import peak_in_flight
 
 
@@ -103,13 +105,51 @@ def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
                / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids)
 
 
+def largest_param_on_device(model: ModelConfig, index: int, tp: int) -> float:
+    """Elements of the largest parameter tensor one TP rank holds for a layer (runtime/model.py's
+    tensors: the vocabulary matrices, the position table, the projections)."""
+    h = model.hidden
+    if model.layer_kind(index) != "block":
+        return max(math.ceil(model.vocab / tp) * h, model.seq_len * h if model.arch == "gpt" else 0)
+    return h * max(model.q_dim, model.kv_dim, model.ffn_hidden) / tp
+
+
+def accumulation_bytes(plan: Plan, stage, tp: int, gb: float) -> float:
+    """Without data parallelism, autograd adds each micro-batch's gradient after the first to the
+    accumulated one: a new gradient tensor at a time, at most the stage's largest parameter (a
+    vocabulary matrix where the stage holds one). With data parallelism FSDP2 and replicate hold
+    more than that already (fsdp_extra_parts; replicate's compute-dtype gradients)."""
+    if plan.mesh.dp > 1 or plan.pipeline.micro_batches <= 1:
+        return 0.0
+    return gb * max(largest_param_on_device(plan.model, j, tp) for j in range(stage.start, stage.end))
+
+
+def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
+    """(parameters, gradients, optimizer state, other) bytes a stage of `params` parameters per
+    device at ZeRO level `zero` holds while the runtime's optimizer steps (training options `t`): FSDP2 has resharded the parameters and reduce-scattered the
+    gradients (ZeRO >= 1: float32 shards, the master copy being the parameter), replicate has
+    dropped its compute-dtype copies; the activations and the backward's buffers are gone; AdamW's
+    foreach temporaries are there (planner.precision.optimizer_temp_bytes). FSDP2 releases the
+    reduce-scatter input it keeps between micro-batches (fsdp_extra_parts) at the end of the last
+    backward. Frameworks with a fused optimizer (no temporaries) never peak here: all zero."""
+    temp = optimizer_temp_bytes(t)
+    if temp == 0:
+        return 0.0, 0.0, 0.0, 0.0
+    pb, gb, ob = model_state_bytes(t)
+    shard = dp if (zero >= 1 and dp > 1) else 1
+    weight = ob - ADAM_STATE_BYTES or pb  # what the optimizer updates: the master copy, else the parameter
+    return params * weight / shard, params * gb / shard, params * ADAM_STATE_BYTES / shard, params * temp / shard
+
+
 def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
     """Bytes each pipeline rank holds at its peak, by kind (planner.cost's memory model): the
     ZeRO paper's parameters, gradients and optimizer state by ZeRO level; the activations of the
     micro-batches in flight as the schedule holds them; and, as other, what FSDP2 holds beyond
     that (fsdp_extra_parts), replicate's compute-dtype gradients, the transient of the stage
     computing (replay, FSDP2 buffers), activation and logits gradients and the pipeline's receive
-    buffers. `stage_info`: per stage, its "params" and per-layer "costs" (planner.cost.LayerCost)."""
+    buffers: the backward's peak. A rank peaks in the optimizer step instead where that holds more
+    (step_bytes). `stage_info`: per stage, its "params" and per-layer "costs"
+    (planner.cost.LayerCost)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
@@ -121,25 +161,26 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
         weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
         acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**{i: 0.0 for i in range(len(pipe.stages))}, **weights})
         p_bytes = g_bytes = o_bytes = other = 0.0
+        step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
         transient_bytes = 0.0  # of the stage computing: one at a time on a rank
         for i in ids:
             si, st = stage_info[i], pipe.stages[i]
             P = si["params"]
             shard = dp if dp > 1 else 1
+            kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
+            block_params = [c.params for c, k in zip(si["costs"], kinds) if k == "block"]
+            root_params = sum(c.params for c, k in zip(si["costs"], kinds) if k != "block")
             ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
             p_bytes, g_bytes, o_bytes = p_bytes + P * ps, g_bytes + P * gs, o_bytes + P * os_
+            step = [a + b for a, b in zip(step, step_bytes(t, st.zero, dp, P))]
             if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
-            kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
-            held, transient = fsdp_extra_parts(st.zero, dp, mbs, [c.params for c, k in zip(si["costs"], kinds)
-                                                                   if k == "block"],
-                                               sum(c.params for c, k in zip(si["costs"], kinds) if k != "block"),
-                                               pb, gb, spb)
+            held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb)
             other += held
             stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
-            transient_bytes = max(transient_bytes, stage_replay + transient)
+            transient_bytes = max(transient_bytes, stage_replay + transient + accumulation_bytes(plan, st, tp, gb))
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
@@ -149,9 +190,12 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
         head_logits = 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
             head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]
-        other += transient_bytes + act_grad + head_logits + recv_buffer_bytes(plan, ids)
-        total = p_bytes + g_bytes + o_bytes + acts + other
-        mem_by_rank.append(dict(pp_rank=rr, parameters_bytes=p_bytes, gradients_bytes=g_bytes,
-                                optimizer_bytes=o_bytes, activations_bytes=acts, other_bytes=other,
-                                total_bytes=total))
+        other += recv_buffer_bytes(plan, ids)  # held all step, like the above
+        other += transient_bytes + act_grad + head_logits
+        peak = dict(parameters_bytes=p_bytes, gradients_bytes=g_bytes, optimizer_bytes=o_bytes,
+                    activations_bytes=acts, other_bytes=other, peak_at="backward")
+        if sum(step) > p_bytes + g_bytes + o_bytes + acts + other:
+            peak = dict(parameters_bytes=step[0], gradients_bytes=step[1], optimizer_bytes=step[2],
+                        activations_bytes=0.0, other_bytes=step[3], peak_at="optimizer step")
+        mem_by_rank.append(dict(pp_rank=rr, **peak, total_bytes=sum(v for k, v in peak.items() if k != "peak_at")))
     return mem_by_rank

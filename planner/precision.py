@@ -69,6 +69,16 @@ def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int) -> 
     return 0, 0, (gather if zero == 1 else 0) + reduce
 
 
+def optimizer_temp_bytes(t) -> int:
+    """Bytes per parameter a rank updates that the optimizer step allocates for the step: torch's
+    foreach AdamW (the runtime's, `training.elementwise_kernels: eager`) materializes
+    sqrt(exp_avg_sq) for every parameter of the group at once, in the moments' float32
+    (torch/optim/adam.py, _multi_tensor_adam: torch._foreach_sqrt, then in-place div, add and
+    addcdiv); a fused Adam kernel (apex's and DeepSpeed's FusedAdam, Megatron-LM's) allocates
+    nothing."""
+    return 4 if t.elementwise_kernels == "eager" else 0
+
+
 def optimizer_step_bytes(t) -> int:
     """HBM bytes per parameter the optimizer step moves on the parameters a rank updates. AdamW
     reads the parameter it updates (the float32 master copy under mixed precision), its gradient

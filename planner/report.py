@@ -53,7 +53,9 @@ def estimate_table(est: Estimate) -> str:
     ]
     mb = est.breakdown["memory"]
     rows += [
-        (f"peak memory per GPU (pp rank {mb['pp_rank']})", _fmt_bytes(est.peak_memory_bytes)),
+        (f"peak memory per GPU (pp rank {mb['pp_rank']}"
+         + (", in the optimizer step)" if mb.get("peak_at") == "optimizer step" else ")"),
+         _fmt_bytes(est.peak_memory_bytes)),
         ("  parameters", _fmt_bytes(mb["parameters_bytes"])),
         ("  gradients", _fmt_bytes(mb["gradients_bytes"])),
         ("  optimizer state", _fmt_bytes(mb["optimizer_bytes"])),

@@ -152,7 +152,9 @@ class Ctx:
             flight, maxcnt = [], []
             for r in range(cfg.pp):
                 if cfg.v == 1:
-                    n = cfg.micro_batches if cfg.schedule == "gpipe" or cfg.pp == 1 else min(cfg.pp - r, cfg.micro_batches)
+                    # without a pipeline micro-batches run one after another (gradient accumulation)
+                    n = (1 if cfg.pp == 1 else cfg.micro_batches if cfg.schedule == "gpipe"
+                         else min(cfg.pp - r, cfg.micro_batches))
                     flight.append(np.array([[float(n)]]))
                 else:
                     cnt, recs = [0] * cfg.v, []

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import fsdp_extra_parts, zero_state_bytes
+from planner.memory import fsdp_extra_parts, largest_param_on_device, step_bytes, zero_state_bytes
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
@@ -118,8 +118,13 @@ class StageCosts:
         act = act + e_sum("activation_bytes")
         P = k * blk[0].params + sum(x.params for x in ends)
         dp, e = cfg.dp, ctx.e
+        accum = 0.0
+        if dp == 1 and cfg.micro_batches > 1:  # autograd's gradient accumulation (planner.memory)
+            m = ctx.model
+            index = [1] * (k > 0) + [0] * emb + [m.layers + 1] * head
+            accum = ctx.gb * max((largest_param_on_device(m, j, cfg.tp) for j in index), default=0.0)
         n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
-        arr = np.empty((11, n_all))
+        arr = np.empty((12, n_all))
         at = 0
         for z in self.zeros:
             ag = self.ag(P * e) if (z == 3 and dp > 1) else 0.0
@@ -137,18 +142,20 @@ class StageCosts:
             fixed = P * sum(self._state(z))
             held, transient = fsdp_extra_parts(z, dp, cfg.micro_batches, [blk[0].params] * k,
                                                sum(x.params for x in ends), ctx.pb, ctx.gb, ctx.spb)
+            transient += accum  # planner.memory.accumulation_bytes
             fixed += held
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed += P * ctx.pb
+            step = sum(step_bytes(ctx.train, z, dp, P))  # the optimizer step's moment
             fixed += self.head_logits if head else 0.0
             sl = slice(at, at + len(keep))
             at += len(keep)
             for row, val in enumerate((f, b[keep], sync, opt, gather, fixed, act[keep], replay[keep], z, keep,
-                                       transient)):
+                                       transient, step)):
                 arr[row, sl] = val
         arr = arr[:, :at]
-        menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo", "transient"),
-                        arr))
+        menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo", "transient",
+                         "step"), arr))
         menu["combo"] = menu["combo"].astype(int)
         menu["cb"] = cb
         menu["c"] = cfg.micro_batches * (menu["f"] + menu["b"]) + menu["sync"] + menu["opt"] + menu["gather"]
@@ -251,7 +258,8 @@ class StageCosts:
             acts = np.array([mn["act"][i] for _, mn, i in mine])
             peak = float((self.flight[r] @ acts).max())
             rep = max(mn["replay"][i] + mn["transient"][i] for _, mn, i in mine)  # one stage computes at a time
-            if fixed + peak + rep + self.act_grad > self.ctx.lim_eff * (1 + TOL):
+            step = sum(mn["step"][i] for _, mn, i in mine) + sum(self.recv[r::p])
+            if max(fixed + peak + rep + self.act_grad, step) > self.ctx.lim_eff * (1 + TOL):
                 return None
         return max(lb1, lb2)
 

@@ -46,7 +46,9 @@ class _Stage(PipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self._zero not in (2, 3) or backward_type != "full":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        self.submod.set_is_last_backward(False)
+        # the last micro-batch's backward ends FSDP2's backward: it releases its last reduce-scatter
+        # input then, which it keeps between micro-batches
+        self.submod.set_is_last_backward(last_backward)
         self.submod.set_reshard_after_backward(self._zero == 3)
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])

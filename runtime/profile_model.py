@@ -159,7 +159,7 @@ def _time_passes(chunk, kind, x, targets, loss, repeats, sync=None, zero=0):
 
 def _time_optimizer(params, repeats) -> float:
     from runtime.optim import clip_grad_norm
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
     def one():
         t0 = time.perf_counter()
@@ -338,7 +338,7 @@ def profile_model(args) -> dict | None:
             "activation_bytes": "measured: bytes one forward allocates and keeps until its backward, output "
                                 f"included ({_cpu_counter_name()})",
             "optimizer_s": "measured: runtime.optim.clip_grad_norm (local work: reduce=False) + "
-                           "AdamW(foreach=False).step on the layer's parameters, as the runtime runs them on CPU; "
+                           "AdamW(foreach=True).step on the layer's parameters, as the runtime runs them; "
                            "the norm's all-reduces happen once per step, priced by planner.cost",
             "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
                         "one of the model's blocks per stage at micro-batch 1; the per-operation overhead that makes "

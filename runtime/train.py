@@ -137,9 +137,10 @@ class Trainer:
         self.dtype = compute_dtype(plan, args, device)
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         t = plan.training
-        foreach = device.type == "cuda"
+        # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
+        # its temporaries: planner.precision.optimizer_temp_bytes)
         self.optimizers = [torch.optim.AdamW(c.parameters(), lr=t.lr, betas=BETAS, weight_decay=t.weight_decay,
-                                             foreach=foreach) for c in self.chunks]
+                                             foreach=True) for c in self.chunks]
         self.schedule = None
         if m.pp > 1:
             self.schedule = build_schedule(plan, self.chunks, self.stage_ids, self.mesh["pp"].get_group(), device,
