@@ -6,6 +6,7 @@ import json
 import sys
 
 from planner.cluster import load_cluster
+from planner.args import OneLineParser, positive_int, positive_number
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import SCHEDULES, Plan
@@ -15,15 +16,6 @@ from planner.report import describe_plan, estimate_table
 
 GiB = 2**30
 
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-    return v
 
 
 def _cluster_for(args):
@@ -79,13 +71,27 @@ def cmd_plan(args) -> int:
         recv_buffers=args.recv_buffers, p2p=args.p2p, overlap_grad_reduce=not args.no_overlap_grad_reduce,
         async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies)
+    for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
+                           (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
+        if asked:
+            print(f"trident: note: {ignored}", file=sys.stderr)
     plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args))
     if args.output:
         plan.write(args.output)
     _print_estimate(plan, est, args.json)
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
-    return 0
+    written = f" ({args.output} is written for `trident run --force`)" if args.output else ""
+    return _fits_or_say(est, "raise --zero, --tp or --pp, use --recompute, or lower --micro-batch" + written)
+
+
+def _fits_or_say(est, fix: str) -> int:
+    """0 when the estimate fits; else one line on stderr (after the estimate) and exit status 3."""
+    if est.fits:
+        return 0
+    print(f"trident: error: the plan needs {est.required_bytes / GiB:.1f} GiB per device and the device has "
+          f"{est.memory_limit_bytes / GiB:.1f}; {fix}", file=sys.stderr)
+    return 3
 
 
 def cmd_estimate(args) -> int:
@@ -98,7 +104,8 @@ def cmd_estimate(args) -> int:
     limit = args.memory_limit * GiB if args.memory_limit else None
     est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=_model_profile(args))
     _print_estimate(plan, est, args.json)
-    return 0
+    return _fits_or_say(est, "search for one that fits (`trident search`) or change its degrees, ZeRO levels "
+                        "or recomputation")
 
 
 def _search_row(i, found) -> dict:
@@ -179,27 +186,27 @@ def _add_problem_args(p) -> None:
     p.add_argument("--model", required=True, help="zoo name, model JSON, or Hugging Face config.json")
     p.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--gpus", type=_positive_int)
-    g.add_argument("--nodes", type=_positive_int)
-    p.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
+    g.add_argument("--gpus", type=positive_int)
+    g.add_argument("--nodes", type=positive_int)
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="trident", description="Plan, predict and run parallel training of large models.")
+    ap = OneLineParser(prog="trident", description="Plan, predict and run parallel training of large models.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="build a hand-made plan and predict it")
     _add_problem_args(p)
-    p.add_argument("--micro-batch", type=_positive_int, required=True, help="sequences per micro-batch")
-    p.add_argument("--tp", type=_positive_int, default=1)
-    p.add_argument("--pp", type=_positive_int, default=1)
-    p.add_argument("--dp", type=_positive_int, default=None, help="default: GPUs / (tp x pp)")
+    p.add_argument("--micro-batch", type=positive_int, required=True, help="sequences per micro-batch")
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--pp", type=positive_int, default=1)
+    p.add_argument("--dp", type=positive_int, default=None, help="default: GPUs / (tp x pp)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--virtual-stages", type=_positive_int, default=1, help="model chunks per pipeline rank (1: none)")
+    p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (1: none)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
-    p.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's seq_len")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's seq_len")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce data-parallel gradients after the whole backward (Megatron-LM v2 local DDP, DeepSpeed pipeline)")
@@ -227,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
-    p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
+    p.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", help="write the plan file here")
     p.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
@@ -237,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="predict a plan file")
     e.add_argument("plan")
     e.add_argument("--cluster", help="price with this profile instead of the plan's")
-    e.add_argument("--memory-limit", type=float, default=None, help="GiB per device")
+    e.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device")
     e.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     e.add_argument("--json", action="store_true")
@@ -245,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("search", help="find the fastest plan that fits and write it")
     _add_problem_args(s)
-    s.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's seq_len")
-    s.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
-    s.add_argument("--top", type=_positive_int, default=5, help="show the best and the next K-1 plans")
+    s.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's seq_len")
+    s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
+    s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     s.add_argument("-o", "--output", help="write the best plan here")
     s.add_argument("--model-profile", default=None,

@@ -30,7 +30,6 @@ Measured curves, where a profile has them, replace the straight lines:
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +37,8 @@ import networkx as nx
 
 from planner.device import DeviceSpec, _curve, _interp, _num, device_from_dict  # noqa: F401 (DeviceSpec: re-exported)
 from planner.model import ConfigError
+from planner.profile_checks import (PROFILE_KEYS, check_finite, check_keys, check_node_of_rank, check_segments,
+                                    is_int, read_json)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 TIERS = ("intra_node", "inter_node")
@@ -191,14 +192,22 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a JSON object")
     fv = d.get("format_version")
-    if fv != 1:
+    if not is_int(fv) or fv != 1:
         raise ConfigError(f"{source}: format_version {fv!r} is not supported (this trident reads 1); "
                           "re-run `trident profile cluster` or use a shipped profile")
+    check_keys(d, PROFILE_KEYS, f"{source}: ")
     for key in ("name", "devices_per_node", "device", "collectives"):
         if key not in d:
             raise ConfigError(f"{source}: missing field {key!r}")
+    check_finite(d, source)
+    for key in ("name", "description", "kind"):
+        if key in d and not isinstance(d[key], str):
+            raise ConfigError(f"{source}: {key} {d[key]!r} must be a string")
+    for key in ("tiers", "sources", "sweep"):
+        if key in d and not isinstance(d[key], dict):
+            raise ConfigError(f"{source}: {key} must be an object")
     dpn = d["devices_per_node"]
-    if not isinstance(dpn, int) or dpn < 1:
+    if not is_int(dpn) or dpn < 1:
         raise ConfigError(f"{source}: devices_per_node {dpn!r} must be a positive integer")
     device = device_from_dict(d["device"], f"{source}: device")
     coll = d["collectives"]
@@ -215,9 +224,12 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
             if not isinstance(ab, dict):
                 raise ConfigError(f"{wt}: missing; give alpha_s and bus_bandwidth_bytes_per_s")
             by_n, segs = {}, {}
+            if not isinstance(ab.get("by_group_size") or {}, dict):
+                raise ConfigError(f"{wt}.by_group_size: expected an object of group size -> "
+                                  "{alpha_s, bus_bandwidth_bytes_per_s}")
             for n, v in (ab.get("by_group_size") or {}).items():
                 wn = f"{wt}.by_group_size.{n}"
-                if not str(n).isdigit() or not isinstance(v, dict):
+                if not str(n).isdigit() or int(n) < 1 or not isinstance(v, dict):
                     raise ConfigError(f"{wn}: expected a group size mapped to an object with alpha_s and "
                                       "bus_bandwidth_bytes_per_s")
                 by_n[int(n)] = (_num(v, "alpha_s", wn, positive=False), _num(v, "bus_bandwidth_bytes_per_s", wn))
@@ -235,27 +247,29 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                             up = _num(sg, "up_to_bytes", ws)
                         segs[int(n)].append((up, _num(sg, "alpha_s", ws, positive=False),
                                              _num(sg, "bus_bandwidth_bytes_per_s", ws)))
+                    check_segments(segs[int(n)], f"{wn}.segments")
             by_size = (_curve(ab["bus_bandwidth_by_size"], f"{wt}.bus_bandwidth_by_size", "bytes", "busbw")
                        if "bus_bandwidth_by_size" in ab else ())
             collectives[op][tier] = AlphaBeta(_num(ab, "alpha_s", wt, positive=False),
                                               _num(ab, "bus_bandwidth_bytes_per_s", wt), by_n, segs, by_size)
-    topo = d.get("topology")
-    node_of_rank = None
-    if topo is not None:
-        node_of_rank = topo.get("node_of_rank") if isinstance(topo, dict) else None
-        if not isinstance(node_of_rank, list) or not all(isinstance(x, int) for x in node_of_rank):
-            raise ConfigError(f"{source}: topology.node_of_rank must be a list of node indices, one per rank")
     slots = d.get("compute_slots")
     if slots is not None:
         slots = _num(d, "compute_slots", source)
     nodes = d.get("nodes")
-    if nodes is not None and (not isinstance(nodes, int) or nodes < 1):
+    if nodes is not None and (not is_int(nodes) or nodes < 1):
         raise ConfigError(f"{source}: nodes {nodes!r} must be a positive integer or null")
+    topo = d.get("topology")
+    node_of_rank = None if topo is None else check_node_of_rank(topo, nodes, dpn, f"{source}: topology")
+    # compute time while communication overlaps it over the time alone (runtime/profile.py): >= 1
+    slow = d.get("overlap_slowdown", 1.0)
+    if not isinstance(slow, (int, float)) or isinstance(slow, bool) or not slow >= 1:
+        raise ConfigError(f"{source}: overlap_slowdown {slow!r} must be a number >= 1 (compute time with "
+                          "communication overlapping it over the time alone); 1 for no slowdown")
     return ClusterSpec(
-        name=str(d["name"]), devices_per_node=dpn, device=device, collectives=collectives, nodes=nodes,
+        name=d["name"], devices_per_node=dpn, device=device, collectives=collectives, nodes=nodes,
         description=str(d.get("description", "")), kind=str(d.get("kind", "datasheet")),
         tiers=d.get("tiers", {}), sources=d.get("sources", {}), node_of_rank=node_of_rank,
-        overlap_slowdown=float(d.get("overlap_slowdown", 1.0)), compute_slots=slots, raw=d)
+        overlap_slowdown=float(slow), compute_slots=slots, raw=d)
 
 
 def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:
@@ -267,11 +281,7 @@ def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:
     if not path.exists():
         known = sorted(p.stem for p in directory.glob("*.json"))
         raise ConfigError(f"{flag}: {spec!r} is neither a file nor a profile in {directory} ({', '.join(known)})")
-    text = path.read_bytes()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{flag}: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    text, data = read_json(path, flag)
     return path, data, "sha256:" + hashlib.sha256(text).hexdigest()
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -17,18 +18,52 @@ def read_run(path) -> dict:
         run = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"run: cannot read {path} ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"run: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"run: {path} is not valid JSON ({getattr(exc, 'msg', exc.reason)}); give the run.json "
+                          "that `trident run` wrote") from None
     if not isinstance(run, dict):
         raise ConfigError(f"run: {path} must hold a JSON object")
     for key in RUN_KEYS:
         if key not in run:
             raise ConfigError(f"run.{key}: missing in {path}; it must be a run record written by runtime.train")
+    bad = lambda key, what: ConfigError(f"run.{key}: {run[key]!r} in {path} must be {what}; give the run.json "
+                                        "that `trident run` wrote")
+    if not _is_count(run["warmup_steps"]):
+        raise bad("warmup_steps", "a non-negative integer")
+    for key, low in (("step_times_s", 0.0), ("peak_memory_bytes_per_rank", -1.0), ("losses", None)):
+        if not isinstance(run[key], list) or not all(_is_number(x, low) for x in run[key]):
+            raise bad(key, "a list of numbers" + (" above 0" if low == 0.0 else " of at least 0" if low else ""))
+    if not _is_number(run["peak_memory_bytes"], -1.0):
+        raise bad("peak_memory_bytes", "a number of at least 0")
+    if "world_size" in run and not (_is_count(run["world_size"]) and run["world_size"] > 0):
+        raise bad("world_size", "a positive integer")
     steps = run["step_times_s"]
-    if not isinstance(steps, list) or len(steps) <= run["warmup_steps"]:
-        raise ConfigError(f"run.step_times_s: {path} has {len(steps) if isinstance(steps, list) else 0} steps, "
+    if len(steps) <= run["warmup_steps"]:
+        raise ConfigError(f"run.step_times_s: {path} has {len(steps)} steps, "
                           f"not more than its {run['warmup_steps']} warm-up steps; run more steps")
     return run
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v, above: float | None = None) -> bool:
+    """A finite number (not a bool), greater than `above` when given."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return ok and (above is None or v > above)
+
+
+def check_prediction(prediction) -> None:
+    """The parts of a plan's prediction compare reads; errors say how to get a fresh one."""
+    fix = "re-price the plan: pass --cluster-profile (and --model-profile if it was priced with one)"
+    if not isinstance(prediction, dict):
+        raise ConfigError(f"prediction: {prediction!r} is not an estimate; {fix}")
+    for key in ("step_time_s", "peak_memory_bytes"):
+        if not _is_number(prediction.get(key), 0.0):
+            raise ConfigError(f"prediction.{key}: {prediction.get(key)!r} must be a number above 0; {fix}")
+    if not isinstance(prediction.get("breakdown"), dict):
+        raise ConfigError(f"prediction.breakdown: {prediction.get('breakdown')!r} must be an object; {fix}")
 
 
 def compare(plan: Plan, run: dict, prediction: dict) -> dict:
@@ -37,6 +72,11 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
     if run.get("world_size") not in (None, plan.mesh.world_size):
         raise ConfigError(f"run.world_size: {run['world_size']} but the plan has {plan.mesh.world_size} ranks; "
                           "compare a run with the plan it ran")
+    per_rank = run["peak_memory_bytes_per_rank"]
+    if per_rank and len(per_rank) != plan.mesh.world_size:
+        raise ConfigError(f"run.peak_memory_bytes_per_rank: {len(per_rank)} entries but the plan has "
+                          f"{plan.mesh.world_size} ranks; compare a run with the plan it ran")
+    check_prediction(prediction)
     if run.get("plan_hash") not in (None, plan.content_hash()):
         raise ConfigError("run.plan_hash: this run was made from a different plan; compare it with the plan it ran")
     if run.get("dtype") not in (None, plan.training.dtype):
@@ -47,7 +87,6 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
     measured_step = statistics.median(timed)
     tokens = plan.training.global_batch * plan.training.seq_len
     pred_step = prediction["step_time_s"]
-    per_rank = run["peak_memory_bytes_per_rank"]
     measured_stage = {}
     for rank, b in enumerate(per_rank):
         pp = plan.mesh.coords(rank)["pp"]

@@ -9,15 +9,16 @@ Entry point `main(argv) -> int` (0, or 2 with one line on stderr on bad input).
 """
 from __future__ import annotations
 
-import argparse
 import json
+from pathlib import Path
 import sys
 
 from planner.model import ConfigError
+from planner.args import OneLineParser
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="trident compare", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="trident compare", description=__doc__.splitlines()[0])
     ap.add_argument("plan")
     ap.add_argument("run")
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
@@ -43,7 +44,10 @@ def price(plan, args):
             except ConfigError:
                 pass
         return plan.prediction, timeline
-    cluster = load_cluster(args.cluster_profile or plan.cluster.name)
+    try:
+        cluster = load_cluster(args.cluster_profile or plan.cluster.name)
+    except ConfigError as exc:  # the option here is --cluster-profile
+        raise ConfigError(str(exc).replace("--cluster:", "--cluster-profile:", 1)) from None
     if plan.cluster.profile_hash and cluster.profile_hash != plan.cluster.profile_hash and not args.allow_other_profile:
         raise ConfigError(f"cluster.profile_hash: the plan was priced with another {plan.cluster.name} profile "
                           f"({plan.cluster.profile_hash[:19]}...); pass that profile with --cluster-profile or "
@@ -57,12 +61,26 @@ def price(plan, args):
     return est.to_dict(), est.timeline
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
+def check_plot_path(path) -> None:
+    if path is None:
+        return
+    p = Path(path)
+    if p.suffix.lower() not in PLOT_FORMATS:
+        raise ConfigError(f"--plot: {path} must end in {', '.join(PLOT_FORMATS)} (the picture's format)")
+    if not p.parent.is_dir():
+        raise ConfigError(f"--plot: the directory {p.parent} does not exist; create it or write elsewhere")
+
+
 def main(argv=None) -> int:
     from planner.compare import compare, comparison_table, plot, read_run
     from planner.plan import Plan
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_plot_path(args.plot)
         plan = Plan.read(args.plan)
         run = read_run(args.run)
         prediction, timeline = price(plan, args)
@@ -71,7 +89,11 @@ def main(argv=None) -> int:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2
     if args.plot:
-        plot(result, timeline, args.plot)
+        try:
+            plot(result, timeline, args.plot)
+        except OSError as exc:
+            print(f"trident: error: --plot: cannot write {args.plot} ({exc.strerror})", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -29,14 +29,19 @@ import math
 from dataclasses import dataclass, field
 
 from planner.model import ConfigError
+from planner.profile_checks import check_keys
 
 FUSED_ATTENTION_DTYPES = ("fp16", "bf16")  # what FlashAttention kernels run
+DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth_bytes_per_s",
+               "memory_bandwidth_efficiency", "reserved_bytes", "allocator_overhead_fraction",
+               "matmul_flops_by_size", "attention_flops", "attention_flops_by_seq")
 
 
 def _num(d: dict, key: str, where: str, positive: bool = True) -> float:
     v = d.get(key)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or (positive and v <= 0) or v < 0:
-        raise ConfigError(f"{where}.{key}: {v!r} must be a {'positive ' if positive else 'non-negative '}number")
+    if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (positive and v <= 0)
+            or v < 0):
+        raise ConfigError(f"{where}.{key}: {v!r} must be a finite {'positive' if positive else 'non-negative'} number")
     return float(v)
 
 
@@ -44,7 +49,7 @@ def _curve(points, where: str, x: str, y: str) -> tuple:
     """A measured curve [[x, y], ...]: at least two points, positive, x strictly ascending."""
     ok = isinstance(points, list) and len(points) >= 2 and all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                                                     for v in p) for p in points)
+                                                     and math.isfinite(v) for v in p) for p in points)
     if not ok:
         raise ConfigError(f"{where}: expected a list of at least two [{x}, {y}] pairs of positive numbers")
     if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
@@ -64,6 +69,18 @@ def _interp(curve: tuple, x: float, log_y: bool) -> float:
     return curve[-1][1]
 
 
+class PerDtype(dict):
+    """dtype -> rate; a dtype the profile does not give is a ConfigError at the point of use."""
+
+    def need(self, dtype: str) -> None:
+        if dtype not in self:
+            self.__missing__(dtype)
+
+    def __missing__(self, dtype):
+        raise ConfigError(f"device.peak_flops: no entry for {dtype} (the cluster profile has {', '.join(self)}); "
+                          f"add one to the profile or plan with --dtype {next(iter(self), dtype)}")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str
@@ -78,6 +95,11 @@ class DeviceSpec:
     attention_flops: dict = field(default_factory=dict)  # dtype -> fused attention FLOP/s, measured
     attention_by_seq: dict = field(default_factory=dict)  # kernel -> ((head_dim, curve), ...), causal
 
+    def __post_init__(self):
+        for f in ("peak_flops", "matmul_efficiency"):
+            if not isinstance(getattr(self, f), PerDtype):
+                object.__setattr__(self, f, PerDtype(getattr(self, f)))
+
     def matmul_flops_per_s(self, dtype: str) -> float:
         return self.peak_flops[dtype] * self.matmul_efficiency[dtype]
 
@@ -86,6 +108,7 @@ class DeviceSpec:
         """Achieved FLOP/s of fused attention with the causal mask, forward and backward together:
         the measured curve of `kernel` at (seq_len, head_dim) where the profile has one (module
         doc), else `attention_flops`, else matmul_flops_per_s."""
+        self.peak_flops.need(dtype)
         curves = self.attention_by_seq.get(kernel)
         if curves and dtype in FUSED_ATTENTION_DTYPES and seq_len is not None and head_dim is not None:
             return _between_head_dims(curves, float(seq_len), float(head_dim))
@@ -98,7 +121,7 @@ class DeviceSpec:
         """Achieved FLOP/s of an M x K by K x N product: the measured curve at the edge of the
         square product of equal arithmetic intensity, 3MNK / (MK + KN + MN), where the profile
         has one for `dtype` (module doc), else matmul_flops_per_s."""
-        curve = self.matmul_by_size.get(dtype)
+        curve = self.matmul_by_size.get(dtype)  # only for dtypes of peak_flops (_matmul_curves)
         if not curve:
             return self.matmul_flops_per_s(dtype)
         M, N, K = float(M), float(N), float(K)
@@ -175,6 +198,9 @@ def device_from_dict(dv, w: str) -> DeviceSpec:
     """Parse and check a profile's `device` object; errors name the field."""
     if not isinstance(dv, dict):
         raise ConfigError(f"{w}: expected an object")
+    check_keys(dv, DEVICE_KEYS, f"{w}.")
+    if not isinstance(dv.get("name", ""), str):
+        raise ConfigError(f"{w}.name: {dv['name']!r} must be a string")
     peak, eff = dv.get("peak_flops"), dv.get("matmul_efficiency")
     if not isinstance(peak, dict) or not peak:
         raise ConfigError(f"{w}.peak_flops: expected an object of dtype -> FLOP/s")
@@ -185,8 +211,14 @@ def device_from_dict(dv, w: str) -> DeviceSpec:
         e = _num(eff, k, f"{w}.matmul_efficiency")
         if e > 1:
             raise ConfigError(f"{w}.matmul_efficiency.{k}: {e} is above 1; it is achieved / peak")
+    if _num(dv, "memory_bandwidth_efficiency", w) > 1:
+        raise ConfigError(f"{w}.memory_bandwidth_efficiency: {dv['memory_bandwidth_efficiency']} is above 1; "
+                          "it is achieved / peak bandwidth, in (0, 1]")
+    if "allocator_overhead_fraction" in dv and _num(dv, "allocator_overhead_fraction", w, positive=False) >= 1:
+        raise ConfigError(f"{w}.allocator_overhead_fraction: {dv['allocator_overhead_fraction']} must be below 1; "
+                          "it is the share of the memory lost to fragmentation, in [0, 1)")
     return DeviceSpec(
-        name=str(dv.get("name", "unknown")),
+        name=dv.get("name", "unknown"),
         memory_bytes=int(_num(dv, "memory_bytes", w)),
         peak_flops={k: float(v) for k, v in peak.items()},
         matmul_efficiency={k: float(v) for k, v in eff.items()},

@@ -19,7 +19,6 @@ Formulas and their sources:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +31,22 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 ATTENTION_KERNELS = ("flash", "flash-triton", "unfused")
 # the runtime's cross-entropy (runtime/loss.py) runs its float32 work on this many row chunks
 LOSS_CHUNKS = 4
+# bounds far above any real model (Llama 3 405B: 126 layers): a typo would run the planner for minutes
+MAX_SIZE = {"layers": 10_000, "hidden": 1_000_000, "ffn_hidden": 10_000_000, "heads": 100_000,
+            "kv_heads": 100_000, "vocab": 100_000_000, "seq_len": 100_000_000, "head_dim": 100_000}
 
 
 class ConfigError(ValueError):
     """A bad model, cluster or plan input; the message names the field and the fix."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    """A finite JSON number (not a bool, NaN or infinity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -66,10 +77,20 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"model.{fld}: {msg}")
 
+        need(isinstance(self.name, str) and self.name, "name", f"is {self.name!r}; it must be a non-empty string")
         need(self.arch in ARCHS, "arch", f"is {self.arch!r}; use one of {', '.join(ARCHS)}")
-        for f in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len"):
+        sizes = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len")
+        for f in sizes + (("head_dim",) if self.head_dim is not None else ()):
             v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f, f"is {v!r}; it must be a positive integer")
+            need(_is_int(v) and v > 0, f, f"is {v!r}; it must be a positive integer")
+            need(v <= MAX_SIZE[f], f, f"is {v}; at most {MAX_SIZE[f]}, far above any real model; check the value")
+        for f in ("tie_embeddings", "qkv_bias"):
+            v = getattr(self, f)
+            need(isinstance(v, bool), f, f"is {v!r}; it must be true or false")
+        need(_is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps",
+             f"is {self.norm_eps!r}; it must be a number between 0 and 1 (exclusive), e.g. 1e-5")
+        need(_is_real(self.rope_theta) and self.rope_theta > 0, "rope_theta",
+             f"is {self.rope_theta!r}; it must be a positive number, e.g. 10000.0")
         need(self.heads % self.kv_heads == 0, "kv_heads",
              f"{self.kv_heads} does not divide heads={self.heads}; grouped-query attention needs heads to be a multiple of kv_heads")
         if self.head_dim is None:
@@ -307,31 +328,52 @@ ZOO: dict[str, ModelConfig] = {m.name: m for m in [
 ]}
 
 
-def from_hf_config(cfg: dict, name: str = "hf-model") -> ModelConfig:
-    """Map a Hugging Face config.json (model_type llama, mistral, qwen2 or gpt2) to a ModelConfig."""
+def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json") -> ModelConfig:
+    """Map a Hugging Face config.json (model_type llama, mistral, qwen2 or gpt2) to a ModelConfig.
+    A key given as null counts as absent (Hugging Face's own convention), except for required keys."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
     mt = cfg.get("model_type")
-    try:
-        if mt in ("llama", "mistral", "qwen2"):
-            heads = cfg["num_attention_heads"]
-            return ModelConfig(
-                name=name, arch="llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                ffn_hidden=cfg["intermediate_size"], heads=heads,
-                kv_heads=cfg.get("num_key_value_heads") or heads, vocab=cfg["vocab_size"],
-                seq_len=cfg.get("max_position_embeddings", 4096),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
-                head_dim=cfg.get("head_dim") if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads) else None,
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)))
-        if mt == "gpt2":
-            h = cfg["n_embd"]
-            return ModelConfig(
-                name=name, arch="gpt", layers=cfg["n_layer"], hidden=h, ffn_hidden=cfg.get("n_inner") or 4 * h,
-                heads=cfg["n_head"], kv_heads=cfg["n_head"], vocab=cfg["vocab_size"], seq_len=cfg["n_positions"],
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)))
-    except KeyError as exc:
-        raise ConfigError(f"config.json: missing {exc.args[0]!r}, which a {mt} config must have") from None
-    raise ConfigError(f"config.json: model_type {mt!r} is not supported; use llama, mistral, qwen2 or gpt2")
+
+    def get(key, check, what, default=...):
+        v = cfg.get(key)
+        if v is None:
+            if default is not ...:
+                return default
+            if key in cfg:
+                raise ConfigError(f"{where}: {key}: is null; it must be {what}")
+            raise ConfigError(f"{where}: missing {key!r}, which a {mt} config must have")
+        if not check(v):
+            raise ConfigError(f"{where}: {key}: is {v!r}; it must be {what}")
+        return v
+
+    def pos_int(key, default=...):
+        return get(key, lambda v: _is_int(v) and v > 0, "a positive integer", default)
+
+    def eps(key):
+        return float(get(key, lambda v: _is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", 1e-5))
+
+    def flag(key, default):
+        return get(key, lambda v: isinstance(v, bool), "true or false", default)
+
+    if mt in ("llama", "mistral", "qwen2"):
+        heads, hidden = pos_int("num_attention_heads"), pos_int("hidden_size")
+        head_dim = pos_int("head_dim", None)
+        kw = dict(arch="llama", layers=pos_int("num_hidden_layers"), hidden=hidden,
+                  ffn_hidden=pos_int("intermediate_size"), heads=heads, kv_heads=pos_int("num_key_value_heads", heads),
+                  vocab=pos_int("vocab_size"), seq_len=pos_int("max_position_embeddings", 4096),
+                  tie_embeddings=flag("tie_word_embeddings", False),
+                  qkv_bias=(mt == "qwen2") or flag("attention_bias", False),
+                  head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
+                  rope_theta=float(get("rope_theta", lambda v: _is_real(v) and v > 0, "a positive number", 10000.0)))
+    elif mt == "gpt2":
+        h, heads = pos_int("n_embd"), pos_int("n_head")
+        kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
+                  heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions"),
+                  tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"))
+    else:
+        raise ConfigError(f"{where}: model_type {mt!r} is not supported; use llama, mistral, qwen2 or gpt2")
+    return ModelConfig(name=name, **kw)
 
 
 def load_model(spec: str) -> ModelConfig:
@@ -341,12 +383,11 @@ def load_model(spec: str) -> ModelConfig:
     path = Path(spec)
     if not path.exists():
         raise ConfigError(f"--model: {spec!r} is neither a zoo model ({', '.join(ZOO)}) nor a file")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model: cannot read {path} as JSON ({exc})") from None
+    from planner.profile_checks import read_json  # it imports this module
+    _, data = read_json(path, "--model")
     if isinstance(data, dict) and "model_type" in data:
-        return from_hf_config(data, name=path.parent.name if path.name == "config.json" else path.stem)
+        name = path.resolve().parent.name if path.name == "config.json" else path.stem
+        return from_hf_config(data, name=name or "hf-model", where=str(path))
     if isinstance(data, dict) and "name" not in data:
         data = {"name": path.stem, **data}
     return ModelConfig.from_dict(data, where=str(path))

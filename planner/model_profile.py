@@ -347,6 +347,10 @@ def load_model_profile(spec) -> ModelProfile:
     """A path, or a name under profiles/models/."""
     from planner.cluster import read_profile
     path, data, digest = read_profile(spec, PROFILE_DIR, "--model-profile")
-    prof = model_profile_from_dict(data, source=str(path))
+    try:
+        prof = model_profile_from_dict(data, source=str(path))
+    except ConfigError as exc:
+        raise ConfigError(f"--model-profile: {path} is not a model profile as `trident profile model` writes "
+                          f"them ({exc})") from None
     prof.profile_hash = digest
     return prof

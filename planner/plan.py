@@ -256,7 +256,11 @@ class Plan:
         return dumps(self.to_dict())
 
     def write(self, path) -> None:
-        Path(path).write_text(self.to_json())
+        try:
+            Path(path).write_text(self.to_json())
+        except OSError as exc:
+            raise ConfigError(f"-o/--output: cannot write the plan to {path} ({exc.strerror}); "
+                              "give a file path in an existing directory") from None
 
     def content_hash(self) -> str:
         """sha256 of what the runtime executes (the plan without its prediction)."""
@@ -303,6 +307,9 @@ class Plan:
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError(f"plan: cannot read {path} ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"plan: {path} is not a text (UTF-8) file; give the plan.json that "
+                              "`trident plan` or `trident search` wrote") from None
         return cls.from_json(text, source=str(path))
 
     # ------------------------------------------------------------ validation

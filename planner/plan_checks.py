@@ -8,25 +8,31 @@ from planner.plan import (DTYPES, GRAD_ACCUMULATION, MESH_DIMS, RECV_BUFFERS, SC
 from planner.pointwise import ELEMENTWISE_KERNELS
 
 
+# the most micro-batches a step may have: the schedule simulator plays every one (about 0.1 s per
+# thousand on one core); far above real runs (a 2048-sequence batch, dp 1, micro-batch 1: 2048)
+MAX_MICRO_BATCHES = 65536
+
+
+def _one_of(value, options, path: str) -> None:
+    _need(isinstance(value, str) and value in options, path, f"{value!r}; use one of {', '.join(options)}")
+
+
 def check(plan) -> None:
     """Raise ConfigError naming the first field of `plan` that is wrong and how to fix it."""
     m, t, c, mesh, p = plan.model, plan.training, plan.cluster, plan.mesh, plan.pipeline
-    for name in ("global_batch", "micro_batch", "seq_len", "seed"):
+    for name in ("global_batch", "micro_batch", "seq_len"):
         v = getattr(t, name)
-        _need(_is_int(v) and (v > 0 or name == "seed") and v >= 0, f"training.{name}",
-              f"{v!r} must be a positive integer")
-    _need(t.dtype in DTYPES, "training.dtype", f"{t.dtype!r}; use one of {', '.join(DTYPES)}")
+        _need(_is_int(v) and v > 0, f"training.{name}", f"{v!r} must be a positive integer")
+    _need(_is_int(t.seed) and t.seed >= 0, "training.seed", f"{t.seed!r} must be a non-negative integer")
+    _one_of(t.dtype, DTYPES, "training.dtype")
     _need(t.optimizer == "adamw", "training.optimizer", f"{t.optimizer!r}; only adamw is supported")
-    _need(t.attention in ATTENTION_KERNELS, "training.attention",
-          f"{t.attention!r}; use one of {', '.join(ATTENTION_KERNELS)}")
+    _one_of(t.attention, ATTENTION_KERNELS, "training.attention")
     _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
     _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")
-    _need(t.elementwise_kernels in ELEMENTWISE_KERNELS, "training.elementwise_kernels",
-          f"{t.elementwise_kernels!r}; use one of {', '.join(ELEMENTWISE_KERNELS)}")
-    _need(t.grad_accumulation in GRAD_ACCUMULATION, "training.grad_accumulation",
-          f"{t.grad_accumulation!r}; use one of {', '.join(GRAD_ACCUMULATION)}")
+    _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
+    _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     for name in ("lr", "weight_decay", "grad_clip", "dropout"):
         v = getattr(t, name)
         _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, f"training.{name}",
@@ -37,10 +43,15 @@ def check(plan) -> None:
     for name in ("nodes", "devices_per_node"):
         v = getattr(c, name)
         _need(_is_int(v) and v > 0, f"cluster.{name}", f"{v!r} must be a positive integer")
+    for name in ("name", "device", "profile_hash"):
+        v = getattr(c, name)
+        _need(isinstance(v, str) and (v or name == "profile_hash"), f"cluster.{name}",
+              f"{v!r} must be a{'' if name == 'profile_hash' else ' non-empty'} string")
     for dim in MESH_DIMS:
         v = mesh.size(dim)
         _need(_is_int(v) and v > 0, f"mesh.{dim}", f"{v!r} must be a positive integer")
-    _need(isinstance(mesh.order, list) and sorted(mesh.order) == sorted(MESH_DIMS), "mesh.order",
+    _need(isinstance(mesh.order, list) and all(isinstance(d, str) for d in mesh.order)
+          and sorted(mesh.order) == sorted(MESH_DIMS), "mesh.order",
           f"{mesh.order!r} must list pp, dp and tp once each, outermost first")
     _need(mesh.world_size == c.world_size, "mesh",
           f"pp*dp*tp = {mesh.pp}*{mesh.dp}*{mesh.tp} = {mesh.world_size} but the cluster has "
@@ -52,7 +63,7 @@ def check(plan) -> None:
     _need(t.global_batch % (mesh.dp * t.micro_batch) == 0, "training.global_batch",
           f"{t.global_batch} is not divisible by dp x micro_batch = {mesh.dp} x {t.micro_batch}; "
           f"use a multiple of {mesh.dp * t.micro_batch}")
-    _need(p.schedule in SCHEDULES, "pipeline.schedule", f"{p.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    _one_of(p.schedule, SCHEDULES, "pipeline.schedule")
     _need(_is_int(p.virtual_stages) and p.virtual_stages >= 1, "pipeline.virtual_stages",
           f"{p.virtual_stages!r} must be a positive integer")
     if p.virtual_stages > 1:
@@ -62,10 +73,14 @@ def check(plan) -> None:
     _need(isinstance(p.lockstep, bool), "pipeline.lockstep", "must be true or false")
     _need(not p.lockstep or p.schedule == "1f1b", "pipeline.lockstep",
           f"lock-step execution plays 1f1b only (DeepSpeed's TrainSchedule), not {p.schedule}; set it to false")
-    _need(p.recv_buffers in RECV_BUFFERS, "pipeline.recv_buffers",
-          f"{p.recv_buffers!r}; use one of {', '.join(RECV_BUFFERS)}")
-    _need(p.p2p in P2P_MODES, "pipeline.p2p", f"{p.p2p!r}; use one of {', '.join(P2P_MODES)}")
+    _one_of(p.recv_buffers, RECV_BUFFERS, "pipeline.recv_buffers")
+    _one_of(p.p2p, P2P_MODES, "pipeline.p2p")
     expected_mb = t.global_batch // (mesh.dp * t.micro_batch)
+    _need(_is_int(p.micro_batches) and p.micro_batches > 0, "pipeline.micro_batches",
+          f"{p.micro_batches!r} must be a positive integer; set it to {expected_mb}")
+    _need(expected_mb <= MAX_MICRO_BATCHES, "training.global_batch",
+          f"{t.global_batch} makes {expected_mb} micro-batches of {t.micro_batch} per data-parallel rank, more than "
+          f"{MAX_MICRO_BATCHES}; raise training.micro_batch or dp, or lower the global batch")
     _need(p.micro_batches == expected_mb, "pipeline.micro_batches",
           f"{p.micro_batches} but global_batch / (dp x micro_batch) = {expected_mb}; set it to {expected_mb}")
     if mesh.pp > 1 and p.schedule == "1f1b":
@@ -93,7 +108,7 @@ def check(plan) -> None:
         _need(isinstance(st.recompute, list) and len(st.recompute) == st.num_layers, f"{w}.recompute",
               f"needs one mode per layer ({st.num_layers}), got {len(st.recompute) if isinstance(st.recompute, list) else st.recompute!r}")
         for j, r in enumerate(st.recompute):
-            _need(r in RECOMPUTE_MODES, f"{w}.recompute", f"{r!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+            _one_of(r, RECOMPUTE_MODES, f"{w}.recompute")
             if 0 <= st.start + j < total and m.layer_kind(st.start + j) != "block":
                 _need(r == "none", f"{w}.recompute",
                       f"layer {st.start + j} is the {m.layer_kind(st.start + j)}; only blocks are recomputed, use \"none\"")

@@ -40,9 +40,10 @@ import numpy as np
 from planner.cluster import ClusterSpec
 from planner.cost import Estimate, estimate, layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
-from planner.model import RECOMPUTE_MODES, ModelConfig
+from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
 from planner.partition import Inner
 from planner.plan import DTYPES, SCHEDULES, Plan, Training
+from planner.plan_checks import MAX_MICRO_BATCHES
 from planner.build import build_plan, even_stages
 from planner.schedule import rank_order
 from planner.stages import TOL, _rank
@@ -107,7 +108,8 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _affine(cluster: ClusterSpec, op: str, ranks: list):
@@ -210,6 +212,8 @@ def _configs(ctx: Ctx, global_batch: int):
                 if sp_.micro_batch and b not in sp_.micro_batch:
                     continue
                 mbs = global_batch // (dp * b)
+                if mbs > MAX_MICRO_BATCHES:
+                    continue
                 scheds = []
                 for s in sp_.schedules:
                     if pp == 1:
@@ -256,6 +260,10 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             res.pruned_memory += 1
             continue
         bounded.append((lb, cfg))
+    if not res.configs:
+        raise ConfigError(f"global_batch: {global_batch} sequences admit no configuration on {cluster.world_size} "
+                          f"GPUs of {model.name} (dp must divide it, tp the heads, and a data-parallel rank may "
+                          f"run at most {MAX_MICRO_BATCHES} micro-batches); use a multiple of the GPU count")
     bounded.sort(key=lambda x: x[0])
     best: dict = {}  # config -> Found
 

@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 
 from planner.model import ConfigError
+from planner.args import OneLineParser
 from planner.plan import Plan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="trident run", description="Train a plan with torchrun on this machine.")
+    ap = OneLineParser(prog="trident run", description="Train a plan with torchrun on this machine.")
     ap.add_argument("plan")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None, help="run.json to write")
@@ -71,9 +72,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         plan = Plan.read(args.plan)
-        if plan.prediction and plan.prediction.get("fits") is False and not args.force:
-            raise ConfigError(f"{args.plan}: the prediction says this plan does not fit in device memory; "
-                              "pick another plan or pass --force to try anyway")
+        from runtime.train import check_plan  # every check that needs no process group, before launching
+        check_plan(args.plan, args, plan.mesh.world_size)
     except ConfigError as exc:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2

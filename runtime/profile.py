@@ -27,7 +27,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from planner.model_profile import fit_alpha_beta, fit_segments
+from planner.args import OneLineParser
 from runtime.comm_sweep import (OPS, QUICK_SIZES, SIZES, Progress, mean_over_ranks, group_layout, group_points,
                                 node_key, per_node_of, sweep)
 
@@ -259,7 +259,7 @@ def _init() -> None:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="runtime.profile", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="trident profile", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
     c = sub.add_parser("cluster", help="measure devices and collectives")
     c.add_argument("-o", "--out", required=True)
@@ -326,7 +326,17 @@ def launch(argv) -> int:
             return 2
         nproc = argv[i + 1]
         del argv[i:i + 2]
-    parse_args(argv)  # bad arguments: one usage message here, not one per rank
+    args = parse_args(argv)  # bad arguments: one line here, not one per rank
+    from planner.model import ConfigError
+    try:
+        if args.what == "cluster" and int(nproc) < 2:
+            raise ConfigError("--nproc: profile cluster needs at least 2 processes to time collectives")
+        if args.what == "model":
+            from runtime.profile_model import check_args
+            check_args(args, int(nproc))
+    except ConfigError as exc:
+        print(f"trident: error: {exc}", file=sys.stderr)
+        return 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -10,15 +10,20 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    # torch elastic's own lines about stopping the other workers: the summary below says it
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
-        print(f"trident: error: training stopped: rank {rank} ended with {how} (its message is above)",
+        print(f"trident: error: the run stopped: rank {rank} ended with {how} (its message is above)",
               file=sys.stderr, flush=True)
         return 1
     return 0

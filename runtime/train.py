@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.model import ConfigError
+from planner.args import OneLineParser
 from planner.plan import Plan
 from runtime import checkpoint as ckpt
 from runtime.data import local_rows, make_source
@@ -51,7 +52,7 @@ PREDICTION_ONLY = (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="runtime.train", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="runtime.train", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", nargs="+", required=True, help="plan.json (several: trained one after another)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--data", default="synthetic", help="synthetic, or a uint16/uint32 token file")
@@ -110,6 +111,10 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError("--resume needs --checkpoint-dir")
     if args.steps < 1:
         raise ConfigError(f"--steps: {args.steps} must be at least 1")
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} must be at least 0 (0: only at the end)")
+    if args.data != "synthetic" and not Path(args.data).is_file():
+        raise ConfigError(f"--data: {args.data} is not a file; give a uint16/uint32 token file or synthetic")
     return plan
 
 

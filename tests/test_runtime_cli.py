@@ -148,7 +148,7 @@ def test_a_failed_trident_run_ends_in_one_line_per_problem(tmp_path, capfd):
     err = capfd.readouterr().err
     assert code != 0 and "Traceback" not in err
     lines = error_lines(err)
-    assert len(lines) == 2 and "trident.json" in lines[0] and "training stopped" in lines[1]
+    assert len(lines) == 2 and "trident.json" in lines[0] and "the run stopped" in lines[1]
 
 
 def test_trident_run_prints_the_command_of_every_node_of_a_multi_node_plan(tmp_path, capsys):

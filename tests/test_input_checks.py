@@ -1,0 +1,200 @@
+"""Bad cluster profiles, model JSON and Hugging Face config.json files give a one-line ConfigError
+naming the field (found by fuzzing the loaders), never a traceback or a silent wrong plan."""
+import copy
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
+from planner.model import ZOO, ConfigError, ModelConfig, from_hf_config, load_model
+
+NAN, INF = float("nan"), float("inf")
+A100 = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
+HF = {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 128,
+      "intermediate_size": 384, "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 64}
+DEL = object()
+
+
+def _set(d, path, value):
+    for k in path[:-1]:
+        d = d[k]
+    if value is DEL:
+        del d[path[-1]]
+    else:
+        d[path[-1]] = value
+
+
+def _every_tier(key, value):
+    def mutate(d):
+        for op in d["collectives"].values():
+            for tier in op.values():
+                tier[key] = value
+    return mutate
+
+
+def _segments(*ups):
+    return {"2": {"alpha_s": 1e-5, "bus_bandwidth_bytes_per_s": 1e11,
+                  "segments": [{"up_to_bytes": u, "alpha_s": 1e-5, "bus_bandwidth_bytes_per_s": 1e11} for u in ups]}}
+
+
+def _no_bf16(d):
+    dev = d["device"]
+    for k in ("attention_flops", "matmul_flops_by_size", "attention_flops_by_seq"):
+        dev.pop(k)
+    dev["peak_flops"].pop("bf16")
+    dev["matmul_efficiency"].pop("bf16")
+
+
+AR = ("collectives", "all_reduce", "intra_node")
+PROFILE_CASES = [
+    # (path or mutation, value, words the message must contain)
+    (("device", "memory_bytes"), NAN, r"device\.memory_bytes: nan is not a finite number"),
+    (("device", "memory_bytes"), INF, r"device\.memory_bytes: inf is not a finite number"),
+    (_every_tier("bus_bandwidth_bytes_per_s", NAN), None, r"bus_bandwidth_bytes_per_s: nan is not a finite"),
+    (("sources", "device.memory_bytes"), INF, r"sources\.device\.memory_bytes: inf"),
+    (("overlap_slowdown",), "x", r"overlap_slowdown 'x' must be a number >= 1"),
+    (("overlap_slowdown",), [1], r"overlap_slowdown \[1\] must be a number >= 1"),
+    (("overlap_slowdown",), -1, r"overlap_slowdown -1 must be a number >= 1"),
+    (("overlap_slowdown",), True, r"overlap_slowdown True must be a number"),
+    (AR + ("by_group_size",), [1, 2], r"all_reduce\.intra_node\.by_group_size: expected an object"),
+    (AR + ("by_group_size",), {"0": {"alpha_s": 0, "bus_bandwidth_bytes_per_s": 1}}, r"by_group_size\.0: expected"),
+    (AR + ("by_group_size",), _segments(1000, 5000), r"segments\[1\]\.up_to_bytes: 5000 on the last segment"),
+    (AR + ("by_group_size",), _segments(None, None), r"segments\[0\]\.up_to_bytes: null before the last"),
+    (AR + ("by_group_size",), _segments(5000, 1000, None), r"segments\[1\]\.up_to_bytes: 1000 does not rise"),
+    (("device", "memory_bandwidth_efficiency"), 5, r"device\.memory_bandwidth_efficiency: 5 is above 1"),
+    (("device", "allocator_overhead_fraction"), 5, r"device\.allocator_overhead_fraction: 5 must be below 1"),
+    (("device", "allocator_overhead_fraction"), 1, r"device\.allocator_overhead_fraction: 1 must be below 1"),
+    (("device", "reserved_bytes"), -1, r"device\.reserved_bytes: -1 must be a finite non-negative number"),
+    (("topology",), {"node_of_rank": [-1, -1, 5, 5]}, r"topology\.node_of_rank\[0\]: -1 is not a node index"),
+    (("topology",), {"node_of_rank": [0, 0, 5, 5]}, r"topology\.node_of_rank\[2\]: 5 is not a node index"),
+    (("topology",), {"node_of_rank": [0] * 9}, r"topology\.node_of_rank: node 0 has 9 ranks but devices_per_node"),
+    (("topology",), {"node_of_rank": [True, False]}, r"topology\.node_of_rank: must be a list of node indices"),
+    (("topology",), [0, 1], r"topology\.node_of_rank: must be a list"),
+    (("colectives",), {}, r"colectives: unknown field; known fields are collectives, compute_slots"),
+    (("device", "memroy_bytes"), 1, r"device\.memroy_bytes: unknown field; known fields are allocator_overhead"),
+    (("devices_per_node",), True, r"devices_per_node True must be a positive integer"),
+    (("nodes",), True, r"nodes True must be a positive integer"),
+    (("format_version",), True, r"format_version True is not supported"),
+    (("name",), 5, r"name 5 must be a string"),
+    (("device", "name"), ["a"], r"device\.name: \['a'\] must be a string"),
+    (("tiers",), [1], r"tiers must be an object"),
+    (("device", "matmul_flops_by_size", "bf16"), [[1024, 1e12], [2048, INF]], r"matmul_flops_by_size\.bf16"),
+]
+
+
+@pytest.mark.parametrize("path, value, words", PROFILE_CASES)
+def test_a_bad_cluster_profile_is_a_config_error_naming_the_field(path, value, words):
+    d = copy.deepcopy(A100)
+    path(d) if callable(path) else _set(d, path, value)
+    with pytest.raises(ConfigError, match=words) as exc:
+        cluster_from_dict(d, "p.json")
+    assert "\n" not in str(exc.value)
+
+
+def test_a_dtype_the_profile_lacks_is_a_config_error_where_a_plan_uses_it():
+    d = copy.deepcopy(A100)
+    _no_bf16(d)
+    dev = cluster_from_dict(d, "p.json").device  # loads: a profile may give only some dtypes
+    assert dev.matmul_flops_per_s("fp16") > 0
+    for use in (lambda: dev.matmul_flops_per_s("bf16"), lambda: dev.gemm_flops_per_s("bf16", 64, 64, 64),
+                lambda: dev.attention_flops_per_s("bf16", 2048, 128), lambda: dev.peak_flops["bf16"]):
+        with pytest.raises(ConfigError, match=r"device\.peak_flops: no entry for bf16 .*--dtype fp16"):
+            use()
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"a": "\xff\xfe"}', r"--cluster: .*x\.json is not UTF-8 text"),
+    (None, r"--cluster: cannot read .*x\.json \(Is a directory\)"),
+    (b'{"a": ' * 100000, r"--cluster: .*x\.json is not valid JSON"),
+])
+def test_an_unreadable_profile_file_is_a_config_error_naming_the_path(tmp_path, content, words):
+    f = tmp_path / "x.json"
+    f.mkdir() if content is None else f.write_bytes(content)
+    with pytest.raises(ConfigError, match=words):
+        load_cluster(str(f))
+
+
+TINY = ZOO["tiny"].to_dict()
+MODEL_CASES = [
+    # Hugging Face config.json (from_hf_config)
+    ("hf", {"num_attention_heads": 0}, r"num_attention_heads: is 0; it must be a positive integer"),
+    ("hf", {"num_attention_heads": None}, r"num_attention_heads: is null"),
+    ("hf", {"hidden_size": "128"}, r"hidden_size: is '128'"),
+    ("hf", {"num_hidden_layers": 4.0}, r"num_hidden_layers: is 4\.0"),
+    ("hf", {"rms_norm_eps": "abc"}, r"rms_norm_eps: is 'abc'"),
+    ("hf", {"rms_norm_eps": [1]}, r"rms_norm_eps: is \[1\]"),
+    ("hf", {"rope_theta": -1}, r"rope_theta: is -1"),
+    ("hf", {"head_dim": "16"}, r"head_dim: is '16'"),
+    ("hf", {"num_key_value_heads": 0}, r"num_key_value_heads: is 0"),
+    ("hf", {"tie_word_embeddings": "false"}, r"tie_word_embeddings: is 'false'; it must be true or false"),
+    ("hf", {"num_key_value_heads": 3}, r"model\.kv_heads: 3 does not divide heads=8"),
+    ("hf", {"num_hidden_layers": 10**9}, r"model\.layers: is 1000000000; at most 10000"),
+    ("hf", {"model_type": "gpt2"}, r"missing 'n_embd', which a gpt2 config must have"),
+    ("hf", {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "n_inner": 0},
+     r"n_inner: is 0"),
+    # ModelConfig fields (model JSON, and a plan's `model` object: ModelConfig.from_dict)
+    ("model", {"head_dim": "16"}, r"model\.head_dim: is '16'; it must be a positive integer"),
+    ("model", {"head_dim": -16}, r"model\.head_dim: is -16"),
+    ("model", {"head_dim": 0}, r"model\.head_dim: is 0"),
+    ("model", {"norm_eps": "x"}, r"model\.norm_eps: is 'x'"),
+    ("model", {"norm_eps": -1}, r"model\.norm_eps: is -1"),
+    ("model", {"norm_eps": NAN}, r"model\.norm_eps: is nan"),
+    ("model", {"rope_theta": -1}, r"model\.rope_theta: is -1; it must be a positive number"),
+    ("model", {"rope_theta": INF}, r"model\.rope_theta: is inf"),
+    ("model", {"tie_embeddings": "no"}, r"model\.tie_embeddings: is 'no'; it must be true or false"),
+    ("model", {"tie_embeddings": "false"}, r"model\.tie_embeddings: is 'false'"),
+    ("model", {"qkv_bias": 1}, r"model\.qkv_bias: is 1"),
+    ("model", {"name": 5}, r"model\.name: is 5; it must be a non-empty string"),
+    ("model", {"hidden": 128.0}, r"model\.hidden: is 128\.0; it must be a positive integer"),
+    ("model", {"layers": True}, r"model\.layers: is True"),
+    ("model", {"heads": "8"}, r"model\.heads: is '8'"),
+    ("model", {"vocab": None}, r"model\.vocab: is None"),
+    ("model", {"layers": 1000000000}, r"model\.layers: is 1000000000; at most 10000, far above any real model"),
+    ("model", {"seq_len": 10**12}, r"model\.seq_len: is 1000000000000; at most 100000000"),
+]
+
+
+@pytest.mark.parametrize("kind, change, words", MODEL_CASES)
+def test_a_bad_model_or_hf_config_is_a_config_error_naming_the_field(kind, change, words):
+    with pytest.raises(ConfigError, match=words) as exc:
+        if kind == "hf":
+            from_hf_config(dict(HF, **change))
+        else:
+            ModelConfig.from_dict(dict(TINY, **change))
+    assert "\n" not in str(exc.value)
+
+
+def test_model_files_good_and_bad(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    assert load_model(str(tmp_path / "config.json")).name == tmp_path.name
+    assert from_hf_config(dict(HF, num_key_value_heads=None)).kv_heads == 8  # null: absent, as Hugging Face reads it
+    assert from_hf_config(dict(HF, head_dim=16)).head_dim is None  # hidden / heads: the default
+    (tmp_path / "bad.json").write_bytes(b'{"a": "\xff\xfe"}')
+    with pytest.raises(ConfigError, match=r"--model: .*bad\.json is not UTF-8 text"):
+        load_model(str(tmp_path / "bad.json"))
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ConfigError, match=r"--model: cannot read .*dir\.json \(Is a directory\)"):
+        load_model(str(tmp_path / "dir.json"))
+    for name, m in ZOO.items():  # the zoo still builds, and round-trips through a model JSON
+        assert ModelConfig.from_dict(json.loads(json.dumps(m.to_dict()))) == m, name
+
+
+def test_the_shipped_profiles_load():
+    for f in PROFILE_DIR.glob("*.json"):
+        assert load_cluster(str(f)).device.memory_bytes > 0
+
+
+def test_the_cli_answers_a_nan_profile_in_one_line(tmp_path):
+    d = copy.deepcopy(A100)
+    _every_tier("bus_bandwidth_bytes_per_s", NAN)(d)
+    f = tmp_path / "nan.json"
+    f.write_text(json.dumps(d))
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "--model", "tiny", "--cluster", str(f),
+                           "--gpus", "4", "--global-batch", "16", "--micro-batch", "2", "--tp", "2", "--pp", "2"],
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(r"bus_bandwidth_bytes_per_s: nan is not a finite number", lines[0])
