@@ -107,6 +107,27 @@ class SearchResult:
         return self.results[0] if self.results else None
 
 
+class MenuCache(dict):
+    """Stage menus shared between configurations, least recently stored dropped past MAX_BYTES
+    (a deep model's menus would otherwise take gigabytes: Llama 3 405B's search held 3.6 GB)."""
+
+    MAX_BYTES = 256 * 2**20
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+        self._sizes: dict = {}
+
+    def __setitem__(self, key, menu):
+        self._sizes[key] = sum(v.nbytes for v in menu.values() if isinstance(v, np.ndarray))
+        self.nbytes += self._sizes[key]
+        super().__setitem__(key, menu)
+        while self.nbytes > self.MAX_BYTES and len(self) > 1:
+            oldest = next(iter(self))  # dicts keep insertion order
+            self.nbytes -= self._sizes.pop(oldest)
+            super().__delitem__(oldest)
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -139,7 +160,7 @@ class Ctx:
         self.spb = sharded_param_bytes(train)  # per parameter of FSDP2's shard beyond the optimizer state
         self.bw = dev.memory_bytes_per_s
         self._layers: dict = {}
-        self._menus: dict = {}
+        self._menus = MenuCache()
         self._combos: dict = {}
         self._coll: dict = {}
         self._blocks: dict = {}

@@ -153,7 +153,7 @@ class StageCosts:
             for row, val in enumerate((f, b[keep], sync, opt, gather, fixed, act[keep], replay[keep], z, keep,
                                        transient, step)):
                 arr[row, sl] = val
-        arr = arr[:, :at]
+        arr = arr[:, :at].copy()  # a slice would keep the whole preallocated block alive in the cache
         menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo", "transient",
                          "step"), arr))
         menu["combo"] = menu["combo"].astype(int)

@@ -225,3 +225,15 @@ def test_cli_nothing_fits_is_one_line_and_exit_3(capsys):
     assert rc == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no plan" in err[0] and "GiB" in err[0] and "least memory" in err[0]
+
+
+def test_the_menu_cache_keeps_under_its_byte_budget(monkeypatch):
+    """Stage menus are cached across configurations; a deep model's would take gigabytes."""
+    import numpy as np
+
+    from planner.search import MenuCache
+    monkeypatch.setattr(MenuCache, "MAX_BYTES", 10_000)
+    cache = MenuCache()
+    for i in range(10):
+        cache[i] = {"f": np.zeros(500), "combo": np.zeros(100, dtype=int), "cb": [1, 2]}  # 4,800 bytes each
+    assert cache.nbytes <= 10_000 and list(cache) == [8, 9]
