@@ -126,9 +126,9 @@ def accumulation_bytes(plan: Plan, stage, tp: int, gb: float) -> float:
 
 def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
     """(parameters, gradients, optimizer state, other) bytes a stage of `params` parameters per
-    device at ZeRO level `zero` holds while the runtime's optimizer steps (training options `t`): FSDP2 has resharded the parameters and reduce-scattered the
-    gradients (ZeRO >= 1: float32 shards, the master copy being the parameter), replicate has
-    dropped its compute-dtype copies; the activations and the backward's buffers are gone; AdamW's
+    device at ZeRO level `zero` holds while the runtime's optimizer steps (training options `t`):
+    FSDP2 has resharded the parameters and reduce-scattered the gradients (ZeRO >= 1: float32
+    shards, the master copy being the parameter), replicate has dropped its compute-dtype copies; the activations and the backward's buffers are gone; AdamW's
     foreach temporaries are there (planner.precision.optimizer_temp_bytes). FSDP2 releases the
     reduce-scatter input it keeps between micro-batches (fsdp_extra_parts) at the end of the last
     backward. Frameworks with a fused optimizer (no temporaries) never peak here: all zero."""
@@ -190,8 +190,7 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
         head_logits = 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
             head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]
-        other += recv_buffer_bytes(plan, ids)  # held all step, like the above
-        other += transient_bytes + act_grad + head_logits
+        other += recv_buffer_bytes(plan, ids) + transient_bytes + act_grad + head_logits
         peak = dict(parameters_bytes=p_bytes, gradients_bytes=g_bytes, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
         if sum(step) > p_bytes + g_bytes + o_bytes + acts + other:
