@@ -36,9 +36,9 @@ from pathlib import Path
 import networkx as nx
 
 from planner.device import DeviceSpec, _curve, _interp, _num, device_from_dict  # noqa: F401 (DeviceSpec: re-exported)
-from planner.model import ConfigError
+from planner.model import ConfigError, is_int
 from planner.profile_checks import (PROFILE_KEYS, check_finite, check_keys, check_node_of_rank, check_segments,
-                                    is_int, read_json)
+                                    read_json)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 TIERS = ("intra_node", "inter_node")

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
-from planner.model import ConfigError
+from planner.model import ConfigError, is_int, is_real
 from planner.plan import Plan
 
 RUN_KEYS = ("losses", "step_times_s", "warmup_steps", "peak_memory_bytes", "peak_memory_bytes_per_rank")
@@ -45,13 +44,12 @@ def read_run(path) -> dict:
 
 
 def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_int(v) and v >= 0
 
 
 def _is_number(v, above: float | None = None) -> bool:
     """A finite number (not a bool), greater than `above` when given."""
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return ok and (above is None or v > above)
+    return is_real(v) and (above is None or v > above)
 
 
 def check_prediction(prediction) -> None:

@@ -114,14 +114,14 @@ def largest_param_on_device(model: ModelConfig, index: int, tp: int) -> float:
     return h * max(model.q_dim, model.kv_dim, model.ffn_hidden) / tp
 
 
-def accumulation_bytes(plan: Plan, stage, tp: int, gb: float) -> float:
+def accumulation_bytes(model: ModelConfig, layers, tp: int, dp: int, micro_batches: int, gb: float) -> float:
     """Without data parallelism, autograd adds each micro-batch's gradient after the first to the
-    accumulated one: a new gradient tensor at a time, at most the stage's largest parameter (a
+    accumulated one: a new gradient tensor at a time, at most the largest parameter of `layers` (a
     vocabulary matrix where the stage holds one). With data parallelism FSDP2 and replicate hold
     more than that already (fsdp_extra_parts; replicate's compute-dtype gradients)."""
-    if plan.mesh.dp > 1 or plan.pipeline.micro_batches <= 1:
+    if dp > 1 or micro_batches <= 1:
         return 0.0
-    return gb * max(largest_param_on_device(plan.model, j, tp) for j in range(stage.start, stage.end))
+    return gb * max((largest_param_on_device(model, j, tp) for j in layers), default=0.0)
 
 
 def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
@@ -180,7 +180,8 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb)
             other += held
             stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
-            transient_bytes = max(transient_bytes, stage_replay + transient + accumulation_bytes(plan, st, tp, gb))
+            transient_bytes = max(transient_bytes, stage_replay + transient
+                                  + accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb))
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype

@@ -40,11 +40,12 @@ class ConfigError(ValueError):
     """A bad model, cluster or plan input; the message names the field and the fix."""
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An integer that is not a bool (JSON true is not 1 here)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v) -> bool:
+def is_real(v) -> bool:
     """A finite JSON number (not a bool, NaN or infinity)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -82,14 +83,14 @@ class ModelConfig:
         sizes = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len")
         for f in sizes + (("head_dim",) if self.head_dim is not None else ()):
             v = getattr(self, f)
-            need(_is_int(v) and v > 0, f, f"is {v!r}; it must be a positive integer")
+            need(is_int(v) and v > 0, f, f"is {v!r}; it must be a positive integer")
             need(v <= MAX_SIZE[f], f, f"is {v}; at most {MAX_SIZE[f]}, far above any real model; check the value")
         for f in ("tie_embeddings", "qkv_bias"):
             v = getattr(self, f)
             need(isinstance(v, bool), f, f"is {v!r}; it must be true or false")
-        need(_is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps",
+        need(is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps",
              f"is {self.norm_eps!r}; it must be a number between 0 and 1 (exclusive), e.g. 1e-5")
-        need(_is_real(self.rope_theta) and self.rope_theta > 0, "rope_theta",
+        need(is_real(self.rope_theta) and self.rope_theta > 0, "rope_theta",
              f"is {self.rope_theta!r}; it must be a positive number, e.g. 10000.0")
         need(self.heads % self.kv_heads == 0, "kv_heads",
              f"{self.kv_heads} does not divide heads={self.heads}; grouped-query attention needs heads to be a multiple of kv_heads")
@@ -348,10 +349,10 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
         return v
 
     def pos_int(key, default=...):
-        return get(key, lambda v: _is_int(v) and v > 0, "a positive integer", default)
+        return get(key, lambda v: is_int(v) and v > 0, "a positive integer", default)
 
     def eps(key):
-        return float(get(key, lambda v: _is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", 1e-5))
+        return float(get(key, lambda v: is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", 1e-5))
 
     def flag(key, default):
         return get(key, lambda v: isinstance(v, bool), "true or false", default)
@@ -365,7 +366,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                   tie_embeddings=flag("tie_word_embeddings", False),
                   qkv_bias=(mt == "qwen2") or flag("attention_bias", False),
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
-                  rope_theta=float(get("rope_theta", lambda v: _is_real(v) and v > 0, "a positive number", 10000.0)))
+                  rope_theta=float(get("rope_theta", lambda v: is_real(v) and v > 0, "a positive number", 10000.0)))
     elif mt == "gpt2":
         h, heads = pos_int("n_embd"), pos_int("n_head")
         kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),

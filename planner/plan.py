@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from planner.model import ConfigError, ModelConfig
+from planner.model import ConfigError, ModelConfig, is_int as _is_int
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -61,10 +61,6 @@ def _strict(cls, d, where):
 def _need(cond: bool, path: str, msg: str):
     if not cond:
         raise ConfigError(f"{path}: {msg}")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass

@@ -9,18 +9,13 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from planner.model import ConfigError
+from planner.model import ConfigError, is_int
 
 # what a cluster profile holds at the top level: planner.cluster reads the first ones; `tiers`
 # (link descriptions), `sources` (where each number comes from) and `sweep` (the raw points of
 # `trident profile cluster`, runtime/profile.py) document the file
 PROFILE_KEYS = ("format_version", "name", "description", "kind", "devices_per_node", "nodes", "device",
                 "collectives", "topology", "overlap_slowdown", "compute_slots", "tiers", "sources", "sweep")
-
-
-def is_int(v) -> bool:
-    """An integer that is not a bool (JSON true is not 1 here)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def read_json(path: Path, flag: str) -> tuple[bytes, object]:

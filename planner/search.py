@@ -109,7 +109,7 @@ class SearchResult:
 
 class MenuCache(dict):
     """Stage menus shared between configurations, least recently stored dropped past MAX_BYTES
-    (a deep model's menus would otherwise take gigabytes: Llama 3 405B's search held 3.6 GB)."""
+    (a deep model's menus would otherwise take gigabytes: Llama 3 405B's search peaked at 4.1 GB)."""
 
     MAX_BYTES = 256 * 2**20
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import fsdp_extra_parts, largest_param_on_device, step_bytes, zero_state_bytes
+from planner.memory import accumulation_bytes, fsdp_extra_parts, step_bytes, zero_state_bytes
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
@@ -118,11 +118,8 @@ class StageCosts:
         act = act + e_sum("activation_bytes")
         P = k * blk[0].params + sum(x.params for x in ends)
         dp, e = cfg.dp, ctx.e
-        accum = 0.0
-        if dp == 1 and cfg.micro_batches > 1:  # autograd's gradient accumulation (planner.memory)
-            m = ctx.model
-            index = [1] * (k > 0) + [0] * emb + [m.layers + 1] * head
-            accum = ctx.gb * max((largest_param_on_device(m, j, cfg.tp) for j in index), default=0.0)
+        layers = [1] * (k > 0) + [0] * emb + [ctx.model.layers + 1] * head  # one of each kind the stage holds
+        accum = accumulation_bytes(ctx.model, layers, cfg.tp, dp, cfg.micro_batches, ctx.gb)
         n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
         arr = np.empty((12, n_all))
         at = 0
@@ -142,7 +139,7 @@ class StageCosts:
             fixed = P * sum(self._state(z))
             held, transient = fsdp_extra_parts(z, dp, cfg.micro_batches, [blk[0].params] * k,
                                                sum(x.params for x in ends), ctx.pb, ctx.gb, ctx.spb)
-            transient += accum  # planner.memory.accumulation_bytes
+            transient += accum
             fixed += held
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed += P * ctx.pb
