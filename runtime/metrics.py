@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import platform
 
 import weakref
@@ -141,6 +142,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
+        gc.collect()  # garbage of earlier steps (or plans) is not freed inside the measured step
         states = LiveTensorBytes()
         for m in self.modules:
             for t in [*m.parameters(), *m.buffers()]:

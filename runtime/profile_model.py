@@ -8,12 +8,15 @@ those of a device while all N processes of the launch are busy, as in a training
 Activation bytes are the bytes of tensors a layer's forward creates and keeps alive (saved for
 backward, and its output, which is the next layer's input): the memory the forward allocates and
 has not freed when it returns, counted on CPU by runtime.metrics.cpu_counter, the counter
-run.json's peak memory uses (views of the parameters allocate nothing and count nothing).
+run.json's peak memory uses (views of the parameters allocate nothing and count nothing). The C
+heap that counter reads also holds what gloo's worker threads have in flight when a TP layer's
+forward returns, so each point is the median of several forwards.
 """
 from __future__ import annotations
 
 import math
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -215,17 +218,21 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
                 out = loss(out, targets)
             return out
         f, b = _time_passes(chunk, kind, x, targets, loss, repeats)
-        counter, _ = cpu_counter()
-        if isinstance(counter, LiveTensorBytes):  # a storage count: the input and the parameters are not the layer's
-            for t in [x, *params]:
-                counter.track(t)
-        base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # HeapPeak counts from entry
-        with counter:
-            out = forward()
-            act = counter.current_bytes - base
-        out.backward(torch.ones_like(out) if kind != "head" else None)
-        del out
-        points.append([mb, f, b, act])
+        acts = []
+        for _ in range(repeats):  # the heap also holds what gloo's threads have in flight: a median
+            gc.collect()  # garbage of earlier passes is not freed inside the window
+            dist.barrier()
+            counter, _ = cpu_counter()
+            if isinstance(counter, LiveTensorBytes):  # a storage count: the input and the parameters are not the layer's
+                for t in [x, *params]:
+                    counter.track(t)
+            base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # HeapPeak counts from entry
+            with counter:
+                out = forward()
+                acts.append(counter.current_bytes - base)
+            out.backward(torch.ones_like(out) if kind != "head" else None)
+            del out
+        points.append([mb, f, b, statistics.median(acts)])
     grad_bytes = _bytes(p.grad for p in params)
     opt_s = _time_optimizer(params, repeats)
     # the slowest rank sets the pace: max over ranks of every measured time
@@ -336,7 +343,8 @@ def profile_model(args) -> dict | None:
             "times": f"measured: median of {args.repeats} samples of back-to-back forward+backward passes (each "
                      f"sample at least {MIN_SAMPLE_S} s) after two warm-up passes, every rank at once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
             "activation_bytes": "measured: bytes one forward allocates and keeps until its backward, output "
-                                f"included ({_cpu_counter_name()})",
+                                f"included ({_cpu_counter_name()}), median of {args.repeats} forwards, each after "
+                                "a garbage collection",
             "optimizer_s": "measured: runtime.optim.clip_grad_norm (local work: reduce=False) + "
                            "AdamW(foreach=True).step on the layer's parameters, as the runtime runs them; "
                            "the norm's all-reduces happen once per step, priced by planner.cost",
