@@ -219,19 +219,23 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
             return out
         f, b = _time_passes(chunk, kind, x, targets, loss, repeats)
         acts = []
-        for _ in range(repeats):  # the heap also holds what gloo's threads have in flight: a median
-            gc.collect()  # garbage of earlier passes is not freed inside the window
-            dist.barrier()
-            counter, _ = cpu_counter()
-            if isinstance(counter, LiveTensorBytes):  # a storage count: the input and the parameters are not the layer's
-                for t in [x, *params]:
-                    counter.track(t)
-            base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # HeapPeak counts from entry
-            with counter:
-                out = forward()
-                acts.append(counter.current_bytes - base)
-            out.backward(torch.ones_like(out) if kind != "head" else None)
-            del out
+        gc.collect()  # garbage of earlier passes is not freed inside a window: none is left, and
+        gc.disable()  # no collection runs until the windows are done
+        try:
+            for _ in range(repeats):  # the heap also holds what gloo's threads have in flight: a median
+                dist.barrier()
+                counter, _ = cpu_counter()
+                if isinstance(counter, LiveTensorBytes):  # a storage count: the input and the parameters are not the layer's
+                    for t in [x, *params]:
+                        counter.track(t)
+                base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # HeapPeak counts from entry
+                with counter:
+                    out = forward()
+                    acts.append(counter.current_bytes - base)
+                out.backward(torch.ones_like(out) if kind != "head" else None)
+                del out
+        finally:
+            gc.enable()
         points.append([mb, f, b, statistics.median(acts)])
     grad_bytes = _bytes(p.grad for p in params)
     opt_s = _time_optimizer(params, repeats)
@@ -343,8 +347,8 @@ def profile_model(args) -> dict | None:
             "times": f"measured: median of {args.repeats} samples of back-to-back forward+backward passes (each "
                      f"sample at least {MIN_SAMPLE_S} s) after two warm-up passes, every rank at once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
             "activation_bytes": "measured: bytes one forward allocates and keeps until its backward, output "
-                                f"included ({_cpu_counter_name()}), median of {args.repeats} forwards, each after "
-                                "a garbage collection",
+                                f"included ({_cpu_counter_name()}), median of {args.repeats} forwards after a garbage "
+                                "collection, with the collector off",
             "optimizer_s": "measured: runtime.optim.clip_grad_norm (local work: reduce=False) + "
                            "AdamW(foreach=True).step on the layer's parameters, as the runtime runs them; "
                            "the norm's all-reduces happen once per step, priced by planner.cost",

@@ -148,7 +148,7 @@ def test_measured_activations_are_positive_and_grow_with_the_micro_batch(model_p
     """A guard: in the benchmark's profiles (4 processes) garbage of earlier passes freed inside
     the window made points negative (the head at micro-batch 1 in every round), and gloo's
     buffers in flight moved TP points by tens of percent; each point is now the median of
-    several forwards, each after a garbage collection."""
+    several forwards after a garbage collection, with the collector off."""
     for e in json.loads(model_profile.read_text())["entries"]:
         acts = [p[3] for p in e["points"]]
         assert all(a > 0 for a in acts), (e["layer"], e["tp"], e["recompute"], acts)
