@@ -38,7 +38,7 @@ pipeline's receive buffers, and what FSDP2 holds beyond that accounting (planner
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync, tp_comm
@@ -202,6 +202,17 @@ def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
     return (model.block_params() - replicated) / tp + replicated
 
 
+def tied_head(model: ModelConfig, cost: LayerCost, tp: int) -> LayerCost:
+    """A tied head's cost on the pipeline rank that holds the embedding: its projection is the
+    embedding's matrix (one parameter in runtime.model, as in Megatron-LM without a pipeline), held,
+    updated and synchronized once, with the embedding, so the head keeps only its final norm. On
+    another rank (Megatron-LM's last stage) the head keeps a copy: layer_cost's figure."""
+    shared = math.ceil(model.vocab / tp) * model.hidden
+    keep = max(0.0, cost.params - shared) / cost.params if cost.params else 0.0
+    dp = {k: v * keep if isinstance(v, float) else v for k, v in cost.dp_measured.items()} if cost.dp_measured else None
+    return replace(cost, params=max(0.0, cost.params - shared), optimizer_s=cost.optimizer_s * keep, dp_measured=dp)
+
+
 # ------------------------------------------------------------------ the estimate
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
              keep_timeline: bool = False, model_profile=None) -> Estimate:
@@ -230,6 +241,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tp_ranks = [mesh.rank(pp=r, dp=0, tp=i) for i in range(tp)]
         dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
         costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile) for i in range(st.start, st.end)]
+        if m.tie_embeddings and st.end == m.num_layers_total and r == plan.stage_rank(0):
+            costs[-1] = tied_head(m, costs[-1], tp)
         comp_f = sum(c.fwd_compute_s for c in costs)
         comp_b = sum(c.bwd_compute_s for c in costs)
         tpc_f = sum(c.fwd_tp_s for c in costs)
@@ -347,7 +360,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     memory_breakdown = {k: peak_rank[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
                                                   "activations_bytes", "other_bytes")}
     memory_breakdown["pp_rank"] = peak_rank["pp_rank"]
-    memory_breakdown["peak_at"] = peak_rank["peak_at"]  # backward | optimizer step
+    memory_breakdown["peak_at"] = peak_rank["peak_at"]  # backward | end of backward | optimizer step
 
     world = mesh.world_size
     tokens = t.global_batch * t.seq_len

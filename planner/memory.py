@@ -124,6 +124,16 @@ def accumulation_bytes(model: ModelConfig, layers, tp: int, dp: int, micro_batch
     return gb * max((largest_param_on_device(model, j, tp) for j in layers), default=0.0)
 
 
+def tied_matrix_grad_bytes(model: ModelConfig, tp: int, gb: float) -> float:
+    """A rank that holds both the embedding and a head tied to it (one parameter): the head's
+    backward gives the matrix's first gradient, and autograd keeps it (the parameter's input
+    buffer) until the embedding's backward, at the end of the backward, gives the second and adds
+    the two into a third tensor, then into the accumulated gradient. The first is held through the
+    backward; at its end three such tensors exist at once where gradients accumulate over
+    micro-batches, two where the sum becomes the gradient. Measured on CPU (tests/test_loss.py)."""
+    return gb * math.ceil(model.vocab / tp) * model.hidden
+
+
 def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
     """(parameters, gradients, optimizer state, other) bytes a stage of `params` parameters per
     device at ZeRO level `zero` holds while the runtime's optimizer steps (training options `t`):
@@ -147,8 +157,9 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
     micro-batches in flight as the schedule holds them; and, as other, what FSDP2 holds beyond
     that (fsdp_extra_parts), replicate's compute-dtype gradients, the transient of the stage
     computing (replay, FSDP2 buffers), activation and logits gradients and the pipeline's receive
-    buffers: the backward's peak. A rank peaks in the optimizer step instead where that holds more
-    (step_bytes). `stage_info`: per stage, its "params" and per-layer "costs"
+    buffers: the backward's peak. A rank holding a tied embedding and head can peak at the end of
+    the backward instead (tied_matrix_grad_bytes), and any rank in the optimizer step where that
+    holds more (step_bytes). `stage_info`: per stage, its "params" and per-layer "costs"
     (planner.cost.LayerCost)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
@@ -160,7 +171,7 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
         ids = plan.stages_of_rank(rr)
         weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
         acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**{i: 0.0 for i in range(len(pipe.stages))}, **weights})
-        p_bytes = g_bytes = o_bytes = other = 0.0
+        p_bytes = g_bytes = o_bytes = other = held_other = 0.0
         step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
         transient_bytes = 0.0  # of the stage computing: one at a time on a rank
         for i in ids:
@@ -178,23 +189,30 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb)
-            other += held
+            held_other += held
             stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
             transient_bytes = max(transient_bytes, stage_replay + transient
                                   + accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb))
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
-                other += P * pb
+                held_other += P * pb
+        held_other += recv_buffer_bytes(plan, ids)
         # gradients of the activation flowing back (output and input of the layer in backward)
         act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
-        head_logits = 0.0
+        head_logits = tied = 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
             head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]
-        other += recv_buffer_bytes(plan, ids) + transient_bytes + act_grad + head_logits
+            if m.tie_embeddings and 0 in ids:
+                tied = tied_matrix_grad_bytes(m, tp, gb)
+        other = held_other + transient_bytes + act_grad + head_logits + tied
         peak = dict(parameters_bytes=p_bytes, gradients_bytes=g_bytes, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
-        if sum(step) > p_bytes + g_bytes + o_bytes + acts + other:
+        # a tied matrix's two gradients meet at the end of the backward (tied_matrix_grad_bytes)
+        end = held_other + act_grad + tied * (3 if mbs > 1 else 2)
+        if tied and end > acts + other:
+            peak.update(activations_bytes=0.0, other_bytes=end, peak_at="end of backward")
+        if sum(step) > p_bytes + g_bytes + o_bytes + peak["activations_bytes"] + peak["other_bytes"]:
             peak = dict(parameters_bytes=step[0], gradients_bytes=step[1], optimizer_bytes=step[2],
                         activations_bytes=0.0, other_bytes=step[3], peak_at="optimizer step")
         mem_by_rank.append(dict(pp_rank=rr, **peak, total_bytes=sum(v for k, v in peak.items() if k != "peak_at")))

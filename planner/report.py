@@ -54,7 +54,8 @@ def estimate_table(est: Estimate) -> str:
     mb = est.breakdown["memory"]
     rows += [
         (f"peak memory per GPU (pp rank {mb['pp_rank']}"
-         + (", in the optimizer step)" if mb.get("peak_at") == "optimizer step" else ")"),
+         + {"optimizer step": ", in the optimizer step)", "end of backward": ", at the end of the backward)"}.get(
+             mb.get("peak_at"), ")"),
          _fmt_bytes(est.peak_memory_bytes)),
         ("  parameters", _fmt_bytes(mb["parameters_bytes"])),
         ("  gradients", _fmt_bytes(mb["gradients_bytes"])),

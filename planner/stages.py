@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import accumulation_bytes, fsdp_extra_parts, step_bytes, zero_state_bytes
+from planner.cost import tied_head
+from planner.memory import accumulation_bytes, fsdp_extra_parts, step_bytes, tied_matrix_grad_bytes, zero_state_bytes
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
@@ -108,6 +109,8 @@ class StageCosts:
             return local[(k, emb, head)]
         ctx, lc = self.ctx, self.lc
         ends = ([lc["emb"]] if emb else []) + ([lc["head"]] if head else [])
+        if emb and head and ctx.model.tie_embeddings:
+            ends[-1] = tied_head(ctx.model, ends[-1], cfg.tp)
         cb, comp_b, tp_b, act, replay, plain = self.blocks(k)
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
         e_sum = lambda a: sum(getattr(x, a) for x in ends)
@@ -144,6 +147,10 @@ class StageCosts:
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed += P * ctx.pb
             step = sum(step_bytes(ctx.train, z, dp, P))  # the optimizer step's moment
+            if emb and head and ctx.model.tie_embeddings:  # planner.memory.tied_matrix_grad_bytes
+                tied = tied_matrix_grad_bytes(ctx.model, cfg.tp, ctx.gb)
+                step = max(step, fixed + self.act_grad + tied * (3 if cfg.micro_batches > 1 else 2))
+                fixed += tied
             fixed += self.head_logits if head else 0.0
             sl = slice(at, at + len(keep))
             at += len(keep)
@@ -173,7 +180,8 @@ class StageCosts:
         ctx, cfg, lc = self.ctx, self.cfg, self.lc
         w = lambda x: x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
         wtot = w(lc["emb"]) + w(lc["head"]) + self.L * min(w(lc["blk"][r]) for r in self.modes)
-        P = lc["emb"].params + lc["head"].params + self.L * lc["blk"]["none"].params
+        head = tied_head(ctx.model, lc["head"], cfg.tp) if ctx.model.tie_embeddings else lc["head"]  # at least
+        P = lc["emb"].params + head.params + self.L * lc["blk"]["none"].params
         dp, mbs, p = cfg.dp, cfg.micro_batches, cfg.pp
         # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
         # parameters (alpha + beta P), and for v = 1 each rank has one stage.

@@ -2,7 +2,8 @@
 
 Every function takes a plain `Transformer` chunk (runtime.model) and changes it in place:
 - apply_tp: DTensor tensor parallelism (Megatron-style column/row splits, Shoeybi et al. 2019)
-  with optional sequence parallelism (Korthikanti et al. 2022) through `parallelize_module`.
+  with optional sequence parallelism (Korthikanti et al. 2022) through `parallelize_module`;
+  the embedding by rows with RowShardedEmbedding.
 - apply_recompute: per-layer activation checkpointing, "full" (whole block) or "selective"
   (the attention core only).
 - apply_data_parallel: FSDP2 `fully_shard` for ZeRO 1-3, torch's composable `replicate` (FSDP2
@@ -17,8 +18,9 @@ import warnings
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -56,6 +58,49 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, to_dtensor, to_local)
 
 
+class _RowShardedEmbedding(nn.Embedding):
+    """An nn.Embedding whose weight is a DTensor split by rows over a TP mesh (RowShardedEmbedding)."""
+    output_layout: Placement
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mesh = self.weight.device_mesh
+        rows = self.weight.to_local()  # its backward makes the gradient a Shard(0) DTensor of these rows
+        chunk = -(-self.num_embeddings // mesh.size())  # DTensor's Shard(0) split: torch.chunk's
+        local = ids - min(mesh.get_local_rank() * chunk, self.num_embeddings)
+        outside = (local < 0) | (local >= rows.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), rows).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return partial.redistribute(mesh, [self.output_layout]).to_local()
+
+
+class RowShardedEmbedding(ParallelStyle):
+    """An embedding split by rows (the vocabulary; GPT's positions) over the TP mesh, the scheme of
+    Megatron-LM's VocabParallelEmbedding (Shoeybi et al. 2019): each rank looks the ids up in its
+    rows, zeroes the others, and DTensor's redistribute sums the ranks' parts (an all-reduce to a
+    replicated output, a reduce-scatter to sequence shards under SP). The input ids are a local
+    tensor, the same on every rank; the output a local tensor of `output_layout`.
+    It replaces RowwiseParallel on nn.Embedding, with which DTensor (torch 2.13) computes the
+    embedding's backward with the whole table's gradient on every rank (embedding_dense_backward
+    has no row-sharded strategy): a vocab x hidden gradient held per rank where the plan counts
+    vocab / tp rows of it."""
+
+    def __init__(self, output_layout: Placement):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module) is not nn.Embedding:
+            raise TypeError(f"RowShardedEmbedding applies to nn.Embedding, not {type(module).__name__}")
+
+        def partition(name, mod, mesh):
+            mod.register_parameter("weight", nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)])))
+
+        distribute_module(module, device_mesh, partition)
+        module.__class__ = _RowShardedEmbedding
+        module.output_layout = self.output_layout
+        return module
+
+
 def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel() if sequence_parallel else ReplicateParallel()
@@ -77,7 +122,7 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 
 def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard the chunk's layers over `tp_mesh`. The embedding is split by vocabulary rows
-    (RowwiseParallel), the head by vocabulary columns (ColwiseParallel): it returns this rank's
+    (RowShardedEmbedding), the head by vocabulary columns (ColwiseParallel): it returns this rank's
     vocabulary slice of the logits as a local tensor, for runtime.loss's vocab-parallel loss.
     Between layers the hidden state is a local tensor, sequence-sharded under SP."""
     cfg, tp = chunk.cfg, tp_mesh.size()
@@ -87,9 +132,9 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     seq = Shard(1) if sequence_parallel else Replicate()
     for layer in chunk.layers.values():
         if isinstance(layer, Embedding):
-            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)}
+            plan = {"tok_embeddings": RowShardedEmbedding(seq)}
             if layer.pos_embeddings is not None:
-                plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+                plan["pos_embeddings"] = RowShardedEmbedding(seq)
         elif isinstance(layer, Head):
             plan = {
                 "norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),

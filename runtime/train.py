@@ -262,15 +262,18 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         elif found and not args.resume:
             raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
                               "to continue from it or choose an empty directory")
-    # two warm-up steps, not timed: the first allocates the optimizer state, the second measures the
-    # peak memory (tracking every allocation slows it several-fold). With fewer steps there is no
-    # clean time, and with one the peak misses the optimizer state: say so.
+    # three warm-up steps, not timed: the first allocates the optimizer state, the third measures the
+    # peak memory (tracking every allocation slows it several-fold). Not the second: on CPU the C
+    # heap the peak reads also grows once by what gloo and Python keep for good, and in a process
+    # that trained other plans before, part of that came in this plan's second step (+0.45 MiB of
+    # a 6.4 MiB peak, benchmarks/prediction_accuracy.py's w4-tp4-sp). With fewer steps the peak is
+    # the last one's (the first's misses the optimizer state) and there is no clean time: say so.
     left = args.steps - start_step
-    warmup, measure_at = min(2, left), start_step + (1 if left >= 2 else 0)
-    if left < 3 and rank == 0:
+    warmup, measure_at = min(3, left), start_step + min(2, max(left - 1, 0))
+    if left < 4 and rank == 0:
         print(f"note: {left} step(s): the step times include a warm-up or the memory-measuring step"
               + ("; the peak memory is the first step's, before the optimizer state exists" if left < 2 else "")
-              + "; ask for 3 or more steps to compare", flush=True)
+              + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers)
     losses, times, grad_norms, opt_times = [], [], [], []
     for step in range(start_step, args.steps):

@@ -317,3 +317,23 @@ def test_fsdp2_buffer_copies_run_on_the_compute_stream():
         assert without.breakdown["time"]["fsdp_copy_s"] == 0.0
     single = plan_for(global_batch=4, micro_batch=1, zero=3, nodes=1, dpn=1)
     assert estimate(single, A100).breakdown["time"]["fsdp_copy_s"] == 0.0
+
+
+def test_a_tied_head_holds_the_embedding_matrix_once_on_its_rank():
+    """GPT ties the head to the embedding: one parameter where one rank holds both (model states
+    for num_parameters() exactly), a copy on the last stage where a pipeline splits them (as
+    Megatron-LM keeps one there): then each rank holds what it would hold untied."""
+    tied = ZOO["gpt-1.7b"]
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+
+    def est(cfg, **kw):
+        args = dict(cluster_name=A100.name, device=A100.device.name, nodes=1, global_batch=2, micro_batch=1,
+                    seq_len=2048, master_weights=False)
+        return estimate(build_plan(cfg, **args, **kw), A100).breakdown
+    one = est(tied, devices_per_node=1)["memory"]
+    assert one["parameters_bytes"] == pytest.approx(2 * tied.num_parameters(), rel=1e-9)
+    assert one["optimizer_bytes"] == pytest.approx(8 * tied.num_parameters(), rel=1e-9)
+    assert est(untied, devices_per_node=1)["memory"]["parameters_bytes"] - one["parameters_bytes"] == \
+        pytest.approx(2 * tied.vocab * tied.hidden, rel=1e-9)
+    assert est(tied, devices_per_node=2, pp=2)["memory_per_pp_rank"] == \
+        pytest.approx(est(untied, devices_per_node=2, pp=2)["memory_per_pp_rank"], rel=1e-12)
