@@ -124,14 +124,16 @@ def accumulation_bytes(model: ModelConfig, layers, tp: int, dp: int, micro_batch
     return gb * max((largest_param_on_device(model, j, tp) for j in layers), default=0.0)
 
 
-def tied_matrix_grad_bytes(model: ModelConfig, tp: int, gb: float) -> float:
-    """A rank that holds both the embedding and a head tied to it (one parameter): the head's
-    backward gives the matrix's first gradient, and autograd keeps it (the parameter's input
-    buffer) until the embedding's backward, at the end of the backward, gives the second and adds
-    the two into a third tensor, then into the accumulated gradient. The first is held through the
-    backward; at its end three such tensors exist at once where gradients accumulate over
-    micro-batches, two where the sum becomes the gradient. Measured on CPU (tests/test_loss.py)."""
-    return gb * math.ceil(model.vocab / tp) * model.hidden
+def tied_matrix_grad_bytes(model: ModelConfig, tp: int, gb: float, micro_batches: int) -> tuple[float, float]:
+    """(through the backward, at its end): bytes of the tied matrix's gradients on a rank that
+    holds both the embedding and a head tied to it (one parameter). The head's backward gives the
+    matrix's first gradient, and autograd keeps it (the parameter's input buffer) until the
+    embedding's backward, at the end of the backward, gives the second and adds the two into a
+    third tensor, then into the accumulated gradient: three such tensors at once where gradients
+    accumulate over micro-batches, two where the sum becomes the gradient. Measured on CPU
+    (tests/test_loss.py)."""
+    one = gb * math.ceil(model.vocab / tp) * model.hidden
+    return one, one * (3 if micro_batches > 1 else 2)
 
 
 def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
@@ -200,16 +202,15 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
         held_other += recv_buffer_bytes(plan, ids)
         # gradients of the activation flowing back (output and input of the layer in backward)
         act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
-        head_logits = tied = 0.0
+        head_logits, tied, tied_end = 0.0, 0.0, 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
             head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]
             if m.tie_embeddings and 0 in ids:
-                tied = tied_matrix_grad_bytes(m, tp, gb)
+                tied, tied_end = tied_matrix_grad_bytes(m, tp, gb, mbs)
         other = held_other + transient_bytes + act_grad + head_logits + tied
         peak = dict(parameters_bytes=p_bytes, gradients_bytes=g_bytes, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
-        # a tied matrix's two gradients meet at the end of the backward (tied_matrix_grad_bytes)
-        end = held_other + act_grad + tied * (3 if mbs > 1 else 2)
+        end = held_other + act_grad + tied_end  # a tied matrix's two gradients meet
         if tied and end > acts + other:
             peak.update(activations_bytes=0.0, other_bytes=end, peak_at="end of backward")
         if sum(step) > p_bytes + g_bytes + o_bytes + peak["activations_bytes"] + peak["other_bytes"]:

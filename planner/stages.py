@@ -147,9 +147,9 @@ class StageCosts:
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed += P * ctx.pb
             step = sum(step_bytes(ctx.train, z, dp, P))  # the optimizer step's moment
-            if emb and head and ctx.model.tie_embeddings:  # planner.memory.tied_matrix_grad_bytes
-                tied = tied_matrix_grad_bytes(ctx.model, cfg.tp, ctx.gb)
-                step = max(step, fixed + self.act_grad + tied * (3 if cfg.micro_batches > 1 else 2))
+            if emb and head and ctx.model.tie_embeddings:  # the end of the backward can hold more
+                tied, tied_end = tied_matrix_grad_bytes(ctx.model, cfg.tp, ctx.gb, cfg.micro_batches)
+                step = max(step, fixed + self.act_grad + tied_end)
                 fixed += tied
             fixed += self.head_logits if head else 0.0
             sl = slice(at, at + len(keep))
