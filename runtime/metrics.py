@@ -126,10 +126,11 @@ def cpu_counter():
 class PeakMemory:
     """Peak bytes of one training step on this rank: torch.cuda.max_memory_allocated on GPU; on
     CPU the bytes of the tensors alive at the start (parameters, gradients, optimizer states,
-    buffers, counted by storage) plus the most allocated above that during the step (cpu_counter)."""
+    buffers, and `held()`: what else the runtime keeps between steps, the pipeline's receive
+    buffers; counted by storage) plus the most allocated above that during the step (cpu_counter)."""
 
-    def __init__(self, device: torch.device, modules, optimizers):
-        self.device, self.modules, self.optimizers = device, modules, optimizers
+    def __init__(self, device: torch.device, modules, optimizers, held=lambda: []):
+        self.device, self.modules, self.optimizers, self.held = device, modules, optimizers, held
         self.bytes: int | None = None
         self.method = "torch.cuda.max_memory_allocated" if device.type == "cuda" else cpu_counter()[1]
 
@@ -152,6 +153,8 @@ class PeakMemory:
         for opt in self.optimizers:
             for t in pytree.tree_leaves(opt.state_dict()["state"]):
                 states.track(t)
+        for t in self.held():
+            states.track(t)
         counter, _ = cpu_counter()
         if isinstance(counter, LiveTensorBytes):  # counts the states itself
             counter, states = states, None

@@ -80,3 +80,20 @@ def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Te
     kwargs = {"target": targets, "losses": losses} if n_stages - 1 in stage_ids else {}
     schedule.step(*args, return_outputs=False, **kwargs)
     return losses
+
+
+def held_tensors(schedule) -> list[torch.Tensor]:
+    """Tensors a schedule keeps between steps: its stages' receive buffers, one per micro-batch
+    for every input (activations) and output (gradients) received, allocated in the first step,
+    and the gradients autograd accumulates into the activation buffers, which the next step frees
+    (torch.distributed.pipelining's clear_runtime_states)."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    out = []
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            for info in infos:
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor):
+                    out += [buf] + ([buf.grad] if buf.grad is not None else [])
+    return out
+

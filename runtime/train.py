@@ -33,7 +33,7 @@ from runtime.metrics import PeakMemory, environment, gather
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
-from runtime.pipeline import build_schedule, run_schedule
+from runtime.pipeline import build_schedule, held_tensors, run_schedule
 
 BETAS = (0.9, 0.95)
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
@@ -274,7 +274,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         print(f"note: {left} step(s): the step times include a warm-up or the memory-measuring step"
               + ("; the peak memory is the first step's, before the optimizer state exists" if left < 2 else "")
               + "; ask for 4 or more steps to compare", flush=True)
-    peak = PeakMemory(device, trainer.chunks, trainer.optimizers)
+    peak = PeakMemory(device, trainer.chunks, trainer.optimizers,
+                      (lambda: held_tensors(trainer.schedule)) if trainer.schedule is not None else (lambda: []))
     losses, times, grad_norms, opt_times = [], [], [], []
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
