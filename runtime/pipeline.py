@@ -83,10 +83,12 @@ def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Te
 
 
 def held_tensors(schedule) -> list[torch.Tensor]:
-    """Tensors a schedule keeps between steps: its stages' receive buffers, one per micro-batch
+    """Tensors a schedule (None: no pipeline, none) keeps between steps: its stages' receive buffers, one per micro-batch
     for every input (activations) and output (gradients) received, allocated in the first step,
     and the gradients autograd accumulates into the activation buffers, which the next step frees
     (torch.distributed.pipelining's clear_runtime_states)."""
+    if schedule is None:
+        return []
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     out = []
     for stage in stages:
@@ -96,4 +98,3 @@ def held_tensors(schedule) -> list[torch.Tensor]:
                 if isinstance(buf, torch.Tensor):
                     out += [buf] + ([buf.grad] if buf.grad is not None else [])
     return out
-

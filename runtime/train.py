@@ -274,8 +274,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         print(f"note: {left} step(s): the step times include a warm-up or the memory-measuring step"
               + ("; the peak memory is the first step's, before the optimizer state exists" if left < 2 else "")
               + "; ask for 4 or more steps to compare", flush=True)
-    peak = PeakMemory(device, trainer.chunks, trainer.optimizers,
-                      (lambda: held_tensors(trainer.schedule)) if trainer.schedule is not None else (lambda: []))
+    peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
     losses, times, grad_norms, opt_times = [], [], [], []
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
