@@ -31,3 +31,33 @@ def positive_number(text: str) -> float:
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
     return v
+
+
+def int_list(low: int = 1, high: int | None = None):
+    """A parser of comma-separated integers (at least `low`, at most `high`) to a sorted tuple."""
+    def parse(text: str) -> tuple:
+        vals = []
+        for part in text.split(","):
+            try:
+                v = int(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
+                                                 f"such as 1,2,4") from None
+            if v < low or (high is not None and v > high):
+                bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+                raise argparse.ArgumentTypeError(f"{v} must be {bound}")
+            vals.append(v)
+        return tuple(sorted(set(vals)))
+    return parse
+
+
+def choice_list(choices):
+    """A parser of comma-separated names among `choices` to a tuple in the order of `choices`."""
+    def parse(text: str) -> tuple:
+        got = [part.strip() for part in text.split(",")]
+        bad = [g for g in got if g not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(choices)} "
+                                             f"(give one or several, comma-separated)")
+        return tuple(c for c in choices if c in got)
+    return parse

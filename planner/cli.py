@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from planner.cluster import load_cluster
-from planner.args import OneLineParser, positive_int, positive_number
+from planner.args import OneLineParser, choice_list, int_list, positive_int, positive_number
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import SCHEDULES, Plan
@@ -122,6 +123,37 @@ def _search_row(i, found) -> dict:
             "peak GiB": f"{est.peak_memory_bytes / GiB:.1f}", "needs GiB": f"{est.required_bytes / GiB:.1f}"}
 
 
+def _search_space(args):
+    """The choices the search may make, narrowed by the command line's constraints."""
+    from planner.search import SearchSpace
+    space = SearchSpace()
+    for field, arg in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"),
+                       ("schedules", "schedule"), ("virtual_stages", "virtual_stages"), ("zero", "zero"),
+                       ("recompute", "recompute")):
+        if getattr(args, arg) is not None:
+            space = replace(space, **{field: getattr(args, arg)})
+    if args.virtual_stages is not None and args.schedule is not None and "interleaved-1f1b" not in args.schedule:
+        raise ConfigError("--virtual-stages: model chunks per rank are for --schedule interleaved-1f1b, which "
+                          f"--schedule {','.join(args.schedule)} leaves out; add it or drop --virtual-stages")
+    if args.sequence_parallel is not None:
+        space = replace(space, sequence_parallel=(args.sequence_parallel == "on",))
+    if args.even_stages:
+        space = replace(space, uneven=False)
+    return space
+
+
+def _constraints_given(args) -> str:
+    """The search constraints on the command line, as typed."""
+    parts = []
+    for arg in ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "zero", "recompute", "sequence_parallel"):
+        v = getattr(args, arg)
+        if v is not None:
+            parts.append(f"--{arg.replace('_', '-')} " + (v if isinstance(v, str) else ",".join(str(x) for x in v)))
+    if args.even_stages:
+        parts.append("--even-stages")
+    return " ".join(parts)
+
+
 def cmd_search(args) -> int:
     import time
     from planner.search import search, search_profiled
@@ -141,7 +173,7 @@ def cmd_search(args) -> int:
 
     mp = _model_profile(args)
     kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
-              top=args.top, progress=progress)
+              top=args.top, progress=progress, space=_search_space(args))
     # with a model profile, the analytic finalists are ranked by the measured layer times
     res = search_profiled(model, cluster, mp, **kw) if mp is not None else search(model, cluster, **kw)
     if shown[0]:
@@ -150,8 +182,10 @@ def cmd_search(args) -> int:
         lim = limit if limit is not None else cluster.device.memory_bytes
         need = (f"; the least memory a plan needs is {res.min_required_bytes / GiB:.1f} GiB per device"
                 if res.min_required_bytes else "")
+        given = _constraints_given(args)
         print(f"trident: no plan of {model.name} fits in {lim / GiB:.1f} GiB per device on {cluster.world_size} GPUs "
-              f"with global batch {args.global_batch}{need}", file=sys.stderr)
+              f"with global batch {args.global_batch}" + (f" under {given}" if given else "") + need
+              + ("; lift a constraint" if given else ""), file=sys.stderr)
         return 3
     for f in res.results:
         f.plan.prediction = _prediction_dict(f.estimate)
@@ -260,6 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     s.add_argument("--json", action="store_true", help="print the best estimate and the alternatives as JSON")
+    c = s.add_argument_group("constraints", "search only among these values (comma-separated lists; default: all)")
+    c.add_argument("--tp", type=int_list(), default=None, help="tensor-parallel degrees, e.g. 1,2,4")
+    c.add_argument("--pp", type=int_list(), default=None, help="pipeline-parallel degrees")
+    c.add_argument("--dp", type=int_list(), default=None, help="data-parallel degrees")
+    c.add_argument("--micro-batch", type=int_list(), default=None, help="sequences per micro-batch")
+    c.add_argument("--schedule", type=choice_list(SCHEDULES), default=None,
+                   help=f"pipeline schedules among {', '.join(SCHEDULES)}")
+    c.add_argument("--virtual-stages", type=int_list(low=2), default=None,
+                   help="model chunks per rank that interleaved-1f1b may use (default 2,3,4,6,8)")
+    c.add_argument("--zero", type=int_list(low=0, high=3), default=None,
+                   help="ZeRO levels a stage may use, e.g. 0,1")
+    c.add_argument("--recompute", type=choice_list(("none", "selective", "full")), default=None,
+                   help="recomputation modes a layer may use")
+    c.add_argument("--sequence-parallel", choices=("on", "off"), default=None,
+                   help="on: every TP plan uses sequence parallelism; off: none does (default: either)")
+    c.add_argument("--even-stages", action="store_true",
+                   help="split the layers evenly over the pipeline stages (default: balance them unevenly)")
     s.set_defaults(func=cmd_search)
 
     sub.add_parser("run", help="train a plan with torchrun (options: `trident run --help`)", add_help=False)

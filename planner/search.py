@@ -56,6 +56,7 @@ class SearchSpace:
     """What the search may choose; None means every valid value."""
     tp: tuple | None = None
     pp: tuple | None = None
+    dp: tuple | None = None
     micro_batch: tuple | None = None
     schedules: tuple = SCHEDULES
     virtual_stages: tuple = (2, 3, 4, 6, 8)  # chunks per rank for interleaved-1f1b
@@ -227,7 +228,7 @@ def _configs(ctx: Ctx, global_batch: int):
             if pp > total or (sp_.pp and pp not in sp_.pp):
                 continue
             dp = world // (tp * pp)
-            if global_batch % dp:
+            if global_batch % dp or (sp_.dp and dp not in sp_.dp):
                 continue
             for b in _divisors(global_batch // dp):
                 if sp_.micro_batch and b not in sp_.micro_batch:
@@ -249,6 +250,36 @@ def _configs(ctx: Ctx, global_batch: int):
                 recs = sp_.recompute if sp_.recompute_granularity == "plan" else [None]
                 for (sched, v), sp, order, z, r in itertools.product(scheds, sps, orders, zeros, recs):
                     yield Config(tp, pp, dp, b, mbs, sched, v, sp, tuple(order), z, r)
+
+
+# the user's constraints on a search (SearchSpace fields), by the command-line option that sets them
+CONSTRAINTS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "micro_batch": "--micro-batch", "schedules": "--schedule",
+               "virtual_stages": "--virtual-stages", "sequence_parallel": "--sequence-parallel"}
+
+
+def _no_configuration(ctx: Ctx, global_batch: int) -> str:
+    """Why no configuration exists: the one constraint that, lifted, would admit some (named, with
+    the values that would work), else the problem itself."""
+    m, c, space = ctx.model, ctx.cluster, ctx.space
+    default = SearchSpace()
+    where = f"{global_batch} sequences on {c.world_size} GPUs of {m.name}"
+    given = {f: getattr(space, f) for f in CONSTRAINTS if getattr(space, f) != getattr(default, f)}
+    for field in given:
+        lifted = Ctx(m, c, ctx.train, ctx.limit, dataclasses.replace(space, **{field: getattr(default, field)}))
+        cfgs = list(_configs(lifted, global_batch))
+        if not cfgs:
+            continue
+        attr = {"schedules": "schedule", "virtual_stages": "v", "sequence_parallel": "sp"}.get(field, field)
+        ok = sorted({getattr(cfg, attr) for cfg in cfgs if field != "virtual_stages" or cfg.v > 1})
+        show = lambda vals: ", ".join("on" if v is True else "off" if v is False else str(v) for v in vals)  # noqa: E731
+        return (f"{CONSTRAINTS[field]}: {show(given[field])} admits no configuration of {where} with the other "
+                f"choices; possible: {show(ok) or 'none'}")
+    if given:
+        opts = " ".join(f"{CONSTRAINTS[f]} {','.join(str(v) for v in vals)}" for f, vals in given.items())
+        return f"{opts}: together these admit no configuration of {where}; lift one of them"
+    return (f"global_batch: {global_batch} sequences admit no configuration on {c.world_size} GPUs of {m.name} "
+            f"(dp must divide it, tp the heads, and a data-parallel rank may run at most {MAX_MICRO_BATCHES} "
+            f"micro-batches); use a multiple of the GPU count")
 
 
 def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
@@ -282,9 +313,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             continue
         bounded.append((lb, cfg))
     if not res.configs:
-        raise ConfigError(f"global_batch: {global_batch} sequences admit no configuration on {cluster.world_size} "
-                          f"GPUs of {model.name} (dp must divide it, tp the heads, and a data-parallel rank may "
-                          f"run at most {MAX_MICRO_BATCHES} micro-batches); use a multiple of the GPU count")
+        raise ConfigError(_no_configuration(ctx, global_batch))
     bounded.sort(key=lambda x: x[0])
     best: dict = {}  # config -> Found
 
