@@ -16,10 +16,21 @@ import torch
 import torch.distributed as dist
 
 from planner.cluster import ring_factor
+from runtime.device import current, scalar, timed
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = [4 * 4**i * 1024 for i in range(7)]  # 4 KiB .. 16 MiB
 QUICK_SIZES = [4 * 4**i * 1024 for i in range(5)]  # 4 KiB .. 1 MiB
+# GPUs: NCCL reaches its bus bandwidth only with messages of hundreds of MiB (nccl-tests sweeps to
+# several GiB), and the gradients and gathers of a real model are that large
+GPU_SIZES = [4 * 4**i * 1024 for i in range(10)]  # 4 KiB .. 1 GiB
+GPU_QUICK_SIZES = [4 * 4**i * 1024 for i in range(0, 10, 3)]  # 4 KiB, 256 KiB, 16 MiB, 1 GiB
+
+
+def sizes_for(device: torch.device, quick: bool) -> list:
+    if device.type == "cuda":
+        return GPU_QUICK_SIZES if quick else GPU_SIZES
+    return QUICK_SIZES if quick else SIZES
 
 
 class Progress:
@@ -43,22 +54,34 @@ def _median_time(fn, repeats: int, group=None) -> float:
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        times.append(timed(fn))
     return statistics.median(times)
 
 
 def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    t = scalar(x)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def mean_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    t = scalar(x)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
+
+
+def overlap_ratio(work, timer, buf) -> float:
+    """`work`'s time by `timer` while an all-reduce of `buf` runs asynchronously, over its time
+    alone (median of 5 each), at least 1, mean over ranks."""
+    dist.barrier()
+    alone = statistics.median(timer(work) for _ in range(5))
+    dist.barrier()
+    times = []
+    for _ in range(5):
+        h = dist.all_reduce(buf, async_op=True)
+        times.append(timer(work))
+        h.wait()
+    return max(1.0, mean_over_ranks(statistics.median(times) / alone))
 
 
 # ------------------------------------------------------------------ collectives
@@ -66,19 +89,22 @@ def _collective(op: str, nbytes: int, group, n: int, peer: int | None):
     """A closure running collective `op` on an S = nbytes buffer (the planner's S: the all-reduce
     buffer, the all-gather output, the reduce-scatter input)."""
     elems = max(n, nbytes // 4 // n * n)
+    dev = current()
+    ones = lambda k: torch.ones(k, device=dev)  # noqa: E731
+    empty = lambda k: torch.empty(k, device=dev)  # noqa: E731
     if op == "all_reduce":
-        buf = torch.ones(elems)
+        buf = ones(elems)
         return lambda: dist.all_reduce(buf, group=group)
     if op == "all_gather":
-        out, inp = torch.empty(elems), torch.ones(elems // n)
+        out, inp = empty(elems), ones(elems // n)
         return lambda: dist.all_gather_into_tensor(out, inp, group=group)
     if op == "reduce_scatter":
-        out, inp = torch.empty(elems // n), torch.ones(elems)
+        out, inp = empty(elems // n), ones(elems)
         return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
     if op == "all_to_all":
-        out, inp = torch.empty(elems), torch.ones(elems)
+        out, inp = empty(elems), ones(elems)
         return lambda: dist.all_to_all_single(out, inp, group=group)
-    buf = torch.ones(elems)
+    buf = ones(elems)
     rank = dist.get_rank()
 
     def sendrecv():  # even members send to the odd ones

@@ -123,6 +123,41 @@ def cpu_counter():
     return LiveTensorBytes(), "live tensor storages (runtime.metrics.LiveTensorBytes)"
 
 
+class CudaAllocated:
+    """Bytes PyTorch's CUDA caching allocator hands out, above their value at the start, with the
+    peak since (HeapPeak's interface, on a GPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = 0
+
+    def __enter__(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize(self.device)
+        return False
+
+    @property
+    def current_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self.start
+
+    @property
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) - self.start
+
+
+def memory_counter(device: torch.device):
+    """The memory counter of `device` and the name a profile records: CudaAllocated on a GPU,
+    cpu_counter() on the CPU."""
+    if device.type == "cuda":
+        return CudaAllocated(device), "torch.cuda.memory_allocated above its value at the start"
+    return cpu_counter()
+
+
 class PeakMemory:
     """Peak bytes of one training step on this rank: torch.cuda.max_memory_allocated on GPU; on
     CPU the bytes of the tensors alive at the start (parameters, gradients, optimizer states,

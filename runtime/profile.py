@@ -41,13 +41,14 @@ import torch.distributed as dist
 
 from planner.model_profile import fit_alpha_beta, fit_segments
 from planner.args import OneLineParser
-from runtime.comm_sweep import (OPS, QUICK_SIZES, SIZES, Progress, mean_over_ranks, group_layout, group_points,
-                                node_key, per_node_of, sweep)
+from runtime.comm_sweep import (OPS, Progress, mean_over_ranks, group_layout, group_points, node_key, overlap_ratio,
+                                per_node_of, sizes_for, sweep)
+from runtime.device import current
 
 # ------------------------------------------------------------------ device
-def matmul_rate(m: int, n: int, k: int, budget_s: float = 0.15) -> float:
-    """Best FLOP/s of an (m x k) @ (k x n) fp32 product over a short loop."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def matmul_rate(m: int, n: int, k: int, budget_s: float = 0.15, dtype=torch.float32) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) product on the CPU over a short loop."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     a @ b
     best, end = 0.0, time.perf_counter() + budget_s
     while True:
@@ -91,16 +92,7 @@ def overlap_slowdown() -> float:
     def work():
         for _ in range(20):
             a @ b
-    dist.barrier()
-    alone = statistics.median(_timed(work) for _ in range(5))
-    buf = torch.ones(4 * 2**20)
-    dist.barrier()
-    times = []
-    for _ in range(5):
-        h = dist.all_reduce(buf, async_op=True)
-        times.append(_timed(work))
-        h.wait()
-    return max(1.0, mean_over_ranks(statistics.median(times) / alone))
+    return overlap_ratio(work, _timed, torch.ones(4 * 2**20))
 
 
 def compute_slots() -> float:
@@ -131,6 +123,56 @@ def compute_slots() -> float:
     return min(float(world), max(1.0, world * float(t) / statistics.median(together)))
 
 
+def _cpu_device(progress, per_node: int) -> tuple[dict, dict, float, float]:
+    """(device object, its sources, overlap_slowdown, compute_slots) of a CPU process, every rank
+    at once (a device here is a process; they share the machine's cores)."""
+    shapes = [(256, 384, 128), (256, 128, 384), (512, 512, 512), (1024, 1536, 512), (256, 4096, 512)]
+    peak, eff = {}, {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):  # the runtime computes in either
+        peak[name] = mean_over_ranks(max(matmul_rate(s, s, s, dtype=dt) for s in (512, 1024)))
+        achieved = mean_over_ranks(statistics.median(matmul_rate(*s, budget_s=0.05, dtype=dt) for s in shapes))
+        eff[name] = min(1.0, achieved / peak[name])
+    bw = mean_over_ranks(memory_bandwidth())
+    progress.step("device")
+    slow = overlap_slowdown()
+    slots = compute_slots()
+    progress.step("overlap")
+    mem, mem_src = memory_capacity()
+    device = {
+        "name": "cpu process",
+        "memory_bytes": int(mem // per_node),
+        "peak_flops": peak,
+        "matmul_efficiency": eff,
+        "memory_bandwidth_bytes_per_s": bw,
+        "memory_bandwidth_efficiency": 1.0,
+        "reserved_bytes": 0,
+        "allocator_overhead_fraction": 0.0,
+    }
+    sources = {
+        "device.peak_flops": "measured: torch.matmul in fp32 and in bf16 on every rank at once; 'peak' is the "
+                             "best rate of a square 512/1024 matmul on this CPU (no datasheet peak for a CPU "
+                             "process), averaged over ranks",
+        "device.matmul_efficiency": "measured: median rate at transformer-like shapes "
+                                    f"{shapes} over the measured peak above, per dtype",
+        "device.memory_bandwidth_bytes_per_s": "measured: best of 5 copies of a 64 MiB fp32 tensor, "
+                                               "2 x 64 MiB moved, every rank at once; efficiency 1 "
+                                               "because this is the achieved rate",
+        "device.memory_bytes": f"measured: {mem_src} divided by the {per_node} processes of a host",
+        "device.reserved_bytes": "assumption: 0 on CPU (no device context; run.json counts the tensors alive at the "
+                                 "step's start and the heap allocated above them)",
+        "overlap_slowdown": "measured: 20 matmuls of 256^3 with and without a 16 MiB all-reduce running "
+                            "asynchronously, median of 5, mean over ranks",
+        "compute_slots": "measured: 120 matmuls of 256^3 timed on rank 0 alone and on every rank at once "
+                         "from a barrier to the last rank's end (median of 3 each); world x alone / "
+                         "together, within [1, world]",
+    }
+    return device, sources, slow, slots
+
+
+def _slug(name: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "gpu"
+
+
 def profile_cluster(args) -> dict | None:
     world, rank = dist.get_world_size(), dist.get_rank()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -140,20 +182,21 @@ def profile_cluster(args) -> dict | None:
     node_of_rank = [order.index(h) for h in hosts]
     nodes = len(order)
     layout = group_layout(node_of_rank)
-    sizes = QUICK_SIZES if args.quick else SIZES
+    gpu = current().type == "cuda"
+    sizes = sizes_for(current(), args.quick)
     progress = Progress(2 * len(sizes) * group_points(layout) + 2, rank == 0)
 
-    # device, every rank at once (a device here is a process; they share the machine's cores)
-    peak = mean_over_ranks(max(matmul_rate(s, s, s) for s in (512, 1024)))
-    shapes = [(256, 384, 128), (256, 128, 384), (512, 512, 512), (1024, 1536, 512), (256, 4096, 512)]
-    achieved = mean_over_ranks(statistics.median(matmul_rate(*s, budget_s=0.05) for s in shapes))
-    bw = mean_over_ranks(memory_bandwidth())
-    progress.step("device")
-    slow = overlap_slowdown()
-    slots = compute_slots()
-    progress.step("overlap")
-    mem, mem_src = memory_capacity()
+    per_node = max(node_of_rank.count(i) for i in range(nodes))
+    if gpu:
+        from runtime import profile_gpu
+        device, dev_sources, slow, slots = profile_gpu.measure_device(args.quick)
+        progress.step("device")
+        progress.step("overlap")
+    else:
+        device, dev_sources, slow, slots = _cpu_device(progress, per_node)
     points = sweep(sizes, 5 if args.quick else 9, progress, layout)
+    if gpu:  # NCCL's communicators and buffers exist now
+        device["reserved_bytes"] = profile_gpu.reserved_outside_allocator()
     if rank != 0:
         return None
 
@@ -184,43 +227,30 @@ def profile_cluster(args) -> dict | None:
         if "intra_node" not in tiers:  # one process per node: no group inside a node to time
             tiers["intra_node"] = json.loads(json.dumps(tiers["inter_node"]))
         colls[op] = tiers
-    per_node = max(node_of_rank.count(i) for i in range(nodes))
-    name = args.name or f"cpu-gloo-{world}"
-    mm_src = ("measured: fp32 torch.matmul on every rank at once; 'peak' is the best rate of a square "
-              "512/1024 matmul on this CPU (no datasheet peak for a CPU process), averaged over ranks")
+    if gpu:
+        name = args.name or f"{_slug(device['name'])}-nccl-{world}"
+        what, links = f"{world} GPUs (NCCL)", ("NCCL inside a node (NVLink / PCIe)", "NCCL across nodes")
+    else:
+        name = args.name or f"cpu-gloo-{world}"
+        device["name"] = f"cpu process ({local_world} per host)"
+        what, links = f"{world} gloo processes", ("gloo over loopback TCP", "gloo over TCP")
     return {
         "format_version": 1,
         "name": name,
-        "description": f"measured: {world} gloo processes on {nodes} host(s) ({', '.join(order)}), "
+        "description": f"measured: {what} on {nodes} host(s) ({', '.join(order)}), "
                        f"torch {torch.__version__}, {os.cpu_count()} CPUs",
         "kind": "measured",
         "devices_per_node": per_node,
         "nodes": nodes,
-        "device": {
-            "name": f"cpu process ({local_world} per host)",
-            "memory_bytes": int(mem // per_node),
-            "peak_flops": {"fp32": peak},
-            "matmul_efficiency": {"fp32": min(1.0, achieved / peak)},
-            "memory_bandwidth_bytes_per_s": bw,
-            "memory_bandwidth_efficiency": 1.0,
-            "reserved_bytes": 0,
-            "allocator_overhead_fraction": 0.0,
-        },
-        "tiers": {"intra_node": {"link": "gloo over loopback TCP"}, "inter_node": {"link": "gloo over TCP"}},
+        "device": device,
+        "tiers": {"intra_node": {"link": links[0]}, "inter_node": {"link": links[1]}},
         "collectives": colls,
         "topology": {"node_of_rank": node_of_rank},
         "overlap_slowdown": slow,
         "compute_slots": slots,
         "sweep": fits_out,
         "sources": {
-            "device.peak_flops.fp32": mm_src,
-            "device.matmul_efficiency.fp32": "measured: median fp32 rate at transformer-like shapes "
-                                             f"{shapes} over the measured peak above",
-            "device.memory_bandwidth_bytes_per_s": "measured: best of 5 copies of a 64 MiB fp32 tensor, "
-                                                   "2 x 64 MiB moved, every rank at once; efficiency 1 "
-                                                   "because this is the achieved rate",
-            "device.memory_bytes": f"measured: {mem_src} divided by the {per_node} processes of a host",
-            "device.reserved_bytes": "assumption: 0 on CPU (no device context; run.json counts the tensors alive at the step's start and the heap allocated above them)",
+            **dev_sources,
             "collectives": "measured: the smaller of two medians over repeats (max over ranks; two passes over "
                            "the sizes), made non-decreasing in the size (runtime.comm_sweep.monotone), of a sweep of "
                            f"{sizes[0] // 1024} KiB .. {sizes[-1] // 1024} KiB, all groups of a size at once; "
@@ -238,11 +268,6 @@ def profile_cluster(args) -> dict | None:
                                          "node (planner.cluster prices a spanning group at min(intra, k * inter)); "
                                          "the tier default is the largest spanning group's fit; raw points under "
                                          "'sweep' as 'Nx'"),
-            "overlap_slowdown": "measured: 20 matmuls of 256^3 with and without a 16 MiB all-reduce running "
-                                "asynchronously, median of 5, mean over ranks",
-            "compute_slots": "measured: 120 matmuls of 256^3 timed on rank 0 alone and on every rank at once "
-                             "from a barrier to the last rank's end (median of 3 each); world x alone / "
-                             "together, within [1, world]",
             "topology.node_of_rank": "measured: socket.gethostname() of every rank, with torchrun's node rank "
                                      "(GROUP_RANK) where set",
         },
@@ -255,7 +280,9 @@ def _init() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    from runtime.device import init
+    backend, _ = init(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
 
 
 def parse_args(argv):
@@ -272,6 +299,8 @@ def parse_args(argv):
     m.add_argument("--micro-batches", default="1,2,4")
     m.add_argument("--tp", default="1")
     m.add_argument("--repeats", type=int, default=7)
+    m.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="compute dtype, as the runtime trains (default: bf16 on GPUs, fp32 on the CPU)")
     m.add_argument("--name", default=None)
     m.add_argument("-o", "--out", required=True)
     return ap.parse_args(argv)

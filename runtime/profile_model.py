@@ -4,7 +4,10 @@ parameter, gradient and activation bytes of a model, measured with the runtime's
 tp sub-mesh) and recomputation (apply_recompute). The JSON format is planner/model_profile.py's.
 
 Every rank measures at once (the world is split into groups of `tp` ranks), so the times are
-those of a device while all N processes of the launch are busy, as in a training run on N.
+those of a device while all N processes of the launch are busy, as in a training run on N. Each
+rank measures the device runtime.train would train on (runtime.device: its GPU, else the CPU), in
+the dtype it would compute in (--dtype; bf16 is autocast over float32 weights, as the runtime
+runs it), and times GPU work between synchronizations.
 Activation bytes are the bytes of tensors a layer's forward creates and keeps alive (saved for
 backward, and its output, which is the next layer's input): the memory the forward allocates and
 has not freed when it returns, counted on CPU by runtime.metrics.cpu_counter, the counter
@@ -14,9 +17,10 @@ forward returns, so each point is the median of several forwards.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import dataclasses
 import gc
+import math
 import statistics
 import time
 
@@ -26,6 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.model import ConfigError, load_model
 from planner.model_profile import FORMAT_VERSION, fit_linear
+from runtime.device import current, scalar, sync
+
+AMP_DTYPES = {"bf16": torch.bfloat16}  # computed under autocast over float32 weights, as runtime.train does
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -57,6 +64,10 @@ def check_args(args, world: int) -> None:
             raise ConfigError(f"--seq-len: {args.seq_len} is not divisible by tp={tp} (sequence parallelism)")
     if args.repeats < 3:
         raise ConfigError(f"--repeats: {args.repeats}; use at least 3")
+    # the runtime computes in the plan's dtype on a GPU and in float32 on the CPU unless told
+    args.dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+    if args.dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"--dtype: {args.dtype!r}; the runtime computes in fp32 or bf16")
     args.cluster = load_cluster(args.cluster_profile)
 
 
@@ -71,7 +82,7 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _build(cfg, kind: str, tp_mesh, sp: bool, rec: str, dp_mesh=None, zero: int = 0):
+def _build(cfg, kind: str, tp_mesh, sp: bool, rec: str, dp_mesh=None, zero: int = 0, dtype: str = "fp32"):
     from runtime.model import Transformer, init_weights
     from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp
     index = {"embedding": 0, "block": 1, "head": cfg.layers + 1}[kind]
@@ -81,8 +92,8 @@ def _build(cfg, kind: str, tp_mesh, sp: bool, rec: str, dp_mesh=None, zero: int 
         apply_tp(chunk, tp_mesh, sp)
     apply_recompute(chunk, {index: rec})
     if dp_mesh is not None:
-        apply_data_parallel(chunk, dp_mesh, zero)
-    chunk.to_empty(device=torch.device("cpu"))
+        apply_data_parallel(chunk, dp_mesh, zero, AMP_DTYPES.get(dtype))
+    chunk.to_empty(device=current())
     init_weights(chunk, 0)
     return chunk
 
@@ -90,18 +101,18 @@ def _build(cfg, kind: str, tp_mesh, sp: bool, rec: str, dp_mesh=None, zero: int 
 def _inputs(cfg, kind: str, mb: int, s: int, tp: int, tp_rank: int, sp: bool):
     """The layer's input, the same on every rank of a TP group (sequence-sharded under SP)."""
     g = torch.Generator().manual_seed(1000 + mb)
-    ids = torch.randint(0, cfg.vocab, (mb, s), generator=g)
+    ids = torch.randint(0, cfg.vocab, (mb, s), generator=g).to(current())
     if kind == "embedding":
         return ids, None
-    x = torch.randn(mb, s, cfg.hidden, generator=g)
+    x = torch.randn(mb, s, cfg.hidden, generator=g).to(current())
     if sp and tp > 1:
         x = x.chunk(tp, dim=1)[tp_rank].contiguous()
     return x.requires_grad_(True), ids
 
 
-def _cpu_counter_name() -> str:
-    from runtime.metrics import cpu_counter
-    return cpu_counter()[1]
+def _counter_name() -> str:
+    from runtime.metrics import memory_counter
+    return memory_counter(current())[1]
 
 
 MIN_SAMPLE_S = 0.02  # a timed sample spans several scheduler time slices
@@ -111,7 +122,7 @@ def _passes_per_sample(seconds: float) -> int:
     """Back-to-back repetitions per timed sample, the same on every rank: processes that share
     cores are preempted every few milliseconds, so a single short pass times either a full core
     or a wait; a sample of several slices times the sustained share each process gets."""
-    k = torch.tensor([max(1, math.ceil(MIN_SAMPLE_S / max(seconds, 1e-6)))])
+    k = scalar(max(1, math.ceil(MIN_SAMPLE_S / max(seconds, 1e-6))), dtype=torch.int64)
     dist.all_reduce(k, op=dist.ReduceOp.MAX)
     return int(k)
 
@@ -123,26 +134,37 @@ def _loss_fn(tp_mesh):
     return lambda out, targets: cross_entropy(out, targets, group, tp_mesh.get_local_rank())
 
 
-def _time_passes(chunk, kind, x, targets, loss, repeats, sync=None, zero=0):
+def _amp(dtype: str):
+    """The runtime's autocast for `dtype` (runtime.train.Trainer._autocast), or none."""
+    if dtype not in AMP_DTYPES:
+        return contextlib.nullcontext()
+    return torch.autocast(current().type, dtype=AMP_DTYPES[dtype], cache_enabled=False)
+
+
+def _time_passes(chunk, kind, x, targets, loss, repeats, grad_sync=None, zero=0, dtype="fp32"):
     """Median forward and backward seconds per pass over `repeats` samples, each of k passes back
-    to back (after two warm-up passes). `sync` (FSDP modules only): whether gradients are
+    to back (after two warm-up passes). `grad_sync` (FSDP modules only): whether gradients are
     synchronized, as the runtime's last micro-batch does (ZeRO 1/2 keep the parameters gathered
     between the micro-batches before it, as the runtime does)."""
     from torch.distributed.fsdp import FSDPModule
-    if sync is not None and isinstance(chunk, FSDPModule):
-        chunk.set_requires_gradient_sync(sync)
+    if grad_sync is not None and isinstance(chunk, FSDPModule):
+        chunk.set_requires_gradient_sync(grad_sync)
         if zero in (1, 2):
-            chunk.set_reshard_after_backward(sync)
+            chunk.set_reshard_after_backward(grad_sync)
 
     def one():
         if x.grad is not None:
             x.grad = None
+        sync()
         t0 = time.perf_counter()
-        out = chunk(x)
-        if kind == "head":
-            out = loss(out, targets)
+        with _amp(dtype):
+            out = chunk(x)
+            if kind == "head":
+                out = loss(out, targets)
+        sync()
         t1 = time.perf_counter()
         out.backward(torch.ones_like(out) if kind != "head" else None)
+        sync()
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
@@ -165,9 +187,11 @@ def _time_optimizer(params, repeats) -> float:
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
     def one():
+        sync()
         t0 = time.perf_counter()
-        clip_grad_norm(params, 1.0, None, torch.device("cpu"), reduce=False)  # its collectives: once per step
+        clip_grad_norm(params, 1.0, None, current(), reduce=False)  # its collectives: once per step
         opt.step()
+        sync()
         return time.perf_counter() - t0
 
     one()
@@ -179,7 +203,7 @@ def _time_optimizer(params, repeats) -> float:
     return statistics.median(times)
 
 
-def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
+def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain, dtype="fp32") -> dict:
     """Extra forward / backward time per micro-batch, the extra of the gradient-synchronizing
     backward, and the optimizer step, of the layer wrapped as the runtime wraps it for ZeRO 0
     (replicate), 1-2 and 3 (FSDP2) on the dp sub-mesh, over the unwrapped layer's `plain` times."""
@@ -188,12 +212,12 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
     loss = _loss_fn(tp_mesh)
     out = {"dp": dp_mesh.size(), "micro_batch": mb}
     for zero in (0, 1, 3):
-        chunk = _build(cfg, kind, tp_mesh, sp, "none", dp_mesh, zero)
+        chunk = _build(cfg, kind, tp_mesh, sp, "none", dp_mesh, zero, dtype)
         x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
-        f, b_nosync = _time_passes(chunk, kind, x, targets, loss, repeats, sync=False, zero=zero)
-        f2, b_sync = _time_passes(chunk, kind, x, targets, loss, repeats, sync=True, zero=zero)
+        f, b_nosync = _time_passes(chunk, kind, x, targets, loss, repeats, grad_sync=False, zero=zero, dtype=dtype)
+        f2, b_sync = _time_passes(chunk, kind, x, targets, loss, repeats, grad_sync=True, zero=zero, dtype=dtype)
         opt = _time_optimizer(list(chunk.parameters()), repeats)
-        vals = torch.tensor([min(f, f2), b_nosync, b_sync, opt], dtype=torch.float64)
+        vals = torch.tensor([min(f, f2), b_nosync, b_sync, opt], dtype=torch.float64, device=current())
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
         f, b_nosync, b_sync, opt = (float(v) for v in vals)
         out[f"zero{zero}"] = {"forward_s": max(0.0, f - plain[0]), "backward_s": max(0.0, b_nosync - plain[1]),
@@ -201,11 +225,12 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain) -> dict:
     return out
 
 
-def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, repeats: int) -> dict:
-    from runtime.metrics import LiveTensorBytes, cpu_counter
+def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, repeats: int,
+            dtype: str = "fp32") -> dict:
+    from runtime.metrics import LiveTensorBytes, memory_counter
     tp_mesh = mesh2d["tp"]
     tp = tp_mesh.size()
-    chunk = _build(cfg, kind, tp_mesh, sp, rec)
+    chunk = _build(cfg, kind, tp_mesh, sp, rec, dtype=dtype)
     params = list(chunk.parameters())
     loss = _loss_fn(tp_mesh)
     points = []
@@ -213,22 +238,23 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
         x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
 
         def forward():
-            out = chunk(x)
-            if kind == "head":
-                out = loss(out, targets)
+            with _amp(dtype):
+                out = chunk(x)
+                if kind == "head":
+                    out = loss(out, targets)
             return out
-        f, b = _time_passes(chunk, kind, x, targets, loss, repeats)
+        f, b = _time_passes(chunk, kind, x, targets, loss, repeats, dtype=dtype)
         acts = []
         gc.collect()  # garbage of earlier passes is not freed inside a window: none is left, and
         gc.disable()  # no collection runs until the windows are done
         try:
             for _ in range(repeats):  # the heap also holds what gloo's threads have in flight: a median
                 dist.barrier()
-                counter, _ = cpu_counter()
+                counter, _ = memory_counter(current())
                 if isinstance(counter, LiveTensorBytes):  # a storage count: the input and the parameters are not the layer's
                     for t in [x, *params]:
                         counter.track(t)
-                base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # HeapPeak counts from entry
+                base = counter.current_bytes if isinstance(counter, LiveTensorBytes) else 0  # the others count from entry
                 with counter:
                     out = forward()
                     acts.append(counter.current_bytes - base)
@@ -240,14 +266,15 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
     grad_bytes = _bytes(p.grad for p in params)
     opt_s = _time_optimizer(params, repeats)
     # the slowest rank sets the pace: max over ranks of every measured time
-    vals = torch.tensor([v for p in points for v in p[1:3]] + [opt_s], dtype=torch.float64)
+    vals = torch.tensor([v for p in points for v in p[1:3]] + [opt_s], dtype=torch.float64, device=current())
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     for i, p in enumerate(points):
         p[1], p[2] = float(vals[2 * i]), float(vals[2 * i + 1])
     xs = [p[0] for p in points]
     dp = {}
     if mesh2d["dp"].size() > 1 and rec == "none":
-        dp = {"data_parallel": measure_data_parallel(cfg, kind, mesh2d, sp, s, mbs[0], repeats, points[0][1:3])}
+        dp = {"data_parallel": measure_data_parallel(cfg, kind, mesh2d, sp, s, mbs[0], repeats, points[0][1:3],
+                                                     dtype)}
     return {
         "layer": kind, "tp": tp, "sequence_parallel": sp, "recompute": rec,
         "forward_s": list(fit_linear(xs, [p[1] for p in points])),
@@ -259,7 +286,8 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
     }
 
 
-def measure_pipeline(world: int, cluster, repeats: int, cfg, seq: int, block_s: tuple, m: int = 8) -> dict:
+def measure_pipeline(world: int, cluster, repeats: int, cfg, seq: int, block_s: tuple, m: int = 8,
+                     dtype: str = "fp32") -> dict:
     """Overhead per pipeline operation of torch.distributed.pipelining here, at the model's own
     scale: two-rank pipelines (all rank pairs at once) of one of the model's blocks per stage, on
     [1, seq, hidden] micro-batches, run GPipe, 1F1B and interleaved 1F1B (two stages per rank) over
@@ -269,7 +297,8 @@ def measure_pipeline(world: int, cluster, repeats: int, cfg, seq: int, block_s: 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from planner.schedule import Sharing, StageTimes, simulate
     from runtime.model import Transformer, init_weights
-    mesh = DeviceMesh("cpu", torch.arange(world).reshape(world // 2, 2), mesh_dim_names=("dp", "pp"))
+    dev = current()
+    mesh = DeviceMesh(dev.type, torch.arange(world).reshape(world // 2, 2), mesh_dim_names=("dp", "pp"))
     me = mesh["pp"].get_local_rank()
     msg = 4 * seq * cfg.hidden
     send = cluster.p2p_time(msg, 0, 1)
@@ -281,22 +310,24 @@ def measure_pipeline(world: int, cluster, repeats: int, cfg, seq: int, block_s: 
         for i in range(v):
             with torch.device("meta"):
                 block = Transformer(cfg, 1, 2)
-            block.to_empty(device=torch.device("cpu"))
+            block.to_empty(device=dev)
             init_weights(block, me + 2 * i)
-            stages.append(PipelineStage(block, me + 2 * i, 2 * v, torch.device("cpu"), group=mesh["pp"].get_group()))
+            stages.append(PipelineStage(block, me + 2 * i, 2 * v, dev, group=mesh["pp"].get_group()))
         sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
                     scale_grads=True)
         g = torch.Generator().manual_seed(0)
-        x, t = torch.randn(m, seq, cfg.hidden, generator=g), torch.randn(m, seq, cfg.hidden, generator=g)
+        x, t = (torch.randn(m, seq, cfg.hidden, generator=g).to(dev) for _ in range(2))
         times = []
         for i in range(repeats + 2):
             dist.barrier()
             t0 = time.perf_counter()
-            sched.step(x) if me == 0 else sched.step(target=t, losses=[])
+            with _amp(dtype):
+                sched.step(x) if me == 0 else sched.step(target=t, losses=[])
+            sync()
             dist.barrier(group=mesh["pp"].get_group())
             if i >= 2:
                 times.append(time.perf_counter() - t0)
-        vals = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        vals = scalar(statistics.median(times))
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
         measured = float(vals)
 
@@ -317,18 +348,19 @@ def profile_model(args) -> dict | None:
             configs += [("block", tp, sp, rec) for rec in ("none", "selective", "full")]
     from runtime.comm_sweep import Progress
     progress = Progress(len(configs), rank == 0)
-    meshes = {tp: DeviceMesh("cpu", torch.arange(world).reshape(world // tp, tp), mesh_dim_names=("dp", "tp"))
+    meshes = {tp: DeviceMesh(current().type, torch.arange(world).reshape(world // tp, tp), mesh_dim_names=("dp", "tp"))
               for tp in args.tps}
     entries = []
     for kind, tp, sp, rec in configs:
-        entries.append(measure(cfg, kind, meshes[tp], sp, rec, args.mbs, args.seq_len, args.repeats))
+        entries.append(measure(cfg, kind, meshes[tp], sp, rec, args.mbs, args.seq_len, args.repeats, args.dtype))
         progress.step(f"{kind} tp={tp}{' sp' if sp else ''} {rec}")
     pipeline = None
     if world % 2 == 0:  # at micro-batch 1: the runtime's block, unsharded
         blk = next(e for e in entries if (e["layer"], e["tp"], e["recompute"]) == ("block", 1, "none")) \
             if 1 in args.tps else None
         block_s = (sum(blk["forward_s"]), sum(blk["backward_s"])) if blk else None
-        pipeline = measure_pipeline(world, args.cluster, args.repeats, cfg, args.seq_len, block_s) if blk else None
+        pipeline = (measure_pipeline(world, args.cluster, args.repeats, cfg, args.seq_len, block_s, dtype=args.dtype)
+                    if blk else None)
     if rank != 0:
         return None
     c = args.cluster
@@ -337,7 +369,7 @@ def profile_model(args) -> dict | None:
         "name": args.name or f"{cfg.name}@{c.name}",
         "model": load_model(args.model).to_dict(),
         "seq_len": args.seq_len,
-        "dtype": "fp32",
+        "dtype": args.dtype,
         "processes": world,
         "cluster_profile": {"name": c.name, "hash": c.profile_hash},
         "micro_batches": args.mbs,
@@ -347,7 +379,7 @@ def profile_model(args) -> dict | None:
             "times": f"measured: median of {args.repeats} samples of back-to-back forward+backward passes (each "
                      f"sample at least {MIN_SAMPLE_S} s) after two warm-up passes, every rank at once, max over ranks; fit a + b * micro_batch by least squares over the measured sizes",
             "activation_bytes": "measured: bytes one forward allocates and keeps until its backward, output "
-                                f"included ({_cpu_counter_name()}), median of {args.repeats} forwards after a garbage "
+                                f"included ({_counter_name()}), median of {args.repeats} forwards after a garbage "
                                 "collection, with the collector off",
             "optimizer_s": "measured: runtime.optim.clip_grad_norm (local work: reduce=False) + "
                            "AdamW(foreach=True).step on the layer's parameters, as the runtime runs them; "
@@ -355,6 +387,8 @@ def profile_model(args) -> dict | None:
             "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
                         "one of the model's blocks per stage at micro-batch 1; the per-operation overhead that makes "
                         "planner.schedule, with the block's measured times, reproduce it)",
-            "runtime": f"torch {torch.__version__}, gloo, fp32, vocab-parallel loss under TP",
+            "runtime": f"torch {torch.__version__}, {dist.get_backend()} on {current().type}, {args.dtype}"
+                       + (" (autocast over float32 weights)" if args.dtype in AMP_DTYPES else "")
+                       + ", vocab-parallel loss under TP",
         },
     }

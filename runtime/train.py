@@ -346,11 +346,8 @@ def main(argv=None) -> int:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        backend, device = "gloo", torch.device("cpu")
+    from runtime.device import init
+    backend, device = init(local_rank)
     dist.init_process_group(backend, timeout=timedelta(minutes=10))
     try:
         for plan, path in plans:

@@ -280,3 +280,35 @@ def test_compare_refuses_a_run_in_another_dtype_in_one_line(tmp_path, capsys):
         assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == code
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "run.dtype" in err and "--dtype fp32" in err
+
+
+def test_a_bf16_model_profile_prices_bf16_plans_only(cluster_profile):
+    """`profile model --dtype bf16` times the layers under the runtime's autocast (the GPU default);
+    the profile says so, and a plan computing in another dtype is refused in one line."""
+    out = cluster_profile.parent / "tiny-bf16.json"
+    proc = torchrun(1, "model", "--model", "tiny", "--cluster-profile", cluster_profile, "--seq-len", 32,
+                    "--micro-batches", "1,2", "--tp", "1", "--repeats", 3, "--dtype", "bf16", "-o", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    mp = load_model_profile(str(out))
+    assert mp.dtype == "bf16" and "autocast" in json.loads(out.read_text())["sources"]["runtime"]
+    cluster = load_cluster(str(cluster_profile)).shaped_as(1, 1)
+    kw = dict(cluster_name=cluster.name, device=cluster.device.name, nodes=1, devices_per_node=1, global_batch=4,
+              micro_batch=2, seq_len=32)
+    est = estimate(build_plan(ZOO["tiny"], dtype="bf16", **kw), cluster, model_profile=mp)
+    assert est.step_time_s > 0 and est.peak_memory_bytes > 0
+    with pytest.raises(ConfigError, match="measured in bf16 but the plan computes in fp32"):
+        estimate(build_plan(ZOO["tiny"], dtype="fp32", **kw), cluster, model_profile=mp)
+
+
+def test_the_gpu_profilers_rate_loops_run_and_time_what_they_run():
+    """runtime.profile_gpu's loops (GPU-only as a whole) on the current device, here the CPU: a
+    batch of products is timed between synchronizations, and its rate is finite and positive."""
+    from runtime import profile_gpu
+    from runtime.device import current, timed
+    import torch
+    assert current() == torch.device("cpu")
+    assert timed(lambda: sum(range(1000))) > 0
+    r = profile_gpu.matmul_rate(64, 64, 64, torch.float32, budget_s=0.01)
+    assert math.isfinite(r) and r > 0
+    a = profile_gpu.attention_rate(64, 16, budget_s=0.01, tokens=128, hidden=32)
+    assert math.isfinite(a) and a > 0

@@ -1,0 +1,221 @@
+"""The prepared check for a session that is lent one GPU: profile it, predict, train, compare.
+
+    python3 benchmarks/gpu_check.py [--out DIR] [--steps 8]        # DIR defaults to $OUT, else out/gpu_check
+
+Nothing of trident needs installing: the repository on PYTHONPATH and a python3 with torch, numpy,
+networkx and pandas (the lent H200 machine's own). On one GPU, in one command of a few minutes:
+1. the device, as `trident profile cluster` measures it on GPUs (runtime.profile_gpu: GEMM rate
+   by size per dtype, causal attention rate by sequence length and head dimension, memory
+   bandwidth), against the shipped profile of the same device where there is one;
+2. `trident profile model` of a 1.2B Llama-shaped model (Llama 3.2 1B's shape) at sequence 2048,
+   in bf16 on the GPU, micro-batches 1, 2, 4;
+3. four single-GPU plans (recompute none, selective, full; micro-batch 1 to 4), each predicted
+   three ways: the shipped profile alone, the measured device alone, the measured device and model
+   profile; then trained by runtime.train (bf16 autocast over float32 weights, AdamW), and
+   compared: step time, optimizer step and peak memory (torch.cuda.max_memory_allocated).
+Without a GPU it runs the same loop as a smoke test on the CPU with the tiny model (step 1 left
+out: runtime.profile_gpu measures GPUs only). Everything it writes lands in DIR; the table and
+results.json say what was measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Llama 3.2 1B's shape (its config.json: hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192,
+# vocabulary 128256, tied embeddings), trained at sequence 2048
+LLAMA_1B = dict(name="llama-1.2b", arch="llama", layers=16, hidden=2048, ffn_hidden=8192, heads=32, kv_heads=8,
+                vocab=128256, seq_len=2048, tie_embeddings=True)
+# name: (micro_batch, global_batch, recompute)
+PLANS = {"mb1-none": (1, 8, "none"), "mb2-selective": (2, 8, "selective"), "mb4-full": (4, 16, "full"),
+         "mb4-none": (4, 16, "none")}
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
+    return e
+
+
+def torchrun(*args, nproc: int = 1) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           *map(str, args)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    took = time.perf_counter() - t0
+    print(f"  {' '.join(map(str, args[:3]))}: {took:.0f} s", flush=True)
+    return took
+
+
+def device_worker(path: str) -> int:
+    """Under torchrun: runtime.profile_gpu's device measurements on this rank's GPU, to `path`."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from runtime.device import init
+    from runtime import profile_gpu
+    backend, _ = init(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    device, sources, slow, slots = profile_gpu.measure_device(quick=False)
+    device["reserved_bytes"] = profile_gpu.reserved_outside_allocator()
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps({"device": device, "sources": sources, "overlap_slowdown": slow,
+                                          "compute_slots": slots}, indent=1) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+def shipped_for(name: str):
+    """The shipped hardware profile whose device is `name`'s GPU (H200, H100, A100), else H200's."""
+    key = next((k for k in ("H200", "H100", "A100") if k in name.upper()), "H200")
+    return {"H200": "hgx-h200-141gb", "H100": "dgx-h100-80gb", "A100": "dgx-a100-80gb"}[key]
+
+
+def measured_cluster(shipped: dict, measured: dict) -> dict:
+    """The shipped profile with its device replaced by the measured one (its collectives are not
+    used on one GPU)."""
+    out = json.loads(json.dumps(shipped))
+    out["name"] = shipped["name"] + "-measured-device"
+    out["kind"] = "measured"
+    out["description"] = "device measured by benchmarks/gpu_check.py; collectives as shipped (unused on one GPU)"
+    out["device"] = measured["device"]
+    out["sources"] = {k: v for k, v in shipped.get("sources", {}).items() if not k.startswith("device")}
+    out["sources"].update(measured["sources"])
+    out["overlap_slowdown"], out["compute_slots"] = measured["overlap_slowdown"], measured["compute_slots"]
+    return out
+
+
+def compare_curves(shipped, measured) -> list[str]:
+    """Lines comparing the measured bf16 GEMM and causal attention rates with the shipped ones."""
+    lines = []
+    for edge in (2048, 4096, 8192):
+        a = shipped.device.gemm_flops_per_s("bf16", edge, edge, edge)
+        b = measured.device.gemm_flops_per_s("bf16", edge, edge, edge)
+        lines.append(f"  bf16 GEMM {edge}^3: shipped {a / 1e12:6.0f}  measured {b / 1e12:6.0f} TFLOP/s ({b / a - 1:+.0%})")
+    for seq in (2048, 8192):
+        a = shipped.device.attention_flops_per_s("bf16", seq, 64)
+        b = measured.device.attention_flops_per_s("bf16", seq, 64)
+        lines.append(f"  causal attention s={seq} d=64: shipped {a / 1e12:5.0f}  measured {b / 1e12:5.0f} TFLOP/s "
+                     f"({b / a - 1:+.0%})")
+    a, b = shipped.device.memory_bytes_per_s, measured.device.memory_bytes_per_s
+    lines.append(f"  memory bandwidth: shipped {a / 1e12:.2f}  measured {b / 1e12:.2f} TB/s ({b / a - 1:+.0%})")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--device-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.device_worker:
+        return device_worker(args.device_worker)
+
+    import torch
+
+    from planner.build import build_plan
+    from planner.cluster import load_cluster
+    from planner.compare import compare
+    from planner.cost import estimate
+    from planner.model import ModelConfig, ZOO
+    from planner.model_profile import load_model_profile
+
+    out = Path(args.out or os.environ.get("OUT") or REPO / "out" / "gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.is_available()
+    t_start = time.perf_counter()
+    if gpu:
+        name = torch.cuda.get_device_name(0)
+        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {name}, "
+              f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB", flush=True)
+        model, seq, dtype = ModelConfig(**LLAMA_1B), 2048, "bf16"
+    else:
+        name = "cpu"
+        print(f"torch {torch.__version__}: no GPU, so a smoke test of the loop on the CPU with the tiny model",
+              flush=True)
+        model, seq, dtype = ZOO["tiny"], 32, "fp32"
+    (out / "model.json").write_text(json.dumps(model.to_dict(), indent=1) + "\n")
+    shipped_name = shipped_for(name)
+    shipped_path = REPO / "profiles" / "hardware" / f"{shipped_name}.json"
+    shipped = load_cluster(str(shipped_path)).shaped_as(1, 1)
+
+    print("1. the device", flush=True)
+    if gpu:
+        torchrun("benchmarks/gpu_check.py", "--device-worker", out / "device.json")
+        dev = json.loads((out / "device.json").read_text())
+        mpath = out / "measured-cluster.json"
+        mpath.write_text(json.dumps(measured_cluster(json.loads(shipped_path.read_text()), dev), indent=1) + "\n")
+        measured = load_cluster(str(mpath)).shaped_as(1, 1)
+        lines = compare_curves(shipped, measured)
+        print("\n".join(lines), flush=True)
+    else:
+        mpath, measured, lines = shipped_path, shipped, []
+
+    print("2. the model profile", flush=True)
+    ppath = out / "model-profile.json"
+    torchrun("-m", "runtime.profile", "model", "--model", out / "model.json", "--cluster-profile", mpath,
+             "--seq-len", seq, "--micro-batches", "1,2,4", "--tp", "1", "--repeats", 5, "--dtype", dtype, "-o", ppath)
+    mprof = load_model_profile(str(ppath))
+
+    print("3. plans: predict, train, compare", flush=True)
+    (out / "plans").mkdir(exist_ok=True)
+    plans, preds = {}, {}
+    for pname, (mb, gb, rec) in PLANS.items():
+        plan = build_plan(model, cluster_name=measured.name, device=measured.device.name, nodes=1, devices_per_node=1,
+                          global_batch=gb, micro_batch=mb, seq_len=seq, recompute=rec, dtype=dtype,
+                          profile_hash=measured.profile_hash)
+        preds[pname] = {"shipped": estimate(plan, shipped), "device": estimate(plan, measured),
+                        "device+model": estimate(plan, measured, model_profile=mprof)}
+        plan.prediction = preds[pname]["device+model"].to_dict()
+        plan.prediction.pop("stages", None)
+        plan.write(out / "plans" / f"{pname}.json")
+        plans[pname] = plan
+    torchrun("-m", "runtime.train", "--plan", *[out / "plans" / f"{n}.json" for n in plans], "--steps", args.steps,
+             "--out", out / "runs")
+    rows = []
+    for pname, plan in plans.items():
+        run = json.loads((out / "runs" / f"{pname}.json").read_text())
+        c = compare(plan, run, plan.prediction)
+        p = preds[pname]
+        rows.append({"plan": pname, "measured_step_s": c["measured_step_time_s"],
+                     **{f"predicted_step_s[{k}]": e.step_time_s for k, e in p.items()},
+                     **{f"step_error[{k}]": e.step_time_s / c["measured_step_time_s"] - 1 for k, e in p.items()},
+                     "measured_peak_bytes": c["measured_peak_memory_bytes"],
+                     "predicted_peak_bytes[analytic]": p["device"].peak_memory_bytes,
+                     "memory_error[analytic]": p["device"].peak_memory_bytes / c["measured_peak_memory_bytes"] - 1,
+                     "memory_error[device+model]": c["memory_error"],
+                     "measured_optimizer_s": c["measured_optimizer_s"], "predicted_optimizer_s": c["predicted_optimizer_s"],
+                     "measured_tflops_per_gpu": p["device"].model_tflops_per_gpu * p["device"].step_time_s
+                     / c["measured_step_time_s"]})
+    print(f"\n{'plan':14s} {'measured s':>10s} {'shipped':>8s} {'device':>8s} {'dev+model':>9s}   "
+          f"{'peak GiB':>8s} {'analytic':>8s} {'dev+model':>9s}  TFLOP/s")
+    for r in rows:
+        e = [r[f"step_error[{k}]"] for k in ("shipped", "device", "device+model")]
+        print(f"{r['plan']:14s} {r['measured_step_s']:10.4f} {e[0]:+8.1%} {e[1]:+8.1%} {e[2]:+9.1%}   "
+              f"{r['measured_peak_bytes'] / 2**30:8.2f} {r['memory_error[analytic]']:+8.1%} "
+              f"{r['memory_error[device+model]']:+9.1%}  {r['measured_tflops_per_gpu'] / 1e12:7.1f}")
+    print(f"(step-time and memory errors are predicted / measured - 1; {time.perf_counter() - t_start:.0f} s in all)")
+    (out / "results.json").write_text(json.dumps({"device": name, "gpu": gpu, "device_lines": lines, "rows": rows},
+                                                 indent=1) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
