@@ -27,7 +27,8 @@ ARCHS = ("gpt", "llama")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # flash: FlashAttention-2 (what torch's scaled_dot_product_attention runs on GPUs); flash-triton:
 # the Triton FlashAttention kernel (flash_attn_triton, MosaicML's MPT attn_impl "triton"), the
-# same algorithm and memory, its own speed; unfused: the softmax materialized (before FlashAttention)
+# same algorithm and memory, its own speed (slightly below FlashAttention 1's, by its author's
+# note); unfused: the softmax materialized (before FlashAttention)
 ATTENTION_KERNELS = ("flash", "flash-triton", "unfused")
 # the runtime's cross-entropy (runtime/loss.py) runs its float32 work on this many row chunks
 LOSS_CHUNKS = 4
