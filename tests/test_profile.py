@@ -312,3 +312,30 @@ def test_the_gpu_profilers_rate_loops_run_and_time_what_they_run():
     assert math.isfinite(r) and r > 0
     a = profile_gpu.attention_rate(64, 16, budget_s=0.01, tokens=128, hidden=32)
     assert math.isfinite(a) and a > 0
+
+
+def test_the_gpu_check_builds_a_loadable_profile_from_a_measured_device(tmp_path):
+    """benchmarks/gpu_check.py (run where a GPU is lent) puts the device runtime.profile_gpu
+    measures into the shipped profile of the same GPU; the planner must read what it writes."""
+    import importlib.util
+    from runtime import profile_gpu
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    assert gc.shipped_for("NVIDIA H100 80GB HBM3") == "dgx-h100-80gb" and gc.shipped_for("NVIDIA H200") == "hgx-h200-141gb"
+    rates = {"bf16": 7.5e14, "fp16": 7.6e14, "fp32": 5.0e13}
+    device = {"name": "NVIDIA H200", "memory_bytes": 150e9, "peak_flops": rates,
+              "matmul_efficiency": {k: 0.9 for k in rates}, "memory_bandwidth_bytes_per_s": 4.2e12,
+              "memory_bandwidth_efficiency": 1.0, "reserved_bytes": 6e8, "allocator_overhead_fraction": 0.05,
+              "matmul_flops_by_size": {k: [[e, r * min(1.0, e / 8192)] for e in profile_gpu.EDGES] for k, r in rates.items()},
+              "attention_flops_by_seq": {"flash": {str(d): [[s, 4e14] for s in profile_gpu.ATTN_SEQS]
+                                                   for d in profile_gpu.ATTN_DIMS}}}
+    shipped = json.loads((REPO / "profiles" / "hardware" / "hgx-h200-141gb.json").read_text())
+    out = tmp_path / "measured.json"
+    out.write_text(json.dumps(gc.measured_cluster(shipped, {"device": device, "sources": {"device.x": "measured"},
+                                                            "overlap_slowdown": 1.1, "compute_slots": 1.0})))
+    measured = load_cluster(str(out)).shaped_as(1, 1)
+    assert measured.device.gemm_flops_per_s("bf16", 8192, 8192, 8192) == pytest.approx(7.5e14)
+    assert measured.device.attention_flops_per_s("bf16", 4096, 128) == pytest.approx(4e14)
+    lines = gc.compare_curves(load_cluster("hgx-h200-141gb").shaped_as(1, 1), measured)
+    assert len(lines) == 6 and all("shipped" in ln and "measured" in ln for ln in lines)
