@@ -85,6 +85,8 @@ class Estimate:
     fits: bool
     parameters: int
     breakdown: dict
+    hardware_tflops_per_gpu: float = 0.0  # recomputation included
+    hfu: float = 0.0
     stages: list = field(default_factory=list)
     timeline: object = None
 
@@ -95,6 +97,8 @@ class Estimate:
             "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "mfu": self.mfu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "hfu": self.hfu,
             "peak_memory_bytes": self.peak_memory_bytes,
             "required_memory_bytes": self.required_bytes,
             "memory_limit_bytes": self.memory_limit_bytes,
@@ -364,10 +368,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
 
     world = mesh.world_size
     tokens = t.global_batch * t.seq_len
+    # MFU counts the model's FLOPs, not the recomputed ones (Chowdhery et al. 2022, PaLM, appendix B;
+    # Korthikanti et al. 2022, section 6.1), so that it ranks plans as their step times do; HFU
+    # counts what the step executes, as Megatron-LM's published TFLOP/s with full recomputation
     blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
-    counted = "full" if blocks.count("full") * 2 > len(blocks) else "none"
-    model_flops = m.model_flops_per_step(t.global_batch, t.seq_len, recompute=counted)
-    tflops = model_flops / step / world / 1e12
+    tflops = m.model_flops_per_step(t.global_batch, t.seq_len) / step / world / 1e12
+    hw_tflops = m.executed_flops_per_step(t.global_batch, t.seq_len, blocks) / step / world / 1e12
     stages_out = []
     for si in stage_info:
         d = {k: v for k, v in si.items() if k != "costs"}
@@ -378,7 +384,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         priced_by["model_profile"] = {"name": model_profile.name, "hash": model_profile.profile_hash}
     return Estimate(
         step_time_s=step, tokens_per_s=tokens / step, model_tflops_per_gpu=tflops,
-        mfu=tflops * 1e12 / dev.peak_flops[t.dtype], peak_memory_bytes=peak, memory_limit_bytes=limit,
+        mfu=tflops * 1e12 / dev.peak_flops[t.dtype], hardware_tflops_per_gpu=hw_tflops,
+        hfu=hw_tflops * 1e12 / dev.peak_flops[t.dtype], peak_memory_bytes=peak, memory_limit_bytes=limit,
         required_bytes=required, fits=required <= limit, parameters=m.num_parameters(),
         breakdown={"time": time_breakdown, "memory": memory_breakdown,
                    "memory_per_pp_rank": [x["total_bytes"] for x in mem_by_rank],

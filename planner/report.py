@@ -51,6 +51,8 @@ def estimate_table(est: Estimate) -> str:
         ("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}"),
         ("MFU", f"{est.mfu:.1%}"),
     ]
+    if est.hfu > est.mfu * (1 + 1e-9):  # recomputation executes more than the model counts
+        rows += [("  with recomputation (HFU)", f"{est.hfu:.1%}, {est.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU")]
     mb = est.breakdown["memory"]
     rows += [
         (f"peak memory per GPU (pp rank {mb['pp_rank']}"

@@ -337,3 +337,20 @@ def test_a_tied_head_holds_the_embedding_matrix_once_on_its_rank():
         pytest.approx(2 * tied.vocab * tied.hidden, rel=1e-9)
     assert est(tied, devices_per_node=2, pp=2)["memory_per_pp_rank"] == \
         pytest.approx(est(untied, devices_per_node=2, pp=2)["memory_per_pp_rank"], rel=1e-12)
+
+
+def test_mfu_counts_the_model_and_hfu_what_recomputation_adds():
+    """MFU (model FLOPs, PaLM's definition) ranks plans as their step times do; HFU adds the
+    recomputed forwards: a block's whole forward under full, its attention core under selective."""
+    m, gb, s = ZOO["llama2-7b"], 16, 4096
+    ests = {rec: estimate(plan_for(global_batch=gb, micro_batch=1, seq_len=s, recompute=rec), A100)
+            for rec in ("none", "selective", "full")}
+    model = m.model_flops_per_step(gb, s)
+    block, core = m.layer_forward_flops(1, gb, s), m.attention_core_flops(gb, s)
+    for rec, extra in (("none", 0.0), ("selective", core), ("full", block)):
+        e = ests[rec]
+        assert e.mfu * e.step_time_s == pytest.approx(ests["none"].mfu * ests["none"].step_time_s)
+        assert e.hfu / e.mfu == pytest.approx((model + m.layers * extra) / model)
+        assert e.model_tflops_per_gpu * 1e12 * e.step_time_s * 8 == pytest.approx(model)
+    assert ests["full"].step_time_s > ests["none"].step_time_s and ests["full"].mfu < ests["none"].mfu
+    assert ests["full"].hfu > ests["full"].mfu
