@@ -38,8 +38,8 @@ def _model_profile(args):
     return load_model_profile(args.model_profile)
 
 
-def _attach_prediction(plan: Plan, cluster, limit, model_profile=None) -> tuple[Plan, object]:
-    est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=model_profile)
+def _attach_prediction(plan: Plan, cluster, limit, model_profile=None, keep_timeline=False) -> tuple[Plan, object]:
+    est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=model_profile, keep_timeline=keep_timeline)
     plan.prediction = _prediction_dict(est)
     return plan, est
 
@@ -59,7 +59,22 @@ def _print_estimate(plan: Plan, est, as_json: bool) -> None:
         print(estimate_table(est))
 
 
+def _check_plot(args) -> None:
+    if args.plot:
+        from planner.compare_cli import check_plot_path
+        check_plot_path(args.plot)
+
+
+def _plot(args, plan, est, cluster) -> None:
+    if args.plot:
+        from planner.report import plot_estimate
+        plot_estimate(plan, est, args.plot, cluster.device)
+        if not args.json:
+            print(f"wrote {args.plot}")
+
+
 def cmd_plan(args) -> int:
+    _check_plot(args)
     model = load_model(args.model)
     cluster = _cluster_for(args)
     limit = args.memory_limit * GiB if args.memory_limit else None
@@ -76,12 +91,13 @@ def cmd_plan(args) -> int:
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
         if asked:
             print(f"trident: note: {ignored}", file=sys.stderr)
-    plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args))
+    plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args), keep_timeline=bool(args.plot))
     if args.output:
         plan.write(args.output)
     _print_estimate(plan, est, args.json)
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
+    _plot(args, plan, est, cluster)
     written = f" ({args.output} is written for `trident run --force`)" if args.output else ""
     return _fits_or_say(est, "raise --zero, --tp or --pp, use --recompute, or lower --micro-batch" + written)
 
@@ -96,6 +112,7 @@ def _fits_or_say(est, fix: str) -> int:
 
 
 def cmd_estimate(args) -> int:
+    _check_plot(args)
     plan = Plan.read(args.plan)
     cluster = load_cluster(args.cluster or plan.cluster.name).shaped_as(plan.cluster.nodes,
                                                                          plan.cluster.devices_per_node)
@@ -103,8 +120,10 @@ def cmd_estimate(args) -> int:
         print(f"note: cluster profile {cluster.name} changed since this plan was priced "
               f"({plan.cluster.profile_hash[:19]} -> {cluster.profile_hash[:19]})", file=sys.stderr)
     limit = args.memory_limit * GiB if args.memory_limit else None
-    est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=_model_profile(args))
+    est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=_model_profile(args),
+                   keep_timeline=bool(args.plot))
     _print_estimate(plan, est, args.json)
+    _plot(args, plan, est, cluster)
     return _fits_or_say(est, "search for one that fits (`trident search`) or change its degrees, ZeRO levels "
                         "or recomputation")
 
@@ -156,6 +175,7 @@ def _constraints_given(args) -> str:
 
 def cmd_search(args) -> int:
     import time
+    _check_plot(args)
     from planner.search import search, search_profiled
 
     model = load_model(args.model)
@@ -201,6 +221,7 @@ def cmd_search(args) -> int:
                                             "micro_batches": f.plan.pipeline.micro_batches},
                                 "estimate": f.estimate.to_dict()} for f in res.results[1:]]
         print(json.dumps(out, indent=2))
+        _plot_best(args, cluster, limit, mp, best)
         return 0
     import pandas as pd
     table = pd.DataFrame([_search_row(i + 1, f) for i, f in enumerate(res.results)])
@@ -212,7 +233,15 @@ def cmd_search(args) -> int:
     print(f"\nsearched {res.configs} configurations ({res.expanded} partitioned, {res.priced} priced) in {res.elapsed_s:.2f} s")
     if args.output:
         print(f"wrote {args.output}")
+    _plot_best(args, cluster, limit, mp, best)
     return 0
+
+
+def _plot_best(args, cluster, limit, mp, best) -> None:
+    """The picture of the best plan: its estimate again, keeping the played timeline."""
+    if args.plot:
+        _plot(args, best.plan, estimate(best.plan, cluster, memory_limit_bytes=limit, model_profile=mp,
+                                        keep_timeline=True), cluster)
 
 
 def _add_problem_args(p) -> None:
@@ -273,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--plot", default=None, help="write a picture of the prediction (step terms, memory, timeline)")
     p.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("estimate", help="predict a plan file")
@@ -282,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--plot", default=None, help="write a picture of the prediction (step terms, memory, timeline)")
     e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("search", help="find the fastest plan that fits and write it")
@@ -294,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     s.add_argument("--json", action="store_true", help="print the best estimate and the alternatives as JSON")
+    s.add_argument("--plot", default=None, help="write a picture of the best plan's prediction")
     c = s.add_argument_group("constraints", "search only among these values (comma-separated lists; default: all)")
     c.add_argument("--tp", type=int_list(), default=None, help="tensor-parallel degrees, e.g. 1,2,4")
     c.add_argument("--pp", type=int_list(), default=None, help="pipeline-parallel degrees")

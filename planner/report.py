@@ -1,4 +1,4 @@
-"""Readable tables of an estimate (pandas)."""
+"""Readable tables (pandas) and pictures (matplotlib) of an estimate."""
 from __future__ import annotations
 
 import pandas as pd
@@ -71,3 +71,51 @@ def estimate_table(est: Estimate) -> str:
     df = pd.DataFrame(rows, columns=["quantity", "value"])
     width = int(df["quantity"].str.len().max())
     return "\n".join(f"{q.ljust(width)}  {v.rjust(14)}" for q, v in df.itertuples(index=False))
+
+
+TIME_TERMS = (("compute_s", "compute"), ("tp_comm_s", "TP comm"), ("dp_comm_exposed_s", "DP/FSDP comm"),
+              ("fsdp_copy_s", "FSDP copies"), ("pipeline_bubble_s", "bubble"), ("p2p_s", "p2p"),
+              ("optimizer_s", "optimizer"), ("runtime_sync_s", "step sync"), ("pipeline_overhead_s", "pipeline ops"))
+
+
+def plot_estimate(plan: Plan, est: Estimate, path, device=None) -> None:
+    """A picture of a plan's prediction: the step time's terms, the peak memory of each pipeline
+    rank against what the device leaves for it (its memory less what is held outside the allocator
+    and the allocator's reserve, when `device` is given), and the played pipeline timeline
+    (estimate(..., keep_timeline=True))."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from planner.compare import draw_timeline
+    tb = est.breakdown["time"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1.2, 1.2, 2.6]})
+    ax, left = axes[0], 0.0
+    for i, (key, label) in enumerate(TIME_TERMS):
+        v = tb.get(key, 0.0)
+        if v > 0:
+            ax.barh(0, v, left=left, color=f"C{i}", label=f"{label} {v:.3g} s")
+            left += v
+    ax.set_yticks([])
+    ax.set_xlabel("seconds (critical pipeline rank)")
+    ax.set_title(f"step {est.step_time_s:.4g} s, MFU {est.mfu:.1%}")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
+    ax = axes[1]
+    per_rank = est.breakdown.get("memory_per_pp_rank") or [est.peak_memory_bytes]
+    ax.bar(range(len(per_rank)), [b / GiB for b in per_rank], color="tab:blue")
+    ax.set_xticks(range(len(per_rank)))
+    ax.axhline(est.memory_limit_bytes / GiB, color="tab:red", linestyle="--", label="device memory")
+    if device is not None:
+        usable = (est.memory_limit_bytes - device.reserved_bytes) / (1 + device.allocator_overhead_fraction)
+        ax.axhline(usable / GiB, color="tab:orange", linestyle=":", label="less runtime and allocator reserve")
+    ax.set_xlabel("pipeline rank")
+    ax.set_ylabel("peak memory (GiB)")
+    ax.set_title("peak memory per pipeline rank" + ("" if est.fits else " (does not fit)"))
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    draw_timeline(axes[2], est.timeline)
+    m = plan.mesh
+    fig.suptitle(f"{plan.model.name}: tp {m.tp} x pp {m.pp} x dp {m.dp}, {plan.pipeline.schedule}, "
+                 f"{plan.pipeline.micro_batches} micro-batches of {plan.training.micro_batch}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

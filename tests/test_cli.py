@@ -96,3 +96,21 @@ def test_execution_flags_reach_the_plan_and_the_estimate(tmp_path, capsys):
     assert written["elementwise_kernels"] == "fused" and written["fsdp_copies"] is False
     assert written["attention"] == "unfused"
     assert fused["breakdown"]["time"]["fsdp_copy_s"] == 0.0 < default["breakdown"]["time"]["fsdp_copy_s"]
+
+
+def test_plan_estimate_and_search_draw_the_prediction(tmp_path, capsys):
+    """--plot writes a picture (step terms, memory per pipeline rank, the played timeline); a path
+    of another format is refused in one line before any work."""
+    plan, pic = tmp_path / "plan.json", tmp_path / "plan.png"
+    common = ["--model", "tiny", "--cluster", "dgx-a100-80gb", "--gpus", "4", "--global-batch", "8"]
+    assert main(["plan", *common, "--micro-batch", "1", "--pp", "2", "-o", str(plan), "--plot", str(pic)]) == 0
+    assert pic.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "estimate.svg"
+    assert main(["estimate", str(plan), "--plot", str(svg)]) == 0 and b"<svg" in svg.read_bytes()[:400]
+    best = tmp_path / "search.pdf"
+    assert main(["search", *common, "--top", "1", "--json", "--plot", str(best)]) == 0
+    assert best.read_bytes()[:4] == b"%PDF"
+    capsys.readouterr()
+    assert main(["search", *common, "--plot", str(tmp_path / "x.jpg")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plot" in err[0]
