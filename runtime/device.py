@@ -15,11 +15,25 @@ import torch
 _CURRENT = torch.device("cpu")
 
 
+def gpus_short(ranks_per_node: int) -> str | None:
+    """Why `ranks_per_node` ranks cannot each have a GPU of this machine (None when they can, or
+    when it has none: then they run on the CPU)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < n < ranks_per_node:
+        return (f"{ranks_per_node} ranks per node need a GPU each and this machine has {n}; plan for {n} "
+                f"(trident search --gpus {n}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to check the plan on the CPU")
+    return None
+
+
 def init(local_rank: int) -> tuple[str, torch.device]:
-    """(backend, device) of this process: its local rank's GPU with NCCL, or the CPU with gloo."""
+    """(backend, device) of this process: its local rank's GPU with NCCL, or the CPU with gloo.
+    Raises ConfigError when the machine has GPUs, but not one for this rank."""
     global _CURRENT
     if torch.cuda.is_available():
-        _CURRENT = torch.device("cuda", local_rank % torch.cuda.device_count())
+        if local_rank >= torch.cuda.device_count():
+            from planner.model import ConfigError
+            raise ConfigError(gpus_short(local_rank + 1))
+        _CURRENT = torch.device("cuda", local_rank)
         torch.cuda.set_device(_CURRENT)
         return "nccl", _CURRENT
     _CURRENT = torch.device("cpu")

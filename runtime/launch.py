@@ -77,6 +77,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2
+    from runtime.device import gpus_short
+    short = gpus_short(plan.cluster.devices_per_node if plan.cluster.nodes > 1 else plan.mesh.world_size)
+    if short and plan.cluster.nodes == 1:
+        print(f"trident: error: mesh: {short}", file=sys.stderr)
+        return 2
     if plan.cluster.nodes > 1:
         print(f"# {args.plan} spans {plan.cluster.nodes} nodes; run on each node (from a checkout of trident):")
         for cmd in node_commands(plan, args):

@@ -320,7 +320,11 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"trident: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    _init()
+    try:
+        _init()
+    except ConfigError as exc:
+        print(f"trident: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         if args.what == "cluster":
             out = profile_cluster(args)

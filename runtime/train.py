@@ -347,7 +347,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     from runtime.device import init
-    backend, device = init(local_rank)
+    try:
+        backend, device = init(local_rank)
+    except ConfigError as exc:
+        return _fail(str(exc))
     dist.init_process_group(backend, timeout=timedelta(minutes=10))
     try:
         for plan, path in plans:

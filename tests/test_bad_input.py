@@ -6,6 +6,7 @@ import pytest
 
 from planner.cli import main
 from planner.compare_cli import main as compare_main
+from planner.model import ConfigError
 
 BASE = ["--model", "tiny", "--cluster", "dgx-a100-80gb", "--gpus", "2", "--global-batch", "8", "--micro-batch", "2"]
 
@@ -117,3 +118,22 @@ def test_a_huge_global_batch_is_searched_within_the_micro_batch_cap(capsys):
                  "--global-batch", "100000000", "--top", "1", "--json"]) == 0
     best = json.loads(capsys.readouterr().out)
     assert best["fits"]
+
+
+def test_a_plan_with_more_ranks_than_this_machines_gpus_is_refused_in_one_line(monkeypatch):
+    """With GPUs present, each rank needs its own (two ranks on one GPU would fail inside NCCL);
+    without any, the plan runs on the CPU."""
+    import torch
+
+    from runtime import device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    msg = device.gpus_short(8)
+    assert "8 ranks per node need a GPU each and this machine has 4" in msg and "--gpus 4" in msg
+    assert device.gpus_short(4) is None
+    with pytest.raises(ConfigError, match="5 ranks per node need a GPU each"):
+        device.init(4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert device.gpus_short(8) is None
+    assert device.init(4) == ("gloo", torch.device("cpu"))
