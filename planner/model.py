@@ -340,8 +340,13 @@ ZOO: dict[str, ModelConfig] = {m.name: m for m in [
 
 
 def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json") -> ModelConfig:
-    """Map a Hugging Face config.json (model_type llama, mistral, qwen2 or gpt2) to a ModelConfig.
-    A key given as null counts as absent (Hugging Face's own convention), except for required keys."""
+    """Map a Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, phi3 or gpt2) to a
+    ModelConfig. A key given as null counts as absent (Hugging Face's own convention), except for
+    required keys. Qwen3 and Phi-3 are Llama blocks (RMSNorm, SwiGLU, RoPE, grouped-query
+    attention) with what their configs say: Qwen3's head_dim (128 where hidden / heads may be 64)
+    and no QKV bias, Phi-3's fused QKV and gate/up projections (the same parameters and FLOPs as
+    separate ones). Qwen3's RMSNorm of each query and key head (2 x head_dim weights a block,
+    under 0.01% of the model) is left out."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     mt = cfg.get("model_type")
@@ -367,7 +372,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
     def flag(key, default):
         return get(key, lambda v: isinstance(v, bool), "true or false", default)
 
-    if mt in ("llama", "mistral", "qwen2"):
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         heads, hidden = pos_int("num_attention_heads"), pos_int("hidden_size")
         head_dim = pos_int("head_dim", None)
         kw = dict(arch="llama", layers=pos_int("num_hidden_layers"), hidden=hidden,
@@ -383,7 +388,8 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                   heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions"),
                   tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"))
     else:
-        raise ConfigError(f"{where}: model_type {mt!r} is not supported; use llama, mistral, qwen2 or gpt2")
+        raise ConfigError(f"{where}: model_type {mt!r} is not supported; use llama, mistral, qwen2, qwen3, phi3 "
+                          "or gpt2")
     return ModelConfig(name=name, **kw)
 
 

@@ -83,6 +83,23 @@ def test_hf_config_mapping(tmp_path):
             "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
             "max_position_embeddings": 32768, "tie_word_embeddings": True}
     assert abs(from_hf_config(qwen).num_parameters() / 494.03e6 - 1) < 0.01  # Qwen2-0.5B
+    # Qwen3-8B and -0.6B (head_dim 128 where hidden / heads is 64) and Phi-3-mini, from their
+    # config.json files; model cards: 8.2B (6.95B without embeddings), 0.6B (0.44B), 3.8B
+    qwen3 = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+             "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
+             "attention_bias": False, "tie_word_embeddings": False}
+    q8 = from_hf_config(qwen3)
+    assert abs(q8.num_parameters() / 8.19e9 - 1) < 0.01 and not q8.qkv_bias
+    assert abs(q8.layers * q8.block_params() / 6.95e9 - 1) < 0.01
+    q06 = from_hf_config(dict(qwen3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, tie_word_embeddings=True))
+    assert q06.dim_per_head == 128 and q06.q_dim == 2048
+    assert abs(q06.num_parameters() / 0.596e9 - 1) < 0.01 and abs(q06.layers * q06.block_params() / 0.44e9 - 1) < 0.01
+    phi3 = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    assert abs(from_hf_config(phi3).num_parameters() / 3.82e9 - 1) < 0.01
     gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
             "n_positions": 1024}
     assert from_hf_config(gpt2).num_parameters() == 124439808  # GPT-2 small
