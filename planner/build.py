@@ -55,6 +55,8 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
         virtual_stages = 1  # a schedule with one stage has nothing to interleave
     if schedule == "interleaved-1f1b" and virtual_stages == 1 and pp > 1:
         schedule = "1f1b"  # interleaving with one chunk per rank is plain 1F1B
+    if schedule == "zbv" and virtual_stages == 1 and pp > 1:
+        virtual_stages = 2  # ZB-V's only value
     mb_count = global_batch // (dp * micro_batch) if dp * micro_batch else 0
     plan = Plan(
         model=model,

@@ -194,11 +194,12 @@ def plot(result: dict, timeline, path) -> None:
 
 
 def draw_timeline(ax, timeline) -> None:
-    """Gantt chart of a played schedule: one row per pipeline rank, forward light, backward dark."""
+    """Gantt chart of a played schedule: one row per pipeline rank, forward light, backward dark
+    (a split backward's input gradient dark, its weight gradient purple)."""
     if timeline is None:
         ax.set_axis_off()
         return
-    colors = {"F": "tab:cyan", "B": "tab:blue"}
+    colors = {"F": "tab:cyan", "B": "tab:blue", "I": "tab:blue", "W": "tab:purple"}
     for r, ops in enumerate(timeline.ops):
         for o in ops:
             ax.barh(r, o.end_s - o.start_s, left=o.start_s, color=colors[o.kind], edgecolor="white", linewidth=0.3)

@@ -71,6 +71,7 @@ class LayerCost:
     params: float  # parameters this device holds for the layer
     optimizer_s: float = 0.0  # measured optimizer step on the layer's parameters (model profile only)
     dp_measured: dict | None = None  # measured data-parallel extras of the layer (model profile only)
+    bwd_weight_s: float = 0.0  # the part of bwd_compute_s that computes weight gradients (see layer_cost)
 
 
 @dataclass
@@ -143,9 +144,10 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
             if t.attention != "unfused" else None)
     grate = lambda M, N, K: cluster.device.gemm_flops_per_s(t.dtype, M, N, K)  # noqa: E731
     bw = cluster.device.memory_bytes_per_s
+    wgrad = 0.0  # weight-gradient GEMMs: one per forward product, of its FLOPs (zbv runs them apart)
     if kind == "block":
         gemms = m.block_gemms(b, s, tp)
-        dense = sum(gemm_time(*g, e, grate, bw) for g in gemms[:-2])
+        dense = wgrad = sum(gemm_time(*g, e, grate, bw) for g in gemms[:-2])
         if t.attention != "unfused":
             core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, t.attention))
         else:
@@ -153,7 +155,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
             core_b = 2 * core_f
         mm_f, mm_b = dense + core_f, 2 * dense + core_b
     elif kind == "head":
-        mm_f = gemm_time(1, b * s, math.ceil(m.vocab / tp), m.hidden, e, grate, bw)
+        mm_f = wgrad = gemm_time(1, b * s, math.ceil(m.vocab / tp), m.hidden, e, grate, bw)
         mm_b = 2 * mm_f
     else:
         mm_f = mm_b = 0.0
@@ -164,16 +166,19 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
         # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the
         # head; the GEMM hides ASYNC_TP_HIDDEN of the time they share
-        wgrad = lambda c, M, N, K: gemm_time(c, K, N, M, e, grate, bw)  # noqa: E731
+        wg = lambda c, M, N, K: gemm_time(c, K, N, M, e, grate, bw)  # noqa: E731
         if kind == "block":
             ar = tp_b / 2
-            tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, wgrad(*gemms[i])) for i in (0, 2))
+            tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, wg(*gemms[i])) for i in (0, 2))
         else:
-            tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wgrad(1, b * s, math.ceil(m.vocab / tp), m.hidden))
+            tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wg(1, b * s, math.ceil(m.vocab / tp), m.hidden))
     params = layer_params_on_device(m, index, tp)
     accumulate = (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
                   if plan.pipeline.micro_batches > 1 else 0.0)
     fwd_c, bwd_c = mm_f + el_f, mm_b + el_b + accumulate
+    # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
+    # backward is its weight's gradient. Recomputation replays for the input gradients.
+    wgrad = (el_b if kind == "embedding" else wgrad) + accumulate
     if rec == "full":
         bwd_c += fwd_c
         tp_b += tp_f
@@ -188,7 +193,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
               dropout=dropout, attention=t.attention)
     act = m.activation_bytes(index, recompute=rec, **kw)
     replay = m.activation_bytes(index, recompute="none", **kw) - act if rec != "none" else 0.0
-    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params)
+    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad)
 
 
 def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
@@ -291,11 +296,15 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             if not scatter:
                 return cluster.p2p_time(act_msg, src, dst)
             return cluster.p2p_time(act_msg / tp, src, dst) + cluster.collective_time("all_gather", act_msg, tp_ranks)
-        send = transfer((si + 1) % pp) if si + 1 < len(pipe.stages) else 0.0
-        send_back = transfer((si - 1) % pp) if si > 0 else 0.0
+        # to the next and previous stages' ranks (under zbv the middle two share a rank: no transfer)
+        nxt, prev = si + 1 < len(pipe.stages), si > 0
+        send = transfer(plan.stage_rank(si + 1)) if nxt and plan.stage_rank(si + 1) != r else 0.0
+        send_back = transfer(plan.stage_rank(si - 1)) if prev and plan.stage_rank(si - 1) != r else 0.0
+        split = pipe.schedule == "zbv" and pp > 1  # its backward is two operations, I and W
         stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f + copy_f + pipe_op,
-                                      bwd_s=comp_b + tpc_b + zero3_b + copy_b + pipe_op,
-                                      send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync))
+                                      bwd_s=comp_b + tpc_b + zero3_b + copy_b + pipe_op * (2 if split else 1),
+                                      send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync,
+                                      bwd_weight_s=sum(c.bwd_weight_s for c in costs) + (pipe_op if split else 0.0)))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
                                fwd_compute_s=comp_f, bwd_compute_s=comp_b, fwd_tp_s=tpc_f, bwd_tp_s=tpc_b,
                                zero3_gather_exposed_s=(zero3_f + zero3_b) * mbs, grad_sync_s=sync,
@@ -334,7 +343,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
     zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
-    pipe_overhead = 2 * pipe_op * mbs * len(mine)
+    pipe_overhead = (3 if pipe.schedule == "zbv" and pp > 1 else 2) * pipe_op * mbs * len(mine)  # F, B or F, I, W
     copies = sum(si["fsdp_copy_s"] for si in mine)
     busy = compute + tp_time + zero3 + copies + pipe_overhead
     if how["sharing"] is not None and busy > 0:  # operations ran at the shared speed: scale to the played time

@@ -172,7 +172,17 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
     for rr in range(pp):
         ids = plan.stages_of_rank(rr)
         weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
-        acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**{i: 0.0 for i in range(len(pipe.stages))}, **weights})
+        zero = {i: 0.0 for i in range(len(pipe.stages))}
+        split = None
+        if pipe.schedule == "zbv" and pp > 1:
+            # held from each I to its W: what the weight gradients start from, and the activations a
+            # recomputed layer replayed in the I (the weight gradients need their inputs)
+            split = {**zero, **{i: e * t.micro_batch * t.seq_len
+                                * sum(m.weight_grad_inputs_per_token(j, tp) for j in range(pipe.stages[i].start,
+                                                                                           pipe.stages[i].end))
+                                + sum(c.replay_bytes for c in stage_info[i]["costs"])
+                                for i in ids}}
+        acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split)
         p_bytes = g_bytes = o_bytes = other = held_other = 0.0
         step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
         transient_bytes = 0.0  # of the stage computing: one at a time on a rank

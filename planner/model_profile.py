@@ -180,11 +180,15 @@ class ModelProfile:
         return self.entries[key]
 
     def pipeline_overhead(self, schedule: str) -> float:
-        """Measured seconds per pipeline operation (F or B) of torch.distributed.pipelining beyond
-        compute and transfers; interleaved 1F1B takes 1F1B's where a profile did not measure it.
-        0 when not measured."""
-        key = "1f1b" if schedule == "interleaved-1f1b" and schedule not in self.pipeline else schedule
-        return float((self.pipeline.get(key) or {}).get("overhead_per_op_s", 0.0))
+        """Measured seconds per pipeline operation (F, B, or a split backward's I or W) of
+        torch.distributed.pipelining beyond compute and transfers; a schedule the profile did not
+        measure takes the nearest one's (zbv: interleaved 1F1B's, two stages a rank; interleaved
+        1F1B: 1F1B's). 0 when not measured."""
+        for key in {"zbv": ("zbv", "interleaved-1f1b", "1f1b"),
+                    "interleaved-1f1b": ("interleaved-1f1b", "1f1b")}.get(schedule, (schedule,)):
+            if key in self.pipeline:
+                return float((self.pipeline.get(key) or {}).get("overhead_per_op_s", 0.0))
+        return 0.0
 
     def check_plan(self, plan) -> None:
         """ConfigError (one line) when the plan is not the model / seq_len / dtype profiled."""
@@ -211,7 +215,7 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     figure as measured for a group on the measured tier, more for a group spanning nodes.
     Activation and parameter bytes are the measured ones."""
     from planner.comm import tp_comm
-    from planner.cost import LayerCost
+    from planner.cost import LayerCost, layer_cost
     from planner.plan import DTYPES
     m, t = plan.model, plan.training
     b, s, sp = t.micro_batch, t.seq_len, stage.sequence_parallel
@@ -247,7 +251,11 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
             dpm = dp_at_plan_ranks(dpm, cluster, stage.zero, base.param_bytes, dp_ranks,
                                    [i * plan.mesh.tp for i in range(base.data_parallel.get("dp", plan.mesh.dp))])
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
-    return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, fit.param_bytes / e, opt, dpm)
+    wshare = 0.0
+    if plan.pipeline.schedule == "zbv":  # the weights' share of the measured backward, as the analytic
+        analytic = layer_cost(plan, cluster, index, stage, tp_ranks)  # model splits it (measured whole)
+        wshare = analytic.bwd_weight_s / analytic.bwd_compute_s if analytic.bwd_compute_s > 0 else 0.0
+    return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, fit.param_bytes / e, opt, dpm, bwd_weight_s=bwd * wshare)
 
 
 def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: float, plan_ranks: list, measured_ranks: list) -> dict:
@@ -334,7 +342,7 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
                                 e.get("points", []), dpm)
     pipe = d.get("pipeline", {})
     need(isinstance(pipe, dict), "pipeline", "expected an object of schedule -> {overhead_per_op_s}")
-    for sched in ("gpipe", "1f1b", "interleaved-1f1b"):
+    for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zbv"):
         if sched in pipe:
             v = pipe[sched].get("overhead_per_op_s") if isinstance(pipe[sched], dict) else None
             need(_num(v) and v >= 0, f"pipeline.{sched}.overhead_per_op_s", f"{v!r} must be a non-negative number")

@@ -12,6 +12,8 @@ Conventions:
   group on consecutive ranks, so inside a node.
 - With `virtual_stages` v > 1 (interleaved 1F1B) there are pp * v stages (model chunks); chunk i
   lives on pipeline rank i % pp, as torch.distributed.pipelining's interleaved schedules expect.
+  ZB-V (`zbv`) has two chunks per rank placed in a V: chunk i on rank i for i < pp, else on rank
+  2 pp - 1 - i (torch's ScheduleZBVZeroBubble), so rank 0 holds the first and the last.
 - ZeRO level per stage: 0 = plain data parallel (parameters, gradients and optimizer state
   replicated), 1 = optimizer state sharded over dp, 2 = gradients too, 3 = parameters too
   (FSDP, resharded after forward).
@@ -28,7 +30,8 @@ from pathlib import Path
 from planner.model import ConfigError, ModelConfig, is_int as _is_int
 
 FORMAT_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # what `trident search` chooses among
 RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
@@ -209,8 +212,11 @@ class Plan:
 
     # ------------------------------------------------------------ helpers
     def stage_rank(self, stage_index: int) -> int:
-        """Pipeline rank that holds model chunk `stage_index` (loop-style interleaving)."""
-        return stage_index % self.mesh.pp
+        """Pipeline rank that holds model chunk `stage_index` (loop-style interleaving; a V for zbv)."""
+        p = self.mesh.pp
+        if self.pipeline.schedule == "zbv" and stage_index >= p:
+            return 2 * p - 1 - stage_index
+        return stage_index % p
 
     def stages_of_rank(self, pp_rank: int) -> list[int]:
         return [i for i in range(len(self.pipeline.stages)) if self.stage_rank(i) == pp_rank]

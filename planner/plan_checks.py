@@ -67,9 +67,12 @@ def check(plan) -> None:
     _need(_is_int(p.virtual_stages) and p.virtual_stages >= 1, "pipeline.virtual_stages",
           f"{p.virtual_stages!r} must be a positive integer")
     if p.virtual_stages > 1:
-        _need(p.schedule == "interleaved-1f1b", "pipeline.virtual_stages",
-              f"{p.virtual_stages} needs schedule interleaved-1f1b; set it to 1 for {p.schedule}")
+        _need(p.schedule in ("interleaved-1f1b", "zbv"), "pipeline.virtual_stages",
+              f"{p.virtual_stages} needs schedule interleaved-1f1b or zbv; set it to 1 for {p.schedule}")
         _need(mesh.pp > 1, "pipeline.virtual_stages", "interleaving needs pp > 1; set it to 1")
+    if p.schedule == "zbv" and mesh.pp > 1:
+        _need(p.virtual_stages == 2, "pipeline.virtual_stages",
+              f"{p.virtual_stages}, but zbv runs exactly two stages per pipeline rank; set it to 2")
     _need(isinstance(p.lockstep, bool), "pipeline.lockstep", "must be true or false")
     _need(not p.lockstep or p.schedule == "1f1b", "pipeline.lockstep",
           f"lock-step execution plays 1f1b only (DeepSpeed's TrainSchedule), not {p.schedule}; set it to false")

@@ -13,6 +13,17 @@ on rank r; interleaved 1F1B warms up with 2(p-r-1) + (v-1)p forwards and walks m
 groups of p micro-batches (so it needs m to be a multiple of p). With v chunks per rank, chunk c
 of rank r is stage c*p + r.
 
+ZB-V (`zbv`; Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6; torch's
+ScheduleZBVZeroBubble) splits each backward in two: I, the gradient with respect to the stage's
+input, which the previous stage waits for, and W, the gradient with respect to its weights, which
+nobody waits for and fills the bubbles. Each rank holds two stages placed in a V: rank r runs
+stage r and stage 2p-1-r, so the first and last stages share rank 0. Rank r warms up with
+2(p-r)-1 forwards of its first stage, then r pairs of forwards (second stage, first stage), then
+p-r rounds of forward, I and W of its second stage; in steady state it alternates F, I, W of its
+first stage with F, I, W of its second; it cools down with r pairs of I (first, second stage),
+then p-r pairs of I and W of its first stage, then the W it still owes, second stage first. A
+stage's activations are held from its F to its W.
+
 Gradient synchronisation of a stage's data-parallel group starts when that stage's last
 backward finishes and runs on the rank's communication stream, overlapping whatever backward
 work the rank still has. With `overlap_grad_reduce=False` every stage's reduction waits for the
@@ -46,10 +57,19 @@ BLOCKING_P2P = True  # ranks wait for their own pipeline sends (see simulate)
 class StageTimes:
     """Per micro-batch times of one pipeline stage (model chunk)."""
     fwd_s: float
-    bwd_s: float
+    bwd_s: float  # the whole backward; schedules that split it run bwd_s - bwd_weight_s as I, the rest as W
     send_fwd_s: float = 0.0  # transfer of this stage's output to the next stage
     send_bwd_s: float = 0.0  # transfer of this stage's input gradient to the previous stage
     grad_sync_s: float = 0.0  # data-parallel gradient communication after its last backward
+    bwd_weight_s: float = 0.0  # the part of bwd_s that computes the weight gradients
+
+    def duration(self, kind: str) -> float:
+        """Seconds of operation `kind`: F, B (the whole backward), I (input gradient) or W (weights)."""
+        if kind == "F":
+            return self.fwd_s
+        if kind == "W":
+            return self.bwd_weight_s
+        return self.bwd_s - self.bwd_weight_s if kind == "I" else self.bwd_s
 
 
 @dataclass(frozen=True)
@@ -77,7 +97,7 @@ class Sharing:
 
 @dataclass
 class Op:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", or a split backward's "I" and "W"
     stage: int
     micro_batch: int
     start_s: float = 0.0
@@ -113,6 +133,8 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
     p, v, m = pp, virtual_stages, micro_batches
     if p == 1:  # no pipeline: each micro-batch runs forward then backward (gradient accumulation)
         return [x for j in range(m) for x in (("F", 0, j), ("B", 0, j))]
+    if schedule == "zbv":
+        return _zbv_order(p, m, rank)
     if schedule == "gpipe":
         stages = [c * p + rank for c in range(v)]
         order = [("F", s, j) for s in stages for j in range(m)]
@@ -142,6 +164,45 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
     for i in range(total - warm):
         order += [op("F", warm + i), op("B", i)]
     return order + [op("B", k) for k in range(total - warm, total)]
+
+
+def _zbv_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """Rank r's operations under ZB-V (module doc): played for max(m, 2p - 1) micro-batches, the
+    pipeline's fill, then those of micro-batches that do not exist left out."""
+    n = max(m, 2 * p - 1)
+    first, second = r, 2 * p - 1 - r
+    nxt = {("F", first): 0, ("F", second): 0, ("I", first): 0, ("I", second): 0, ("W", first): 0, ("W", second): 0}
+    order = []
+
+    def do(kind, stage):
+        order.append((kind, stage, nxt[(kind, stage)]))
+        nxt[(kind, stage)] += 1
+    for _ in range(2 * (p - r) - 1):
+        do("F", first)
+    for _ in range(r):
+        do("F", second)
+        do("F", first)
+    for _ in range(p - r):
+        for kind in ("F", "I", "W"):
+            do(kind, second)
+    while nxt[("F", second)] < nxt[("F", first)] or nxt[("F", first)] < n:
+        if nxt[("F", first)] < n:
+            do("F", first)
+        for stage in (first, second):
+            if stage == second:
+                do("F", second)
+            do("I", stage)
+            do("W", stage)
+    for _ in range(r):
+        do("I", first)
+        do("I", second)
+    for _ in range(p - r):
+        do("I", first)
+        do("W", first)
+    for stage in (second, first):
+        while nxt[("W", stage)] < nxt[("I", stage)]:
+            do("W", stage)
+    return [o for o in order if o[2] < m]
 
 
 def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
@@ -179,7 +240,7 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
                     break
                 ready = done[dep] + lag if dep is not None else 0.0
                 start = max(free[r], ready)
-                dur = stages[s].fwd_s if kind == "F" else stages[s].bwd_s
+                dur = stages[s].duration(kind)
                 end_op = start + dur
                 done[(kind, s, j)] = end_op
                 ops[r].append(Op(kind, s, j, start, end_op))
@@ -193,19 +254,25 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
 
 
 def _needs(kind: str, s: int, j: int, stages: list, p2p: bool):
-    """(dependency, transfer lag) of operation (kind, s, j)."""
+    """(dependency, transfer lag) of operation (kind, s, j): a forward needs the previous stage's,
+    a backward (B, or a split one's I) the next stage's, a W its own stage's I."""
     last = len(stages) - 1
     if kind == "F":
         return (("F", s - 1, j), stages[s - 1].send_fwd_s if p2p else 0.0) if s > 0 else (None, 0.0)
+    if kind == "W":
+        return ("I", s, j), 0.0
     if s < last:
-        return ("B", s + 1, j), stages[s + 1].send_bwd_s if p2p else 0.0
+        return (kind, s + 1, j), stages[s + 1].send_bwd_s if p2p else 0.0
     return ("F", s, j), 0.0
 
 
 def _send(kind: str, s: int, stages: list) -> float:
-    """The transfer operation (kind, s) sends on: its output forward, its input gradient back."""
+    """The transfer operation (kind, s) sends on: its output forward, its input gradient back (B
+    or I); a W sends nothing."""
     if kind == "F":
         return stages[s].send_fwd_s if s < len(stages) - 1 else 0.0
+    if kind == "W":
+        return 0.0
     return stages[s].send_bwd_s if s > 0 else 0.0
 
 
@@ -229,7 +296,7 @@ def _play_shared(orders, stages, p2p, blocking_p2p, sharing: Sharing):
                 continue
             ready = max(free[r], done[dep] + lag if dep is not None else 0.0)
             if ready <= now:
-                dur = stages[s].fwd_s if kind == "F" else stages[s].bwd_s
+                dur = stages[s].duration(kind)
                 running[r] = [(kind, s, j), sharing.work(dur), now]
             else:
                 wake = min(wake, ready)
@@ -261,7 +328,7 @@ def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_r
         comm_free, intervals = 0.0, []
         last_b = {}
         for o in ops[r]:
-            if o.kind == "B":
+            if o.kind in ("B", "W"):  # a stage's gradients are complete after its last B (or W)
                 last_b[o.stage] = max(last_b.get(o.stage, 0.0), o.end_s)
         for s, t in sorted(last_b.items(), key=lambda kv: kv[1]):
             if stages[s].grad_sync_s > 0:
@@ -345,15 +412,22 @@ def _play_lockstep(pp: int, m: int, stages: list[StageTimes], p2p: bool):
 
 
 def peak_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int,
-                   weights: dict | None = None) -> float:
+                   weights: dict | None = None, split_weights: dict | None = None) -> float:
     """Most activation weight rank `rank` holds at once: the sum of weights[stage] over forwards
-    whose backward has not run yet (a weight of 1 per stage counts micro-batches)."""
+    whose backward has not run yet, or under a split backward whose W has not (a weight of 1 per
+    stage counts micro-batches); plus, under a split backward, split_weights[stage] over the I
+    whose W has not run (what the weight gradients start from)."""
     held = peak = 0.0
     for kind, s, _ in rank_order(schedule, pp, virtual_stages, micro_batches, rank):
         w = 1.0 if weights is None else weights[s]
+        g = split_weights[s] if split_weights is not None else 0.0
         if kind == "F":
             held += w
-            peak = max(peak, held)
+        elif kind == "I":
+            held += g
+        elif kind == "W":
+            held -= w + g
         else:
             held -= w
+        peak = max(peak, held)
     return peak

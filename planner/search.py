@@ -42,7 +42,7 @@ from planner.cost import Estimate, estimate, layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
 from planner.partition import Inner
-from planner.plan import DTYPES, SCHEDULES, Plan, Training
+from planner.plan import DTYPES, SEARCHED_SCHEDULES, Plan, Training
 from planner.plan_checks import MAX_MICRO_BATCHES
 from planner.build import build_plan, even_stages
 from planner.schedule import rank_order
@@ -58,7 +58,7 @@ class SearchSpace:
     pp: tuple | None = None
     dp: tuple | None = None
     micro_batch: tuple | None = None
-    schedules: tuple = SCHEDULES
+    schedules: tuple = SEARCHED_SCHEDULES
     virtual_stages: tuple = (2, 3, 4, 6, 8)  # chunks per rank for interleaved-1f1b
     zero: tuple = (0, 1, 2, 3)
     zero_per_stage: bool = True  # False: one ZeRO level for the whole plan

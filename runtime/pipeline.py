@@ -1,9 +1,10 @@
 """Pipeline parallelism: which model chunks a pipeline rank holds, and the schedule that runs them.
 
 Chunk (stage) i of the plan lives on pipeline rank i % pp (torch.distributed.pipelining's
-loop-style placement for interleaved schedules); a chunk is built from the whole model by
-keeping only its layer range (runtime.model.Transformer(cfg, start, end)). Stage input and
-output shapes are inferred by torch from the first micro-batch.
+loop-style placement for interleaved schedules), or in a V under zbv (planner.plan.Plan.stage_rank,
+torch's ScheduleZBVZeroBubble); a chunk is built from the whole model by keeping only its layer
+range (runtime.model.Transformer(cfg, start, end)). Stage input and output shapes are inferred by
+torch from the first micro-batch.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
 from torch.distributed.pipelining._backward import stage_backward
 
 from planner.plan import Plan
@@ -55,7 +57,8 @@ class _Stage(PipelineStage):
         return grads, None
 
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+                    "zbv": ScheduleZBVZeroBubble}
 
 
 def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp_group, device: torch.device,
@@ -68,7 +71,7 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
     stages = [_Stage(chunk, sid, n_stages, device, group=pp_group, zero=plan.pipeline.stages[sid].zero if sharded else 0)
               for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
-    if cls is ScheduleInterleaved1F1B:
+    if cls in (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble):
         return cls(stages, n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages[0], n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
 

@@ -89,9 +89,21 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         if value != runs:
             raise ConfigError(f"{name}: {json.dumps(value)} describes {who} for prediction; the runtime runs "
                               f"{json.dumps(runs)}, set it to that to run")
-    if plan.model.tie_embeddings and plan.stage_rank(0) != plan.stage_rank(len(plan.pipeline.stages) - 1):
-        raise ConfigError("model.tie_embeddings: the embedding and the head are on different pipeline ranks; "
-                          "tied embeddings need them on one rank (untie them or use pp=1)")
+    if plan.pipeline.schedule == "zbv" and plan.mesh.pp > 1:
+        for i, st in enumerate(plan.pipeline.stages):
+            if st.zero >= 2 and plan.mesh.dp > 1:  # torch runs I and W apart; ZeRO-2/3's per-backward
+                raise ConfigError(f"pipeline.stages[{i}].zero: {st.zero} under zbv, which the runtime does not run "
+                                  "(its split backward and ZeRO-2/3's reduce-scatter per backward do not train "
+                                  "like one process); use ZeRO 0 or 1, or another schedule")
+            if any(r != "none" for r in st.recompute):
+                # torch's checkpoint replays a block once per backward call, and ZB-V's I and W are two
+                # (pytorch/pytorch#166536; its schedules do not group them): twice what the plan prices
+                raise ConfigError(f"pipeline.stages[{i}].recompute: {st.recompute} under zbv, where torch's "
+                                  "checkpointing replays a recomputed block in both halves of the split backward; "
+                                  "use recompute none with zbv, or another schedule")
+    if plan.model.tie_embeddings and len(plan.pipeline.stages) > 1:
+        raise ConfigError("model.tie_embeddings: the embedding and the head are in different pipeline stages; the "
+                          "runtime ties them inside one stage only (untie them or use pp=1)")
     if plan.mesh.tp > 1 and plan.model.vocab % plan.mesh.tp:
         raise ConfigError(f"model.vocab: {plan.model.vocab} is not divisible by tp={plan.mesh.tp}; the runtime "
                           "splits the embedding and head by vocabulary, pad the vocabulary to a multiple of tp")

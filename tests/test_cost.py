@@ -354,3 +354,27 @@ def test_mfu_counts_the_model_and_hfu_what_recomputation_adds():
         assert e.model_tflops_per_gpu * 1e12 * e.step_time_s * 8 == pytest.approx(model)
     assert ests["full"].step_time_s > ests["none"].step_time_s and ests["full"].mfu < ests["none"].mfu
     assert ests["full"].hfu > ests["full"].mfu
+
+
+def test_zbv_places_stages_in_a_v_and_fills_the_bubble_with_weight_gradients():
+    from planner.model import ConfigError
+    from planner.plan import Plan
+    zbv = plan_for(pp=4, tp=2, global_batch=32, schedule="zbv")
+    assert zbv.pipeline.virtual_stages == 2  # its only value, set when not given
+    assert [zbv.stage_rank(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    e = estimate(zbv, A100, keep_timeline=True)
+    plain = estimate(plan_for(pp=4, tp=2, global_batch=32, schedule="1f1b"), A100)
+    inter = estimate(plan_for(pp=4, tp=2, global_batch=32, schedule="interleaved-1f1b", virtual_stages=2), A100)
+    bubble = lambda est: est.breakdown["time"]["pipeline_bubble_s"]  # noqa: E731
+    assert bubble(e) < bubble(inter) < bubble(plain) and e.step_time_s < plain.step_time_s
+    kinds = {o.kind for ops in e.timeline.ops for o in ops}
+    assert kinds == {"F", "I", "W"}
+    from planner.cost import layer_cost
+    for index in (0, 1, zbv.model.layers + 1):  # embedding (all weight), block, head
+        c = layer_cost(zbv, A100, index, zbv.pipeline.stages[zbv.stages_of_rank(0)[index > 1]], [0, 1])
+        assert 0 < c.bwd_weight_s <= c.bwd_compute_s and (c.bwd_weight_s < c.bwd_compute_s) == (index > 0)
+    d = zbv.to_dict()
+    d["pipeline"]["virtual_stages"] = 3
+    d["pipeline"]["stages"] = d["pipeline"]["stages"][:4] * 3
+    with pytest.raises(ConfigError, match="pipeline.virtual_stages"):
+        Plan.from_dict(d)

@@ -121,12 +121,16 @@ def plans(tmp_path_factory):
         "pp2-1f1b-uneven": write_plan(d, "pp2-1f1b-uneven", world=2, pp=2, schedule="1f1b", stages=uneven),
         "pp2-interleaved": write_plan(d, "pp2-interleaved", world=2, pp=2, schedule="interleaved-1f1b",
                                       virtual_stages=2),
+        # zero bubble (ZB-V): two stages a rank in a V, split backward
+        "pp2-zbv": write_plan(d, "pp2-zbv", world=2, pp=2, schedule="zbv"),
         # world 8: pp2 x dp2 x tp2, plain data parallel (ZeRO 0) over tensor-parallel DTensors
         "pp2-dp2-tp2": write_plan(d, "pp2-dp2-tp2", world=8, pp=2, tp=2, schedule="1f1b", zero=0,
                                   micro_batch=2),
         # what the search writes: an uneven split, ZeRO and recompute chosen per stage and per layer
         "pp2-dp2-tp2-mixed": write_plan(d, "pp2-dp2-tp2-mixed", world=8, pp=2, tp=2, schedule="1f1b",
                                         micro_batch=2, stages=mixed),
+        "pp2-dp2-tp2-zbv": write_plan(d, "pp2-dp2-tp2-zbv", world=8, pp=2, tp=2, schedule="zbv", zero=1,
+                                      micro_batch=2),
     }
 
 
@@ -148,7 +152,7 @@ def _reference_of(name: str) -> str:
 
 def test_every_two_rank_plan_trains_like_one_process(plans, reference, tmp_path):
     names = ["zero3-dp2-full", "zero2-dp2", "tp2-sp-selective", "gpt-tied-tp2", "gpt-pp2-gpipe", "pp2-1f1b-uneven",
-             "pp2-interleaved"]
+             "pp2-interleaved", "pp2-zbv"]
     assert_ok(train(2, "--plan", *[plans[n] for n in names], "--steps", STEPS, "--out", tmp_path))
     for n in names:
         assert_same_losses(losses_of(tmp_path / f"{n}.json"), reference[_reference_of(n)], n)
@@ -158,9 +162,10 @@ def test_every_two_rank_plan_trains_like_one_process(plans, reference, tmp_path)
 
 
 def test_pp2_dp2_tp2_on_eight_ranks_trains_like_one_process(plans, reference, tmp_path):
-    assert_ok(train(8, "--plan", plans["pp2-dp2-tp2"], plans["pp2-dp2-tp2-mixed"], "--steps", STEPS,
-                    "--out", tmp_path))
+    assert_ok(train(8, "--plan", plans["pp2-dp2-tp2"], plans["pp2-dp2-tp2-mixed"], plans["pp2-dp2-tp2-zbv"],
+                    "--steps", STEPS, "--out", tmp_path))
     assert_same_losses(losses_of(tmp_path / "pp2-dp2-tp2-mixed.json"), reference["ref"], "pp2-dp2-tp2-mixed")
+    assert_same_losses(losses_of(tmp_path / "pp2-dp2-tp2-zbv.json"), reference["ref"], "pp2-dp2-tp2-zbv")
     run = json.loads((tmp_path / "pp2-dp2-tp2.json").read_text())
     assert_same_losses(run["losses"], reference["ref"], "pp2-dp2-tp2")
     assert run["world_size"] == 8 and len(run["peak_memory_bytes_per_rank"]) == 8

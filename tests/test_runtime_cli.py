@@ -66,6 +66,8 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(elementwise_kernels="fused"), "training.elementwise_kernels"),
     (dict(fsdp_copies=False), "training.fsdp_copies"),
     (dict(pp=2, lockstep=True), "pipeline.lockstep"),
+    (dict(pp=2, dp=2, schedule="zbv", zero=3), "pipeline.stages[0].zero"),
+    (dict(pp=2, schedule="zbv", recompute="full"), "pipeline.stages[0].recompute"),
     (dict(pp=2, recv_buffers="in-flight"), "pipeline.recv_buffers"),
     (dict(pp=2, p2p="scatter-gather"), "pipeline.p2p"),
     (dict(tp=2, async_tp_allreduce=True), "training.async_tp_allreduce"),
@@ -74,7 +76,7 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
 def test_what_the_runtime_cannot_do_is_refused_by_name(tmp_path, capsys, monkeypatch, change, field):
     change = dict(change)
     model = change.pop("model", "tiny")
-    world = change.get("pp", 1) * change.get("tp", 1)
+    world = change.get("pp", 1) * change.get("tp", 1) * change.get("dp", 1)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     code, lines = run_main(capsys, "--plan", write_plan(tmp_path, "p", model, world=world, **change))
     assert code != 0 and len(lines) == 1 and field in lines[0]

@@ -133,3 +133,55 @@ def test_shared_compute_without_a_pipeline_keeps_times_measured_with_everyone_bu
     tl = simulate("1f1b", 1, 1, 3, st, sharing=Sharing.of(2.0, 4, 4, 4))
     assert tl.step_time_s == pytest.approx(9.0)
     assert Sharing.of(None, 4, 4) is None and Sharing.of(4.0, 4, 1) is None
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12])
+def test_zbv_order_is_torchs(p, m):
+    """The planner's ZB-V order (written from Qi et al. 2024, section 6) is the one torch's
+    ScheduleZBVZeroBubble executes, rank by rank (its order needs no process group to compute)."""
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+    sched = object.__new__(ScheduleZBVZeroBubble)
+    sched.pp_group_size, sched.num_stages, sched._n_microbatches = p, 2 * p, m
+    for r in range(p):
+        theirs = [(a.computation_type.value, a.stage_index, a.microbatch_index)
+                  for a in sched._calculate_single_rank_operations(r) if a is not None]
+        assert rank_order("zbv", p, 2, m, r) == theirs
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zbv_fills_the_bubble_when_forward_input_and_weight_gradients_take_as_long(p, m):
+    """ZB-V's claim (Qi et al. 2024, section 6): with F = I = W the weight gradients fill its
+    bubbles; what is left is the V's first leg filling (the last rank waits for p - 1 chunk
+    forwards), where 1F1B keeps p - 1 whole forward-backward slots and interleaving with two
+    chunks half of that."""
+    chunk = [StageTimes(0.5, 1.0, bwd_weight_s=0.5) for _ in range(2 * p)]
+    zbv = simulate("zbv", p, 2, m, chunk, p2p=False).step_time_s
+    inter = simulate("interleaved-1f1b", p, 2, m, chunk, p2p=False).step_time_s
+    plain = simulate("1f1b", p, 1, m, [StageTimes(1.0, 2.0, bwd_weight_s=1.0) for _ in range(p)], p2p=False).step_time_s
+    ideal = 3.0 * m
+    assert zbv == pytest.approx(ideal + 0.5 * (p - 1))
+    assert zbv < inter < plain == pytest.approx(ideal + 3.0 * (p - 1))
+    tl = simulate("zbv", p, 2, m, chunk, p2p=False)
+    assert sorted((o.kind, o.stage, o.micro_batch) for r in tl.ops for o in r) == sorted(
+        (k, s, j) for k in "FIW" for s in range(2 * p) for j in range(m))
+
+
+def test_zbv_holds_activations_until_the_weight_gradient():
+    """A stage's activations stay from its F to its W (the weight gradients need the layer
+    inputs), and what the weights' gradients start from from its I to its W."""
+    p, m = 2, 4
+    acts = {s: 1.0 for s in range(4)}
+    assert peak_in_flight("zbv", p, 2, m, 0, acts) == max(
+        _held(rank_order("zbv", p, 2, m, 0), acts, {s: 0.0 for s in range(4)}))
+    with_grads = peak_in_flight("zbv", p, 2, m, 0, acts, {s: 0.25 for s in range(4)})
+    assert with_grads == max(_held(rank_order("zbv", p, 2, m, 0), acts, {s: 0.25 for s in range(4)}))
+    assert with_grads > peak_in_flight("zbv", p, 2, m, 0, acts)
+
+
+def _held(order, acts, grads):
+    held, out = 0.0, []
+    for kind, s, _ in order:
+        held += {"F": acts[s], "I": grads[s], "W": -acts[s] - grads[s]}[kind]
+        out.append(held)
+    return out
