@@ -9,8 +9,8 @@
    process and processes share two CPU cores, so a device's speed depends on how many run at
    once; each plan is priced with the profiles measured at its own world size (the 1-process
    plans with the 2-process cluster profile, whose collectives they never use).
-2. Plans on 1, 2 and 4 processes (data parallel, ZeRO-1/3, TP, TP+SP, GPipe / 1F1B / interleaved
-   pipelines, recomputation, mixes), each predicted by planner.cost.estimate with the measured
+2. Plans on 1, 2 and 4 processes (data parallel, ZeRO-1/3, TP, TP+SP, GPipe / 1F1B / interleaved /
+   ZB-V pipelines, recomputation, mixes), each predicted by planner.cost.estimate with the measured
    cluster and model profiles, then trained with runtime.train under torchrun (one launch per
    model and world size, several plans per launch). On 2 and 4 processes the search's own pick
    on the measured profiles (planner.search.search_profiled) joins the plans of its launch, and
@@ -62,6 +62,7 @@ PLANS = {
     "w2-pp2-gpipe": ("tiny", 2, dict(micro_batch=2, pp=2, schedule="gpipe")),
     "w2-pp2-1f1b": ("tiny", 2, dict(micro_batch=1, pp=2, schedule="1f1b")),
     "w2-pp2-interleaved": ("tiny", 2, dict(micro_batch=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2)),
+    "w2-pp2-zbv": ("tiny", 2, dict(micro_batch=1, pp=2, schedule="zbv")),
     "w4-dp4": ("tiny", 4, dict(micro_batch=2, zero=0)),
     "w4-zero3-full": ("tiny", 4, dict(micro_batch=2, zero=3, recompute="full")),
     "w4-tp2-dp2": ("tiny", 4, dict(micro_batch=4, tp=2, zero=1)),
