@@ -10,7 +10,7 @@ from planner.cluster import load_cluster
 from planner.args import OneLineParser, choice_list, int_list, positive_int, positive_number
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
-from planner.plan import SCHEDULES, SEARCHED_SCHEDULES, Plan
+from planner.plan import SCHEDULES, Plan
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.report import describe_plan, estimate_table
@@ -331,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pp", type=int_list(), default=None, help="pipeline-parallel degrees")
     c.add_argument("--dp", type=int_list(), default=None, help="data-parallel degrees")
     c.add_argument("--micro-batch", type=int_list(), default=None, help="sequences per micro-batch")
-    c.add_argument("--schedule", type=choice_list(SEARCHED_SCHEDULES), default=None,
-                   help=f"pipeline schedules among {', '.join(SEARCHED_SCHEDULES)} (zbv: trident plan only)")
+    c.add_argument("--schedule", type=choice_list(SCHEDULES), default=None,
+                   help=f"pipeline schedules among {', '.join(SCHEDULES)}")
     c.add_argument("--virtual-stages", type=int_list(low=2), default=None,
                    help="model chunks per rank that interleaved-1f1b may use (default 2,3,4,6,8)")
     c.add_argument("--zero", type=int_list(low=0, high=3), default=None,

@@ -49,7 +49,7 @@ class Inner(StageCosts):
         for s in range(self.S):
             groups.setdefault(self.flags(s), []).append(s)
         for flags, ss in groups.items():
-            cnt = np.array([self.maxcnt[s % cfg.pp][s // cfg.pp] for s in ss])[:, None]
+            cnt = np.array([self.maxcnt[self.rank_of[s]][s // cfg.pp] for s in ss])[:, None]
             if cfg.v == 1 or not share:
                 extra, lim = self.act_grad, ctx.lim_eff * (1 + TOL)
             else:

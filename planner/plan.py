@@ -31,7 +31,6 @@ from planner.model import ConfigError, ModelConfig, is_int as _is_int
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
-SEARCHED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # what `trident search` chooses among
 RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation

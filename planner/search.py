@@ -42,7 +42,7 @@ from planner.cost import Estimate, estimate, layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
 from planner.partition import Inner
-from planner.plan import DTYPES, SEARCHED_SCHEDULES, Plan, Training
+from planner.plan import DTYPES, SCHEDULES, Plan, Training
 from planner.plan_checks import MAX_MICRO_BATCHES
 from planner.build import build_plan, even_stages
 from planner.schedule import rank_order
@@ -58,7 +58,7 @@ class SearchSpace:
     pp: tuple | None = None
     dp: tuple | None = None
     micro_batch: tuple | None = None
-    schedules: tuple = SEARCHED_SCHEDULES
+    schedules: tuple = SCHEDULES
     virtual_stages: tuple = (2, 3, 4, 6, 8)  # chunks per rank for interleaved-1f1b
     zero: tuple = (0, 1, 2, 3)
     zero_per_stage: bool = True  # False: one ZeRO level for the whole plan
@@ -183,7 +183,8 @@ class Ctx:
                 else:
                     cnt, recs = [0] * cfg.v, []
                     for kind, s, _ in rank_order(cfg.schedule, cfg.pp, cfg.v, cfg.micro_batches, r):
-                        cnt[s // cfg.pp] += 1 if kind == "F" else -1
+                        # a chunk holds a micro-batch from its F to its B (a split backward: its W)
+                        cnt[s // cfg.pp] += {"F": 1, "I": 0}.get(kind, -1)
                         if kind == "F":
                             recs.append(tuple(cnt))
                     flight.append(np.unique(np.array(recs, dtype=float), axis=0))
@@ -242,6 +243,9 @@ def _configs(ctx: Ctx, global_batch: int):
                         scheds += [("1f1b", 1)] if ("1f1b", 1) not in scheds else []
                     elif s == "interleaved-1f1b":
                         scheds += [(s, v) for v in sp_.virtual_stages if v > 1 and pp * v <= total and mbs % pp == 0]
+                    elif s == "zbv":  # what the runtime runs it with: no recomputation, ZeRO 0 or 1
+                        if 2 * pp <= total and "none" in sp_.recompute and (dp == 1 or min(sp_.zero) <= 1):
+                            scheds.append((s, 2))
                     elif s == "gpipe" or mbs >= pp:  # 1F1B needs a micro-batch per stage (planner.plan)
                         scheds.append((s, 1))
                 sps = [x for x in sp_.sequence_parallel if tp > 1 or not x] or [False]

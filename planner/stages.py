@@ -38,6 +38,14 @@ class StageCosts:
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
         self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
+        p = cfg.pp
+        if cfg.schedule == "zbv":  # the runtime runs ZB-V without recomputation and below ZeRO 2
+            self.modes = ("none",)
+            self.zeros = tuple(x for x in self.zeros if x <= 1) or (0,)
+            self.rank_of = [s if s < p else 2 * p - 1 - s for s in range(self.S)]  # the V
+        else:
+            self.rank_of = [s % p for s in range(self.S)]
+        self.stages_of = [[s for s in range(self.S) if self.rank_of[s] == r] for r in range(p)]
         t = ctx.train
         self.act_grad = 2 * ctx.e * cfg.micro_batch * t.seq_len * m.hidden
         self.head_logits = m.loss_bytes(cfg.micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
@@ -55,9 +63,14 @@ class StageCosts:
                 for r in range(cfg.pp)]
         # the forward chain to stage r waits for each send s -> s+1, the backward chain for s+1 -> s
         self.lag = [p2p[s] + back[(s + 1) % cfg.pp] for s in range(cfg.pp)]
-        # a rank that waits for its own sends (blocking point-to-point) also spends them serially
-        S = self.S
-        self.sends = [(p2p[s % cfg.pp] if s < S - 1 else 0.0) + (back[s % cfg.pp] if s > 0 else 0.0)
+        self.fwd_lag = p2p
+        # a rank that waits for its own sends (blocking point-to-point) also spends them serially;
+        # none between two stages of one rank (zbv's middle)
+        S, ro = self.S, self.rank_of
+
+        def hop(a, b):
+            return 0.0 if a == b else self.ctx.cluster.p2p_time(msg, _rank(mesh, a, 0, 0), _rank(mesh, b, 0, 0))
+        self.sends = [(hop(ro[s], ro[s + 1]) if s < S - 1 else 0.0) + (hop(ro[s], ro[s - 1]) if s > 0 else 0.0)
                       if BLOCKING_P2P else 0.0 for s in range(S)]
         # the runtime's receive buffers, one per micro-batch, held all step (planner.memory.recv_buffer_bytes)
         self.recv = [((s > 0) + (s < S - 1)) * cfg.micro_batches * msg if S > 1 else 0.0 for s in range(S)]
@@ -243,27 +256,35 @@ class StageCosts:
     def evaluate(self, assign):
         """Exact LB and memory check of an assignment [(k, menu, option index) per stage]."""
         p, mbs = self.cfg.pp, self.cfg.micro_batches
+        zbv = self.cfg.schedule == "zbv"
         W = [0.0] * p
         tail = [0.0] * p
         pre, pref = [], 0.0
         for s, (k, mn, i) in enumerate(assign):
-            r = s % p
+            r = self.rank_of[s]
             fb = mn["f"][i] + mn["b"][i]
             W[r] += fb + self.sends[s]
             tail[r] += mn["opt"][i] + mn["gather"][i]
             if s < p:
                 pre.append(pref)
-                pref += fb + self.lag[s]
-        sync = [assign[r][1]["sync"][assign[r][2]] for r in range(p)]
+                # the chain to rank r: the earlier stages' forwards, and (1F1B, interleaved) their
+                # backwards after r's last; under zbv their weight gradients need not wait: forwards only
+                pref += mn["f"][i] + self.fwd_lag[s] if zbv else fb + self.lag[s]
+        first = [self.stages_of[r][0] for r in range(p)]
+        sync = [assign[s][1]["sync"][assign[s][2]] for s in first]
         lb2 = max(mbs * W[r] + sync[r] + tail[r] for r in range(p))
-        lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
+        if zbv:
+            lb1 = max(pre[r] + mbs * W[r] + sync[r] + tail[r] for r in range(p))
+        else:
+            lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
         for r in range(p):
-            mine = assign[r::p]
-            fixed = sum(mn["fixed"][i] for _, mn, i in mine) + sum(self.recv[r::p])
+            mine = [assign[s] for s in self.stages_of[r]]
+            recv = sum(self.recv[s] for s in self.stages_of[r])
+            fixed = sum(mn["fixed"][i] for _, mn, i in mine) + recv
             acts = np.array([mn["act"][i] for _, mn, i in mine])
             peak = float((self.flight[r] @ acts).max())
             rep = max(mn["replay"][i] + mn["transient"][i] for _, mn, i in mine)  # one stage computes at a time
-            step = sum(mn["step"][i] for _, mn, i in mine) + sum(self.recv[r::p])
+            step = sum(mn["step"][i] for _, mn, i in mine) + recv
             if max(fixed + peak + rep + self.act_grad, step) > self.ctx.lim_eff * (1 + TOL):
                 return None
         return max(lb1, lb2)

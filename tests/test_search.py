@@ -64,12 +64,16 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options):
                                                     if s == "gpipe" or (s == "1f1b" and m >= pp)]
             if pp > 1 and "interleaved-1f1b" in space.schedules and m % pp == 0:
                 scheds += [("interleaved-1f1b", v) for v in space.virtual_stages if pp * v <= model.layers + 2]
+            if pp > 1 and "zbv" in space.schedules and 2 * pp <= model.layers + 2:
+                scheds += [("zbv", 2)]
             orders = space.orders if (pp > 1 and dp > 1) else space.orders[:1]
             sps = [s for s in space.sequence_parallel if tp > 1 or not s] or [False]
             for (sched, v), order, sp in itertools.product(scheds, orders, sps):
                 S = pp * v
                 for sizes in compositions(model.layers, S):
                     for per in per_stage_options(S, dp, sizes):
+                        if sched == "zbv" and not all(_zbv_runs(z, r, dp) for z, r in per):
+                            continue  # the runtime runs ZB-V without recomputation and below ZeRO 2
                         plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name,
                                           nodes=cluster.nodes, devices_per_node=dpn, global_batch=gbs, micro_batch=b,
                                           seq_len=seq, tp=tp, pp=pp, dp=dp, schedule=sched, virtual_stages=v,
@@ -78,6 +82,11 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options):
                         if est.fits and (best is None or est.step_time_s < best.step_time_s):
                             best = est
     return best
+
+
+def _zbv_runs(zero, rec, dp):
+    recs = rec if isinstance(rec, tuple) else (rec,)
+    return all(r == "none" for r in recs) and (dp == 1 or zero <= 1)
 
 
 def plan_level(zeros, recs):
@@ -162,6 +171,17 @@ def test_interleaved_per_stage_recompute_equals_exhaustive_enumeration(limit):
                         virtual_stages=(2,), sequence_parallel=(True,), orders=(("pp", "dp", "tp"),))
     check_same(shrunk(6, 512), A100.shaped_as(1, 8), 32, 1024, limit * GiB, space,
                stage_level((3,), ("none", "full")))
+
+
+@pytest.mark.parametrize("limit", [1.0, 1.2, 2.0, 80.0])
+def test_zbv_per_stage_zero_equals_exhaustive_enumeration(limit):
+    """ZB-V (two stages a rank in a V, the first and last on rank 0) beside 1F1B, ZeRO 0 or 1 per
+    stage, no recomputation (what the runtime runs ZB-V with): the search's V placement, its
+    memory and its bounds find what enumerating every partition finds."""
+    space = SearchSpace(pp=(2,), micro_batch=(1, 2), zero=(0, 1), zero_per_stage=True, recompute=("none",),
+                        recompute_granularity="stage", schedules=("1f1b", "zbv"), sequence_parallel=(False,),
+                        orders=(("pp", "dp", "tp"),))
+    check_same(shrunk(6, 512), A100.shaped_as(1, 8), 16, 1024, limit * GiB, space, stage_level((0, 1), ("none",)))
 
 
 @pytest.mark.parametrize("limit", [1.1, 1.2, 1.21, 80.0])
