@@ -88,7 +88,10 @@ def test_the_namespaces_and_their_processes_go_when_the_block_fails():
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C as in a terminal, even when the test runs where SIGINT is ignored (a background job of a
+    # shell without job control passes SIG_IGN down, and Python keeps an inherited SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {tests!r})
     from cluster.netns import two_nodes
     with two_nodes() as h:
