@@ -41,22 +41,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from planner.cluster import ClusterSpec
-from planner.comm import clip_norm_comm, runtime_sync, tp_comm
+from planner.comm import ASYNC_TP_HIDDEN, clip_norm_comm, runtime_sync, tp_comm
 from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage
 from planner.pointwise import pointwise_bytes
 from planner.precision import GRAD_ACCUMULATION_BYTES, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes
 from planner.schedule import Sharing, StageTimes, simulate
-
-# Share of an all-reduce running beside a GEMM that the overlap hides (training.async_tp_allreduce).
-# Not all of it: the NCCL kernel and the GEMM share the GPU's SMs. Derived from Korthikanti et al.
-# 2022, Table 4 (one 22B layer on A100, Megatron-LM with the asynchronous all-reduce on by default):
-# the three rows without sequence parallelism (19.6, 27.2, 20.9 ms forward + backward) lie 1.42,
-# 1.75 and 1.26 ms below this model without overlap, of the 2.04 ms that perfect overlap would hide:
-# 0.69, 0.85, 0.62, mean 0.72 (tests/test_cost.py recomputes it). It absorbs the model's own error
-# on those rows (+2 to +3% on the rows without overlap). Measured on A100 only; used for every device.
-ASYNC_TP_HIDDEN = 0.72
 
 
 @dataclass

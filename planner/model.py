@@ -354,60 +354,6 @@ ZOO: dict[str, ModelConfig] = {m.name: m for m in [
 ]}
 
 
-def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json") -> ModelConfig:
-    """Map a Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, phi3 or gpt2) to a
-    ModelConfig. A key given as null counts as absent (Hugging Face's own convention), except for
-    required keys. Qwen3 and Phi-3 are Llama blocks (RMSNorm, SwiGLU, RoPE, grouped-query
-    attention) with what their configs say: Qwen3's head_dim (128 where hidden / heads may be 64)
-    and no QKV bias, Phi-3's fused QKV and gate/up projections (the same parameters and FLOPs as
-    separate ones). Qwen3's RMSNorm of each query and key head (2 x head_dim weights a block,
-    under 0.01% of the model) is left out."""
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{where}: expected a JSON object")
-    mt = cfg.get("model_type")
-
-    def get(key, check, what, default=...):
-        v = cfg.get(key)
-        if v is None:
-            if default is not ...:
-                return default
-            if key in cfg:
-                raise ConfigError(f"{where}: {key}: is null; it must be {what}")
-            raise ConfigError(f"{where}: missing {key!r}, which a {mt} config must have")
-        if not check(v):
-            raise ConfigError(f"{where}: {key}: is {v!r}; it must be {what}")
-        return v
-
-    def pos_int(key, default=...):
-        return get(key, lambda v: is_int(v) and v > 0, "a positive integer", default)
-
-    def eps(key):
-        return float(get(key, lambda v: is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", 1e-5))
-
-    def flag(key, default):
-        return get(key, lambda v: isinstance(v, bool), "true or false", default)
-
-    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
-        heads, hidden = pos_int("num_attention_heads"), pos_int("hidden_size")
-        head_dim = pos_int("head_dim", None)
-        kw = dict(arch="llama", layers=pos_int("num_hidden_layers"), hidden=hidden,
-                  ffn_hidden=pos_int("intermediate_size"), heads=heads, kv_heads=pos_int("num_key_value_heads", heads),
-                  vocab=pos_int("vocab_size"), seq_len=pos_int("max_position_embeddings", 4096),
-                  tie_embeddings=flag("tie_word_embeddings", False),
-                  qkv_bias=(mt == "qwen2") or flag("attention_bias", False),
-                  head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
-                  rope_theta=float(get("rope_theta", lambda v: is_real(v) and v > 0, "a positive number", 10000.0)))
-    elif mt == "gpt2":
-        h, heads = pos_int("n_embd"), pos_int("n_head")
-        kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
-                  heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions"),
-                  tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"))
-    else:
-        raise ConfigError(f"{where}: model_type {mt!r} is not supported; use llama, mistral, qwen2, qwen3, phi3 "
-                          "or gpt2")
-    return ModelConfig(name=name, **kw)
-
-
 def load_model(spec: str) -> ModelConfig:
     """A zoo name, a path to a trident model JSON, or a path to a Hugging Face config.json."""
     if spec in ZOO:
@@ -419,6 +365,7 @@ def load_model(spec: str) -> ModelConfig:
     _, data = read_json(path, "--model")
     if isinstance(data, dict) and "model_type" in data:
         name = path.resolve().parent.name if path.name == "config.json" else path.stem
+        from planner.hf_config import from_hf_config
         return from_hf_config(data, name=name or "hf-model", where=str(path))
     if isinstance(data, dict) and "name" not in data:
         data = {"name": path.stem, **data}

@@ -46,7 +46,7 @@ from planner.plan import DTYPES, SCHEDULES, Plan, Training
 from planner.plan_checks import MAX_MICRO_BATCHES
 from planner.build import build_plan, even_stages
 from planner.schedule import rank_order
-from planner.stages import TOL, _rank
+from planner.stages import TOL, MenuCache, _rank
 
 ORDERS = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
 
@@ -106,27 +106,6 @@ class SearchResult:
     @property
     def best(self) -> Found | None:
         return self.results[0] if self.results else None
-
-
-class MenuCache(dict):
-    """Stage menus shared between configurations, least recently stored dropped past MAX_BYTES
-    (a deep model's menus would otherwise take gigabytes: Llama 3 405B's search peaked at 4.1 GB)."""
-
-    MAX_BYTES = 256 * 2**20
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-        self._sizes: dict = {}
-
-    def __setitem__(self, key, menu):
-        self._sizes[key] = sum(v.nbytes for v in menu.values() if isinstance(v, np.ndarray))
-        self.nbytes += self._sizes[key]
-        super().__setitem__(key, menu)
-        while self.nbytes > self.MAX_BYTES and len(self) > 1:
-            oldest = next(iter(self))  # dicts keep insertion order
-            self.nbytes -= self._sizes.pop(oldest)
-            super().__delitem__(oldest)
 
 
 def _divisors(n: int) -> list[int]:

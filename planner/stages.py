@@ -26,6 +26,27 @@ from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own se
 TOL = 1e-9
 
 
+class MenuCache(dict):
+    """Stage menus shared between configurations, least recently stored dropped past MAX_BYTES
+    (a deep model's menus would otherwise take gigabytes: Llama 3 405B's search peaked at 4.1 GB)."""
+
+    MAX_BYTES = 256 * 2**20
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+        self._sizes: dict = {}
+
+    def __setitem__(self, key, menu):
+        self._sizes[key] = sum(v.nbytes for v in menu.values() if isinstance(v, np.ndarray))
+        self.nbytes += self._sizes[key]
+        super().__setitem__(key, menu)
+        while self.nbytes > self.MAX_BYTES and len(self) > 1:
+            oldest = next(iter(self))  # dicts keep insertion order
+            self.nbytes -= self._sizes.pop(oldest)
+            super().__delitem__(oldest)
+
+
 class StageCosts:
     """One configuration: stage option menus and bounds (planner.partition.Inner searches them)."""
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
-from planner.model import ZOO, ConfigError, ModelConfig, from_hf_config, load_model
+from planner.hf_config import from_hf_config
+from planner.model import ZOO, ConfigError, ModelConfig, load_model
 
 NAN, INF = float("nan"), float("inf")
 A100 = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())

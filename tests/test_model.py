@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from planner.model import ZOO, ConfigError, ModelConfig, from_hf_config, load_model
+from planner.hf_config import from_hf_config
+from planner.model import ZOO, ConfigError, ModelConfig, load_model
 
 
 @pytest.mark.parametrize("name,published", [

@@ -251,7 +251,7 @@ def test_the_menu_cache_keeps_under_its_byte_budget(monkeypatch):
     """Stage menus are cached across configurations; a deep model's would take gigabytes."""
     import numpy as np
 
-    from planner.search import MenuCache
+    from planner.stages import MenuCache
     monkeypatch.setattr(MenuCache, "MAX_BYTES", 10_000)
     cache = MenuCache()
     for i in range(10):
