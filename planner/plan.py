@@ -31,6 +31,14 @@ from planner.model import ConfigError, ModelConfig, is_int as _is_int
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+
+
+def stage_rank(schedule: str, pp: int, stage_index: int) -> int:
+    """Pipeline rank of model chunk `stage_index`: loop-style (chunk i on rank i % pp), or in a V
+    under zbv (chunk i on rank 2 pp - 1 - i from the second half on)."""
+    if schedule == "zbv" and stage_index >= pp:
+        return 2 * pp - 1 - stage_index
+    return stage_index % pp
 RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
@@ -211,11 +219,8 @@ class Plan:
 
     # ------------------------------------------------------------ helpers
     def stage_rank(self, stage_index: int) -> int:
-        """Pipeline rank that holds model chunk `stage_index` (loop-style interleaving; a V for zbv)."""
-        p = self.mesh.pp
-        if self.pipeline.schedule == "zbv" and stage_index >= p:
-            return 2 * p - 1 - stage_index
-        return stage_index % p
+        """Pipeline rank that holds model chunk `stage_index` (stage_rank below)."""
+        return stage_rank(self.pipeline.schedule, self.mesh.pp, stage_index)
 
     def stages_of_rank(self, pp_rank: int) -> list[int]:
         return [i for i in range(len(self.pipeline.stages)) if self.stage_rank(i) == pp_rank]

@@ -22,6 +22,7 @@ from planner.cost import tied_head
 from planner.memory import accumulation_bytes, fsdp_extra_parts, step_bytes, tied_matrix_grad_bytes, zero_state_bytes
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
+from planner.plan import stage_rank
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 TOL = 1e-9
 
@@ -59,14 +60,11 @@ class StageCosts:
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
         self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
-        p = cfg.pp
         if cfg.schedule == "zbv":  # the runtime runs ZB-V without recomputation and below ZeRO 2
             self.modes = ("none",)
             self.zeros = tuple(x for x in self.zeros if x <= 1) or (0,)
-            self.rank_of = [s if s < p else 2 * p - 1 - s for s in range(self.S)]  # the V
-        else:
-            self.rank_of = [s % p for s in range(self.S)]
-        self.stages_of = [[s for s in range(self.S) if self.rank_of[s] == r] for r in range(p)]
+        self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
+        self.stages_of = [[s for s in range(self.S) if self.rank_of[s] == r] for r in range(cfg.pp)]
         t = ctx.train
         self.act_grad = 2 * ctx.e * cfg.micro_batch * t.seq_len * m.hidden
         self.head_logits = m.loss_bytes(cfg.micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
