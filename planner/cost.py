@@ -249,7 +249,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tpc_b = sum(c.bwd_tp_s for c in costs)
         params = sum(c.params for c in costs)
         grad_total = params * gb
-        zero3_f = zero3_b = 0.0
+        zero3_f = zero3_b = zero3_w = 0.0
+        split = pipe.schedule == "zbv" and pp > 1  # its backward is two operations, I and W
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
         ag = cluster.collective_time("all_gather", params * e, dp_ranks) if (dp > 1 and st.zero == 3) else 0.0
         if ag:  # gather parameters before forward and again before backward
@@ -277,6 +278,11 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             sync = cluster.collective_time("reduce_scatter", grad_total, dp_ranks)
             if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
                 zero3_b = max(0.0, ag + sync - comp_b)
+        if split and st.zero >= 2 and dp > 1:
+            # runtime.pipeline: I and W each gather the chunk's blocks before computing (ZeRO 3), and
+            # W reduce-scatters the micro-batch's gradients after its own computation (measured: I's)
+            zero3_w = ag if measured_dp else ag + max(0.0, sync - sum(c.bwd_weight_s for c in costs))
+            zero3_b = zero3_b if measured_dp else ag
         # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
         # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
         act_msg = e * t.micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)
@@ -291,14 +297,14 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         nxt, prev = si + 1 < len(pipe.stages), si > 0
         send = transfer(plan.stage_rank(si + 1)) if nxt and plan.stage_rank(si + 1) != r else 0.0
         send_back = transfer(plan.stage_rank(si - 1)) if prev and plan.stage_rank(si - 1) != r else 0.0
-        split = pipe.schedule == "zbv" and pp > 1  # its backward is two operations, I and W
         stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f + copy_f + pipe_op,
-                                      bwd_s=comp_b + tpc_b + zero3_b + copy_b + pipe_op * (2 if split else 1),
+                                      bwd_s=comp_b + tpc_b + zero3_b + zero3_w + copy_b + pipe_op * (2 if split else 1),
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync,
-                                      bwd_weight_s=sum(c.bwd_weight_s for c in costs) + (pipe_op if split else 0.0)))
+                                      bwd_weight_s=sum(c.bwd_weight_s for c in costs) + zero3_w
+                                      + (pipe_op if split else 0.0)))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
                                fwd_compute_s=comp_f, bwd_compute_s=comp_b, fwd_tp_s=tpc_f, bwd_tp_s=tpc_b,
-                               zero3_gather_exposed_s=(zero3_f + zero3_b) * mbs, grad_sync_s=sync,
+                               zero3_gather_exposed_s=(zero3_f + zero3_b + zero3_w) * mbs, grad_sync_s=sync,
                                fsdp_copy_s=(copy_f + copy_b) * mbs, fsdp_copy_step_s=copy_step,
                                params=params, optimizer_s=sum(c.optimizer_s for c in costs),
                                measured_dp=measured_dp, costs=costs))

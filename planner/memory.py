@@ -29,14 +29,15 @@ def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: floa
 
 
 def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float, shard_pb: float | None = None) -> float:
+                     pb: float, gb: float, shard_pb: float | None = None, split: bool = False) -> float:
     """Bytes the runtime's ZeRO holds for one stage beyond the ZeRO paper's accounting: the sum of
     fsdp_extra_parts."""
-    return sum(fsdp_extra_parts(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb))
+    return sum(fsdp_extra_parts(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb, split))
 
 
 def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float, shard_pb: float | None = None) -> tuple[float, float]:
+                     pb: float, gb: float, shard_pb: float | None = None,
+                     split: bool = False) -> tuple[float, float]:
     """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's
     root module, which holds every parameter outside the blocks: embedding, head, final norm)
     holds beyond the ZeRO paper's accounting of one stage, per device; `held` all step, `transient`
@@ -55,10 +56,20 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     _fsdp_collectives.py, foreach_all_gather and foreach_all_gather_copy_out), and one
     reduce-scatter input. ZeRO 2/3 with several micro-batches reduce-scatter in every backward,
     and FSDP2 keeps the last input of each until the next: held by every stage of a rank.
+    Under a split backward (`split`: zbv's I and W, runtime.pipeline) ZeRO 2 and 3 compute a
+    chunk's weight gradients at once (W) before reduce-scattering them group by group: the whole
+    chunk's unsharded gradients beside one group's flat input; ZeRO 3 also gathers the whole
+    chunk's blocks for I and for W (torch differentiates with respect to the parameters the module
+    holds then), with one block's gather in flight.
     Measured on CPU against run.json peaks (benchmarks/prediction_accuracy.py;
     tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
     held, transient = _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb)
-    if zero >= 2 and dp > 1 and micro_batches > 1:
+    if split and zero >= 2 and dp > 1:
+        chunk, group = sum(block_params) + root_params, max(list(block_params) + [root_params])
+        transient = (chunk + group) * gb
+        if zero == 3:
+            transient += (sum(block_params) + max(block_params, default=0.0) / dp) * pb
+    if zero >= 2 and dp > 1 and (micro_batches > 1 or split):
         # FSDP2 keeps the last reduce-scatter input of a backward until the stage's next backward
         # starts reducing: the root's, or the first block's where the stage has no root parameters.
         # A rank's other stages (interleaved) hold theirs while one computes.
@@ -200,7 +211,8 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
-            held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb)
+            held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
+                                               pipe.schedule == "zbv" and pp > 1)
             held_other += held
             stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
             transient_bytes = max(transient_bytes, stage_replay + transient

@@ -222,8 +222,8 @@ def _configs(ctx: Ctx, global_batch: int):
                         scheds += [("1f1b", 1)] if ("1f1b", 1) not in scheds else []
                     elif s == "interleaved-1f1b":
                         scheds += [(s, v) for v in sp_.virtual_stages if v > 1 and pp * v <= total and mbs % pp == 0]
-                    elif s == "zbv":  # what the runtime runs it with: no recomputation, ZeRO 0 or 1
-                        if 2 * pp <= total and "none" in sp_.recompute and (dp == 1 or min(sp_.zero) <= 1):
+                    elif s == "zbv":  # what the runtime runs it with: no recomputation
+                        if 2 * pp <= total and "none" in sp_.recompute:
                             scheds.append((s, 2))
                     elif s == "gpipe" or mbs >= pp:  # 1F1B needs a micro-batch per stage (planner.plan)
                         scheds.append((s, 1))

@@ -60,9 +60,8 @@ class StageCosts:
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
         self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
-        if cfg.schedule == "zbv":  # the runtime runs ZB-V without recomputation and below ZeRO 2
+        if cfg.schedule == "zbv":  # the runtime runs ZB-V without recomputation
             self.modes = ("none",)
-            self.zeros = tuple(x for x in self.zeros if x <= 1) or (0,)
         self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
         self.stages_of = [[s for s in range(self.S) if self.rank_of[s] == r] for r in range(cfg.pp)]
         t = ctx.train
@@ -135,7 +134,8 @@ class StageCosts:
             return local[(k, emb, head)]
         cfg = self.cfg
         key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, cfg.dp, cfg.order,
-               self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head)
+               self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head,
+               cfg.schedule == "zbv" and cfg.pp > 1)  # a split backward prices ZeRO 2/3 apart
         if key in self.ctx._menus:
             local[(k, emb, head)] = self.ctx._menus[key]
             return local[(k, emb, head)]
@@ -158,6 +158,8 @@ class StageCosts:
         n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
         arr = np.empty((12, n_all))
         at = 0
+        split = cfg.schedule == "zbv" and cfg.pp > 1  # (recompute none only: one combo)
+        comp_w = k * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
         for z in self.zeros:
             ag = self.ag(P * e) if (z == 3 and dp > 1) else 0.0
             sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
@@ -168,6 +170,8 @@ class StageCosts:
                                       if ctx.train.fsdp_copies else (0.0, 0.0, 0.0))
             f = comp_f + tp_f + max(0.0, ag - comp_f) + copy_f
             b = comp_b + tp_b + np.maximum(0.0, beside - comp_b) + copy_b
+            if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
+                b = comp_b + tp_b + 2 * ag + max(0.0, sync - comp_w) + copy_b
             keep = _pareto(b, act, replay) if beside > comp_b.min() else plain  # exposure reorders
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0) + copy_s

@@ -18,6 +18,10 @@ import torch.distributed as dist
 from planner.cluster import ring_factor
 from runtime.device import current, scalar, timed
 
+# torch 2.13 names the flat-tensor collectives *_single and deprecates the *_tensor names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = [4 * 4**i * 1024 for i in range(7)]  # 4 KiB .. 16 MiB
 QUICK_SIZES = [4 * 4**i * 1024 for i in range(5)]  # 4 KiB .. 1 MiB
@@ -97,10 +101,10 @@ def _collective(op: str, nbytes: int, group, n: int, peer: int | None):
         return lambda: dist.all_reduce(buf, group=group)
     if op == "all_gather":
         out, inp = empty(elems), ones(elems // n)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        return lambda: _ALL_GATHER(out, inp, group=group)
     if op == "reduce_scatter":
         out, inp = empty(elems // n), ones(elems)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        return lambda: _REDUCE_SCATTER(out, inp, group=group)
     if op == "all_to_all":
         out, inp = empty(elems), ones(elems)
         return lambda: dist.all_to_all_single(out, inp, group=group)

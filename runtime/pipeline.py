@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
-from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining._backward import stage_backward, stage_backward_input
 
 from planner.plan import Plan
 
@@ -46,8 +47,17 @@ class _Stage(PipelineStage):
         return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        if self._zero not in (2, 3) or backward_type != "full":
+        if self._zero not in (2, 3):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type == "input":  # I (zbv): no weight gradient yet, nothing to reduce
+            self._unshard()
+            self.submod.set_is_last_backward(False)
+            self.submod.set_requires_gradient_sync(False)
+            self.submod.set_reshard_after_backward(self._zero == 3)  # each block after its I, as after F
+            return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                        bwd_kwargs["input_values"], self.submod.parameters())
+        if backward_type == "weight":
+            return self._weight_backward(bwd_kwargs, last_backward)
         # the last micro-batch's backward ends FSDP2's backward: it releases its last reduce-scatter
         # input then, which it keeps between micro-batches
         self.submod.set_is_last_backward(last_backward)
@@ -55,6 +65,32 @@ class _Stage(PipelineStage):
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
+
+    def _unshard(self):
+        """Gather the chunk's parameters: torch's split backward finds the parameters to
+        differentiate by asking the module for them (stage_backward_input and _weight take
+        `submod.parameters()`), which must then be the gathered ones the forward used."""
+        for m in self.submod.modules():
+            if isinstance(m, FSDPModule):
+                m.unshard()
+
+    def _weight_backward(self, bwd_kwargs, last_backward):
+        """W of a split backward (zbv): the micro-batch's weight gradients, then their reduce-scatter.
+        torch differentiates with respect to the chunk's parameters as they are at W, which a ZeRO-3
+        chunk has resharded since I (after a later micro-batch's forward): gather them again first,
+        so that W reaches the parameters I's graph holds. The reduce-scatter is FSDP2's own
+        post-backward, called by hand as torch's REDUCE_GRAD action calls it at the end of a step
+        (PipelineStage.perform_reduce_grad): autograd's hooks fired at I, before W's gradients."""
+        self._unshard()
+        result = super().backward_maybe_with_nosync("weight", bwd_kwargs, last_backward)
+        self.submod.set_requires_gradient_sync(True)
+        self.submod.set_reshard_after_backward(self._zero == 3)
+        state = fully_shard.state(self.submod)
+        for s in state._state_ctx.all_states:
+            for group in s._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        return result
 
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,

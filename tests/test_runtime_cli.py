@@ -45,6 +45,19 @@ def test_a_world_size_other_than_the_plans_is_refused(tmp_path, capsys):
     assert code != 0 and len(lines) == 1 and "needs 2 processes" in lines[0]
 
 
+def test_an_out_path_that_cannot_take_the_records_is_refused_before_training(tmp_path, capsys):
+    """--out names the record's file for one plan and a directory of records for several."""
+    one, two = write_plan(tmp_path, "one"), write_plan(tmp_path, "two")
+    a_file, a_dir = tmp_path / "taken.json", tmp_path / "records"
+    a_file.write_text("{}")
+    a_dir.mkdir()
+    for argv, says in ((["--plan", one, two, "--out", a_file], "is a file"),
+                       (["--plan", one, "--out", a_dir], "is a directory"),
+                       (["--plan", one, "--out", a_file / "run.json"], "cannot write under")):
+        code, lines = run_main(capsys, *argv)
+        assert code != 0 and len(lines) == 1 and "--out" in lines[0] and says in lines[0], lines
+
+
 def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     path = write_plan(tmp_path, "big")
     d = json.loads(path.read_text())
@@ -66,7 +79,6 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(elementwise_kernels="fused"), "training.elementwise_kernels"),
     (dict(fsdp_copies=False), "training.fsdp_copies"),
     (dict(pp=2, lockstep=True), "pipeline.lockstep"),
-    (dict(pp=2, dp=2, schedule="zbv", zero=3), "pipeline.stages[0].zero"),
     (dict(pp=2, schedule="zbv", recompute="full"), "pipeline.stages[0].recompute"),
     (dict(pp=2, recv_buffers="in-flight"), "pipeline.recv_buffers"),
     (dict(pp=2, p2p="scatter-gather"), "pipeline.p2p"),

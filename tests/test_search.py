@@ -72,8 +72,8 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options):
                 S = pp * v
                 for sizes in compositions(model.layers, S):
                     for per in per_stage_options(S, dp, sizes):
-                        if sched == "zbv" and not all(_zbv_runs(z, r, dp) for z, r in per):
-                            continue  # the runtime runs ZB-V without recomputation and below ZeRO 2
+                        if sched == "zbv" and not all(_zbv_runs(r) for _, r in per):
+                            continue  # the runtime runs ZB-V without recomputation
                         plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name,
                                           nodes=cluster.nodes, devices_per_node=dpn, global_batch=gbs, micro_batch=b,
                                           seq_len=seq, tp=tp, pp=pp, dp=dp, schedule=sched, virtual_stages=v,
@@ -84,9 +84,9 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options):
     return best
 
 
-def _zbv_runs(zero, rec, dp):
+def _zbv_runs(rec):
     recs = rec if isinstance(rec, tuple) else (rec,)
-    return all(r == "none" for r in recs) and (dp == 1 or zero <= 1)
+    return all(r == "none" for r in recs)
 
 
 def plan_level(zeros, recs):
@@ -173,15 +173,18 @@ def test_interleaved_per_stage_recompute_equals_exhaustive_enumeration(limit):
                stage_level((3,), ("none", "full")))
 
 
-@pytest.mark.parametrize("limit", [1.0, 1.2, 2.0, 80.0])
+@pytest.mark.parametrize("limit", [1.2, 1.4, 80.0])  # 1F1B with a ZeRO-3 stage; ZB-V with a ZeRO-2 one; ZB-V
 def test_zbv_per_stage_zero_equals_exhaustive_enumeration(limit):
-    """ZB-V (two stages a rank in a V, the first and last on rank 0) beside 1F1B, ZeRO 0 or 1 per
-    stage, no recomputation (what the runtime runs ZB-V with): the search's V placement, its
-    memory and its bounds find what enumerating every partition finds."""
-    space = SearchSpace(pp=(2,), micro_batch=(1, 2), zero=(0, 1), zero_per_stage=True, recompute=("none",),
+    """ZB-V (two stages a rank in a V, the first and last on rank 0) beside 1F1B, ZeRO 1, 2 or 3
+    per stage (few enough for the search to enumerate every assignment), no recomputation (what
+    the runtime runs ZB-V with): the search's V placement, its memory (ZeRO 2/3 under the split
+    backward gather and reduce a whole chunk) and its bounds find what enumerating every
+    partition finds."""
+    space = SearchSpace(pp=(2,), micro_batch=(1, 2), zero=(1, 2, 3), zero_per_stage=True, recompute=("none",),
                         recompute_granularity="stage", schedules=("1f1b", "zbv"), sequence_parallel=(False,),
                         orders=(("pp", "dp", "tp"),))
-    check_same(shrunk(6, 512), A100.shaped_as(1, 8), 16, 1024, limit * GiB, space, stage_level((0, 1), ("none",)))
+    check_same(shrunk(6, 512), A100.shaped_as(1, 8), 16, 1024, limit * GiB, space,
+               stage_level((1, 2, 3), ("none",)))
 
 
 @pytest.mark.parametrize("limit", [1.1, 1.2, 1.21, 80.0])

@@ -1,0 +1,103 @@
+"""What runtime.train checks before its process group starts: the plan against this launch and
+what the runtime runs, and the command line; ConfigError (one line) on anything wrong."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from planner.model import ConfigError
+from planner.plan import Plan
+
+# plan options that describe other frameworks, for predicting their runs: (field, the value the
+# runtime runs, whose engine the other values describe)
+PREDICTION_ONLY = (
+    ("training.overlap_grad_reduce", True, "Megatron-LM's local DDP or DeepSpeed's pipeline engine"),
+    ("training.async_tp_allreduce", False, "Megatron-LM"),
+    ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),
+    ("training.elementwise_kernels", "eager", "Megatron-LM's fused kernels"),
+    ("training.fsdp_copies", True, "flat-buffer data parallelism (Megatron-LM's DDP, FSDP1)"),
+    ("pipeline.lockstep", False, "DeepSpeed's pipeline engine"),
+    ("pipeline.recv_buffers", "preallocated", "Megatron-LM or DeepSpeed"),
+    ("pipeline.p2p", "full", "Megatron-LM or DeepSpeed"),
+)
+
+
+
+def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
+    """Read and check a plan against this launch; ConfigError (one line) on anything wrong."""
+    plan = Plan.read(path)
+    if plan.mesh.world_size != world:
+        raise ConfigError(f"{path}: the plan needs {plan.mesh.world_size} processes (pp*dp*tp = "
+                          f"{plan.mesh.pp}*{plan.mesh.dp}*{plan.mesh.tp}) but {world} were launched; "
+                          f"use torchrun --nproc-per-node {plan.mesh.world_size} (or `trident run`)")
+    if plan.prediction and plan.prediction.get("fits") is False and not args.force:
+        raise ConfigError(f"{path}: the prediction says this plan does not fit in device memory; "
+                          "pick another plan or pass --force to try anyway")
+    t = plan.training
+    if t.dropout > 0:
+        raise ConfigError(f"training.dropout: {t.dropout}; the runtime does not implement dropout yet, set it to 0")
+    if t.attention != "flash":
+        raise ConfigError(f"training.attention: {t.attention} is for predicting other frameworks' runs; the "
+                          "runtime runs fused scaled_dot_product_attention, set it to flash to run")
+    for name, runs, who in PREDICTION_ONLY:
+        section, field = name.split(".")
+        value = getattr(getattr(plan, section), field)
+        if value != runs:
+            raise ConfigError(f"{name}: {json.dumps(value)} describes {who} for prediction; the runtime runs "
+                              f"{json.dumps(runs)}, set it to that to run")
+    if plan.pipeline.schedule == "zbv" and plan.mesh.pp > 1:
+        for i, st in enumerate(plan.pipeline.stages):
+            if any(r != "none" for r in st.recompute):
+                # torch's checkpoint replays a block once per backward call, and ZB-V's I and W are two
+                # (pytorch/pytorch#166536; its schedules do not group them): twice what the plan prices
+                raise ConfigError(f"pipeline.stages[{i}].recompute: {st.recompute} under zbv, where torch's "
+                                  "checkpointing replays a recomputed block in both halves of the split backward; "
+                                  "use recompute none with zbv, or another schedule")
+    if plan.model.tie_embeddings and len(plan.pipeline.stages) > 1:
+        raise ConfigError("model.tie_embeddings: the embedding and the head are in different pipeline stages; the "
+                          "runtime ties them inside one stage only (untie them or use pp=1)")
+    if plan.mesh.tp > 1 and plan.model.vocab % plan.mesh.tp:
+        raise ConfigError(f"model.vocab: {plan.model.vocab} is not divisible by tp={plan.mesh.tp}; the runtime "
+                          "splits the embedding and head by vocabulary, pad the vocabulary to a multiple of tp")
+    if plan.mesh.pp > 1 and plan.pipeline.schedule == "1f1b" and plan.pipeline.micro_batches < plan.mesh.pp:
+        raise ConfigError(f"pipeline.micro_batches: {plan.pipeline.micro_batches} is fewer than pp={plan.mesh.pp}, "
+                          "which torch's Schedule1F1B refuses; use gpipe or more micro-batches")
+    sp = {s.sequence_parallel for s in plan.pipeline.stages}
+    if len(sp) > 1:
+        raise ConfigError("pipeline.stages[*].sequence_parallel: the runtime needs the same value on every stage "
+                          "(stage boundaries carry sequence-sharded activations under SP)")
+    if sp == {True} and t.seq_len % plan.mesh.tp:
+        raise ConfigError(f"training.seq_len: {t.seq_len} is not divisible by tp={plan.mesh.tp}, which sequence "
+                          "parallelism needs")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume and not args.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir")
+    if args.steps < 1:
+        raise ConfigError(f"--steps: {args.steps} must be at least 1")
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} must be at least 0 (0: only at the end)")
+    if args.data != "synthetic" and not Path(args.data).is_file():
+        raise ConfigError(f"--data: {args.data} is not a file; give a uint16/uint32 token file or synthetic")
+    return plan
+
+
+def check_out(out, n_plans: int) -> None:
+    """--out names the run record's file (one plan) or a directory of them (several): refuse,
+    before training, a path that cannot be that."""
+    if not out:
+        return
+    path = Path(out)
+    if n_plans > 1 and path.exists() and not path.is_dir():
+        raise ConfigError(f"--out: {out} is a file; with {n_plans} plans --out names a directory to write "
+                          "one record per plan into; give a directory")
+    if n_plans == 1 and path.is_dir():
+        raise ConfigError(f"--out: {out} is a directory; with one plan --out names the record's file, "
+                          f"e.g. {path / 'run.json'}")
+    parent = path if n_plans > 1 else path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out: cannot write under {parent}; give a path in a writable directory")
