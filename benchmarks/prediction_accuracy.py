@@ -10,7 +10,7 @@
    once; each plan is priced with the profiles measured at its own world size (the 1-process
    plans with the 2-process cluster profile, whose collectives they never use).
 2. Plans on 1, 2 and 4 processes (data parallel, ZeRO-1/3, TP, TP+SP, GPipe / 1F1B / interleaved /
-   ZB-V pipelines, recomputation, mixes), each predicted by planner.cost.estimate with the measured
+   ZB-V pipelines (one with ZeRO-3), recomputation, mixes), each predicted by planner.cost.estimate with the measured
    cluster and model profiles, then trained with runtime.train under torchrun (one launch per
    model and world size, several plans per launch). On 2 and 4 processes the search's own pick
    on the measured profiles (planner.search.search_profiled) joins the plans of its launch, and
@@ -70,6 +70,7 @@ PLANS = {
     "w4-pp2-tp2-1f1b": ("tiny", 4, dict(micro_batch=2, pp=2, tp=2, schedule="1f1b")),
     "w4-pp4-1f1b": ("tiny", 4, dict(micro_batch=1, pp=4, schedule="1f1b")),
     "w4-pp2-dp2-gpipe": ("tiny", 4, dict(micro_batch=2, pp=2, schedule="gpipe", zero=0)),
+    "w4-pp2-dp2-zbv-zero3": ("tiny", 4, dict(micro_batch=1, pp=2, schedule="zbv", zero=3)),
     # a larger CPU-sized model (zoo "small": 8 layers, hidden 512, ~28M parameters)
     "small-w2-zero1": ("small", 2, dict(micro_batch=2, zero=1)),
     "small-w2-tp2": ("small", 2, dict(micro_batch=2, tp=2)),
