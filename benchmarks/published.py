@@ -21,7 +21,8 @@ Held out (reported apart, no target): Korthikanti et al. 2022's Megatron-LM iter
 MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3), bf16, with and without
 activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 runs of Llama 2
 13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
-built on.
+built on. Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
+cluster trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 
     python benchmarks/published.py [--csv PATH] [--heldout PATH ...] [--json]
 """
@@ -59,9 +60,22 @@ MOSAICML_CSV = ROOT / "benchmarks" / "heldout_mosaicml.csv"
 # tokens per second per GPU, so step time = local batch x sequence length / WPS. The interconnect
 # is not stated; priced as DGX A100 nodes (8 GPUs, a 200 Gb/s NIC per GPU).
 TORCHTITAN_CSV = ROOT / "benchmarks" / "heldout_torchtitan.csv"
+# BigScience's BLOOM (github.com/bigscience-workshop/bigscience at 9e64ede, train/tr11-176B-ml/):
+# every "Sec/it" row of chronicles-prequel.md with NHIDDEN 14336 and 64 heads (February 2022,
+# fp16; each the second iteration of a run, as that file says), its rows with the final 70 layers
+# after the switch to the BF16 optimizer (which accumulates gradients in fp32, same file), and the
+# training run's 104.70 s at iteration 85376 (README.md; tr11-176B-ml.slurm: TP 4, PP 12, MBS 2,
+# GBS 2048, 112 heads). The three one-node rows ran GBS 512 (their heading; their TFLOPs agree).
+# Megatron-DeepSpeed with DeepSpeed's pipeline engine and ZeRO 1, as MT-NLG. The cluster (Jean
+# Zay: A100 80GB nodes, 4 Omni-Path links each; their all_reduce_bench on 4 nodes measured 15-42
+# Gbit/s, experiments/bandwidth/README.md) has no sourced profile here: priced as DGX A100 nodes,
+# so its network is priced faster than it was. The training run set CUDA_LAUNCH_BLOCKING=1
+# (tr11-176B-ml.slurm), which their own measurement put at up to 7% slower (chronicles-prequel.md).
+BLOOM_CSV = ROOT / "benchmarks" / "heldout_bloom.csv"
 # published/trained before May 2022 (FlashAttention); Korthikanti et al. 2022 (arXiv 2205.05198,
 # May 2022) ran Megatron-LM's own softmax kernels
-BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-2022-table5", "korthikanti-2022-section6"}
+BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-2022-table5", "korthikanti-2022-section6",
+                          "bigscience-tr11-2022"}
 # What each source states (or its framework implies) beyond its rows, one entry per source; the
 # defaults, for sources not listed, are in source_settings.
 # - attention: before FlashAttention (BEFORE_FLASH_ATTENTION) a materialized softmax; MosaicML's
@@ -91,6 +105,7 @@ SOURCES = {
     "korthikanti-2022-section6": dict(zeros=(0,)),
     "mosaicml-llm-foundry-2023": dict(attention="flash-triton", dropout=0.0, zeros=(3,)),
     "torchtitan-2024": dict(elementwise_kernels="eager", fsdp_copies=True, zeros=(3,)),
+    "bigscience-tr11-2022": dict(zeros=(1,)),
 }
 
 
@@ -130,6 +145,10 @@ RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=
 # Its fp16 parameters' gradients add up in their fp16 .grad.
 RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, lockstep=True, p2p="scatter-gather",
                                                      grad_accumulation="separate-16bit")
+# BLOOM's runs (BLOOM_CSV): the same engine; fp16 gradients add up in fp16, the BF16 optimizer's in fp32
+for _m, _acc in (("tr11-fp16", "separate-16bit"), ("tr11-bf16", "separate-fp32")):
+    RUN_SETTINGS[("bigscience-tr11-2022", _m)] = dict(RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")],
+                                                       grad_accumulation=_acc)
 # Korthikanti et al. 2022, section 6: "three interleaving stages (m = 3) for the 175B and 530B
 # models" (the 1T model without interleaving), and section 6.3: "we do not use any overlapping of
 # gradient all-reduces with back-propagation". Megatron-LM then (main at 2022-05-15, commit 35a3fa8)

@@ -163,18 +163,26 @@ class ClusterSpec:
     # ------------------------------------------------------------ cost
     def collective_time(self, op: str, nbytes: float, ranks) -> float:
         """Seconds for collective `op` on `nbytes` over the group `ranks` (see module doc)."""
-        ranks = list(ranks)
-        n = len(ranks)
-        if n <= 1 or nbytes <= 0:
-            return 0.0
+        return self.shaped_collective_time(op, nbytes, self.group_shape(ranks))
+
+    def group_shape(self, ranks) -> tuple[int, int, int]:
+        """What a collective's price depends on in its group: (members, nodes spanned, the most
+        members on one node)."""
         per_node: dict[int, int] = {}
         for r in ranks:
-            per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
+            node = self.node_of(r)
+            per_node[node] = per_node.get(node, 0) + 1
+        return sum(per_node.values()), len(per_node), max(per_node.values(), default=0)
+
+    def shaped_collective_time(self, op: str, nbytes: float, shape: tuple[int, int, int]) -> float:
+        """collective_time for a group of `shape` (group_shape)."""
+        n, nodes, k = shape
+        if n <= 1 or nbytes <= 0:
+            return 0.0
         intra_a, intra_bw = self.collectives[op]["intra_node"].at(n, nbytes)
-        if len(per_node) == 1:
+        if nodes == 1:
             return intra_a + ring_factor(op, n) * nbytes / intra_bw
         inter_a, inter_bw = self.collectives[op]["inter_node"].at(n, nbytes)
-        k = max(per_node.values())
         if op == "send_recv":
             return inter_a + nbytes / inter_bw
         if op == "all_to_all":  # the share that leaves the node goes through this rank's own NIC
@@ -184,7 +192,10 @@ class ClusterSpec:
         return max(inter_a + f * nbytes / (k * inter_bw), intra_a + f * nbytes / intra_bw)
 
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
-        return self.collective_time("send_recv", nbytes, [src, dst]) if src != dst else 0.0
+        if src == dst:
+            return 0.0
+        same = self.node_of(src) == self.node_of(dst)
+        return self.shaped_collective_time("send_recv", nbytes, (2, 1, 2) if same else (2, 2, 1))
 
 
 def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:

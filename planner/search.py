@@ -119,7 +119,8 @@ def _affine(cluster: ClusterSpec, op: str, ranks: list):
     if len(ranks) <= 1:
         return lambda n: 0.0
     if not all(ab.affine for ab in cluster.collectives[op].values()):
-        return lambda n: cluster.collective_time(op, n, ranks)
+        shape = cluster.group_shape(ranks)
+        return lambda n: cluster.shaped_collective_time(op, n, shape)
     t1, t2 = cluster.collective_time(op, 1.0, ranks), cluster.collective_time(op, 2.0, ranks)
     c = t2 - t1
     a = t1 - c
@@ -143,6 +144,8 @@ class Ctx:
         self._menus = MenuCache()
         self._combos: dict = {}
         self._coll: dict = {}
+        self._coll_times: dict = {}  # (data-parallel group shape, parameters) -> its collectives' times
+        self._fsdp_extra: dict = {}  # planner.memory.fsdp_extra_parts of a stage's blocks and root
         self._blocks: dict = {}
         self._flight: dict = {}
 
@@ -174,12 +177,14 @@ class Ctx:
 
     def collectives(self, cfg):
         """(all-gather, all-reduce, reduce-scatter) time functions of the data-parallel group of
-        pipeline rank 0 (every rank's group has the same shape when TP is innermost)."""
+        pipeline rank 0 (every rank's group has the same shape when TP is innermost), and that
+        group's shape (ClusterSpec.group_shape: all the three depend on)."""
         key = (cfg.tp, cfg.pp, cfg.dp, cfg.order)
         if key not in self._coll:
             mesh = SimpleNamespace(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
             ranks = [_rank(mesh, 0, i, 0) for i in range(cfg.dp)]
-            self._coll[key] = tuple(_affine(self.cluster, op, ranks) for op in ("all_gather", "all_reduce", "reduce_scatter"))
+            self._coll[key] = tuple(_affine(self.cluster, op, ranks) for op in ("all_gather", "all_reduce", "reduce_scatter")) \
+                + (self.cluster.group_shape(ranks),)
         return self._coll[key]
 
     def layers(self, tp, b, sp, multi):

@@ -39,8 +39,12 @@ class MenuCache(dict):
         self._sizes: dict = {}
 
     def __setitem__(self, key, menu):
-        self._sizes[key] = sum(v.nbytes for v in menu.values() if isinstance(v, np.ndarray))
-        self.nbytes += self._sizes[key]
+        self.put(key, menu, sum(v.nbytes for v in menu.values() if isinstance(v, np.ndarray)))
+
+    def put(self, key, menu, nbytes: int):
+        """Store a menu whose arrays take `nbytes` (the views of one block count once)."""
+        self._sizes[key] = nbytes
+        self.nbytes += nbytes
         super().__setitem__(key, menu)
         while self.nbytes > self.MAX_BYTES and len(self) > 1:
             oldest = next(iter(self))  # dicts keep insertion order
@@ -63,14 +67,16 @@ class StageCosts:
         if cfg.schedule == "zbv":  # the runtime runs ZB-V without recomputation
             self.modes = ("none",)
         self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
-        self.stages_of = [[s for s in range(self.S) if self.rank_of[s] == r] for r in range(cfg.pp)]
+        self.stages_of = [[] for _ in range(cfg.pp)]
+        for s, r in enumerate(self.rank_of):
+            self.stages_of[r].append(s)
         t = ctx.train
         self.act_grad = 2 * ctx.e * cfg.micro_batch * t.seq_len * m.hidden
         self.head_logits = m.loss_bytes(cfg.micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
 
     def setup(self):
         """Collective costs of the data-parallel group and the activations in flight."""
-        self.ag, self.ar, self.rs = self.ctx.collectives(self.cfg)
+        self.ag, self.ar, self.rs, self.dp_shape = self.ctx.collectives(self.cfg)
         self.flight, self.maxcnt, _ = self.ctx.in_flight(self.cfg)
         cfg, m, t = self.cfg, self.ctx.model, self.ctx.train
         msg = self.ctx.e * cfg.micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
@@ -133,7 +139,8 @@ class StageCosts:
         if (k, emb, head) in local:
             return local[(k, emb, head)]
         cfg = self.cfg
-        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, cfg.dp, cfg.order,
+        # what a menu depends on: the data-parallel group by its shape, not by the mesh order that made it
+        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
                self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head,
                cfg.schedule == "zbv" and cfg.pp > 1)  # a split backward prices ZeRO 2/3 apart
         if key in self.ctx._menus:
@@ -160,52 +167,74 @@ class StageCosts:
         at = 0
         split = cfg.schedule == "zbv" and cfg.pp > 1  # (recompute none only: one combo)
         comp_w = k * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
+        coll = (self.dp_shape, P)  # the same for every micro-batch size and sequence-parallel setting
+        if coll not in ctx._coll_times:
+            ctx._coll_times[coll] = ((self.ag(P * e), self.ar(P * ctx.gb), self.rs(P * ctx.gb)) if dp > 1
+                                     else (0.0, 0.0, 0.0))
+        gathered, all_reduced, scattered = ctx._coll_times[coll]
+        cb_min, blocks, root = comp_b.min(), [blk[0].params] * k, sum(x.params for x in ends)
+        tied = emb and head and ctx.model.tie_embeddings
+        if tied:  # the end of the backward can hold more
+            tied_bytes, tied_end = tied_matrix_grad_bytes(ctx.model, cfg.tp, ctx.gb, cfg.micro_batches)
         for z in self.zeros:
-            ag = self.ag(P * e) if (z == 3 and dp > 1) else 0.0
-            sync = 0.0 if dp <= 1 else (self.ar(P * ctx.gb) if z == 0 else self.rs(P * ctx.gb))
+            state, copies, step_per_param = self._per_param(z)
+            ag = gathered if z == 3 else 0.0
+            sync = all_reduced if z == 0 else scattered
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
             beside = ag + sync if (z >= 2 and dp > 1 and cfg.micro_batches > 1) else ag
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
-            copy_f, copy_b, copy_s = ((x * P / ctx.bw for x in fsdp_copy_bytes(z, dp, cfg.micro_batches, e, ctx.gb))
-                                      if ctx.train.fsdp_copies else (0.0, 0.0, 0.0))
+            copy_f, copy_b, copy_s = (x * P for x in copies)
             f = comp_f + tp_f + max(0.0, ag - comp_f) + copy_f
             b = comp_b + tp_b + np.maximum(0.0, beside - comp_b) + copy_b
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
                 b = comp_b + tp_b + 2 * ag + max(0.0, sync - comp_w) + copy_b
-            keep = _pareto(b, act, replay) if beside > comp_b.min() else plain  # exposure reorders
+            keep = _pareto(b, act, replay) if beside > cb_min else plain  # exposure reorders
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
-            gather = (self.ag(P * e) if (z in (1, 2) and dp > 1) else 0.0) + copy_s
-            fixed = P * sum(self._state(z))
-            held, transient = fsdp_extra_parts(z, dp, cfg.micro_batches, [blk[0].params] * k,
-                                               sum(x.params for x in ends), ctx.pb, ctx.gb, ctx.spb)
+            gather = (gathered if z in (1, 2) else 0.0) + copy_s
+            extra = (z, dp, cfg.micro_batches > 1, split, blk[0].params, k, root)  # all FSDP2's buffers depend on
+            if extra not in ctx._fsdp_extra:
+                ctx._fsdp_extra[extra] = fsdp_extra_parts(z, dp, cfg.micro_batches, blocks, root, ctx.pb, ctx.gb,
+                                                          ctx.spb, split)
+            held, transient = ctx._fsdp_extra[extra]
             transient += accum
-            fixed += held
+            fixed = P * state + held
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed += P * ctx.pb
-            step = sum(step_bytes(ctx.train, z, dp, P))  # the optimizer step's moment
-            if emb and head and ctx.model.tie_embeddings:  # the end of the backward can hold more
-                tied, tied_end = tied_matrix_grad_bytes(ctx.model, cfg.tp, ctx.gb, cfg.micro_batches)
+            step = P * step_per_param  # the optimizer step's moment
+            if tied:
                 step = max(step, fixed + self.act_grad + tied_end)
-                fixed += tied
+                fixed += tied_bytes
             fixed += self.head_logits if head else 0.0
             sl = slice(at, at + len(keep))
             at += len(keep)
-            for row, val in enumerate((f, b[keep], sync, opt, gather, fixed, act[keep], replay[keep], z, keep,
-                                       transient, step)):
-                arr[row, sl] = val
+            arr[_SCALAR_ROWS, sl] = np.array((f, sync, opt, gather, fixed, z, transient, step))[:, None]
+            arr[_ARRAY_ROWS, sl] = (b[keep], act[keep], replay[keep], keep)
         arr = arr[:, :at].copy()  # a slice would keep the whole preallocated block alive in the cache
         menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo", "transient",
                          "step"), arr))
         menu["combo"] = menu["combo"].astype(int)
         menu["cb"] = cb
         menu["c"] = cfg.micro_batches * (menu["f"] + menu["b"]) + menu["sync"] + menu["opt"] + menu["gather"]
-        self.ctx._menus[key] = local[(k, emb, head)] = menu
+        self.ctx._menus.put(key, menu, arr.nbytes + cb.nbytes + menu["combo"].nbytes + menu["c"].nbytes)
+        local[(k, emb, head)] = menu
         return menu
 
     def _state(self, z):
         """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z."""
         ctx, cfg = self.ctx, self.cfg
         return zero_state_bytes(z, cfg.dp, cfg.micro_batches, ctx.pb, ctx.gb, ctx.ob, ctx.spb)
+
+    def _per_param(self, z):
+        """Per parameter at ZeRO level z: the bytes the ZeRO paper counts (_state), the seconds of
+        FSDP2's buffer copies (forward, backward, step; planner.precision.fsdp_copy_bytes) and the
+        bytes held in the optimizer step (planner.memory.step_bytes, linear in the parameters)."""
+        memo = self.__dict__.setdefault("_per_param_memo", {})
+        if z not in memo:
+            ctx, cfg = self.ctx, self.cfg
+            copies = ((x / ctx.bw for x in fsdp_copy_bytes(z, cfg.dp, cfg.micro_batches, ctx.e, ctx.gb))
+                      if ctx.train.fsdp_copies else (0.0, 0.0, 0.0))
+            memo[z] = sum(self._state(z)), tuple(copies), sum(step_bytes(ctx.train, z, cfg.dp, 1.0))
+        return memo[z]
 
     def flags(self, s):
         return s == 0, s == self.S - 1
@@ -221,7 +250,7 @@ class StageCosts:
         dp, mbs, p = cfg.dp, cfg.micro_batches, cfg.pp
         # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
         # parameters (alpha + beta P), and for v = 1 each rank has one stage.
-        ag, ar, rs = ctx.collectives(cfg)
+        ag, ar, rs, _ = ctx.collectives(cfg)
         segmented = not all(x.affine for op in ctx.cluster.collectives.values() for x in op.values())
         ab = lambda f: (0.0, 0.0) if segmented else (f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0))
         alphas, betas = [], []
@@ -313,15 +342,25 @@ class StageCosts:
         return max(lb1, lb2)
 
 
+# the rows of a menu's array (StageCosts.menu): one value per ZeRO level, or one per option
+_SCALAR_ROWS = np.array([0, 2, 3, 4, 5, 8, 10, 11])  # f, sync, opt, gather, fixed, zero, transient, step
+_ARRAY_ROWS = np.array([1, 6, 7, 9])  # b, act, replay, combo
+
+
 def _pareto(b, act, replay):
     """Indices not dominated in (b, act) within their replay class."""
+    n = len(b)
+    if n == 1:
+        return np.zeros(1, dtype=int)
+    order = np.lexsort((act, b, replay))  # by class, then b, then act
+    r, a = replay[order], act[order]
+    cuts = np.flatnonzero(r[1:] != r[:-1]) + 1
     keep = []
-    for cls in np.unique(replay):
-        idx = np.nonzero(replay == cls)[0]
-        idx = idx[np.lexsort((act[idx], b[idx]))]
-        a = act[idx]
-        prev = np.concatenate(([np.inf], np.minimum.accumulate(a)[:-1]))
-        keep.append(idx[a < prev])
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+        prev = np.empty(hi - lo)
+        prev[0] = np.inf
+        np.minimum.accumulate(a[lo:hi - 1], out=prev[1:])
+        keep.append(order[lo:hi][a[lo:hi] < prev])
     return np.sort(np.concatenate(keep))
 
 
