@@ -71,6 +71,10 @@ class StageCosts:
         for s, r in enumerate(self.rank_of):
             self.stages_of[r].append(s)
         t = ctx.train
+        # processes sharing fewer compute units than there are of them (planner.schedule.Sharing):
+        # the machine does at most max(slots, 1) process-seconds of the operations' work a second
+        slots, world = ctx.cluster.compute_slots, cfg.pp * cfg.dp * cfg.tp
+        self.share = max(slots, 1.0) / (cfg.tp * cfg.dp) if (slots is not None and slots < world) else None
         self.act_grad = 2 * ctx.e * cfg.micro_batch * t.seq_len * m.hidden
         self.head_logits = m.loss_bytes(cfg.micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
 
@@ -263,6 +267,8 @@ class StageCosts:
         lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
+        if self.share:  # the whole model's work on shared compute (evaluate)
+            lb = max(lb, mbs * wtot / self.share)
         state = min(sum(self._state(z)) for z in self.zeros)
         return lb, P * state / p + self.act_grad
 
@@ -329,6 +335,8 @@ class StageCosts:
             lb1 = max(pre[r] + mbs * W[r] + sync[r] + tail[r] for r in range(p))
         else:
             lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
+        if self.share:  # every F and B of every stage, done by its tp x dp processes, at most that fast
+            lb1 = max(lb1, mbs * sum(mn["f"][i] + mn["b"][i] for _, mn, i in assign) / self.share)
         for r in range(p):
             mine = [assign[s] for s in self.stages_of[r]]
             recv = sum(self.recv[s] for s in self.stages_of[r])

@@ -187,6 +187,18 @@ def test_zbv_per_stage_zero_equals_exhaustive_enumeration(limit):
                stage_level((1, 2, 3), ("none",)))
 
 
+@pytest.mark.parametrize("limit", [1.4, 80.0])
+def test_shared_compute_keeps_the_search_exact(limit):
+    """On processes that share compute (a CPU machine: 8 processes on 2 cores) the search bounds a
+    plan by the work all its processes do at most that fast; it still finds what enumerating every
+    partition finds."""
+    space = SearchSpace(pp=(1, 2), micro_batch=(1, 2), zero=(1, 3), zero_per_stage=True, recompute=("none",),
+                        recompute_granularity="stage", schedules=("1f1b", "zbv"), sequence_parallel=(False,),
+                        orders=(("pp", "dp", "tp"),))
+    shared = dataclasses.replace(A100.shaped_as(1, 8), compute_slots=2.0)
+    check_same(shrunk(6, 512), shared, 16, 1024, limit * GiB, space, stage_level((1, 3), ("none",)))
+
+
 @pytest.mark.parametrize("limit", [1.1, 1.2, 1.21, 80.0])
 def test_per_layer_recompute_equals_exhaustive_enumeration(limit):
     """Recompute chosen per layer (none / selective / full counts per stage), ZeRO per stage."""
