@@ -104,6 +104,9 @@ class ClusterSpec:
     # device has its own compute, as GPUs do), scaled with the node count. Processes sharing CPU
     # cores share them: planner.schedule.Sharing
     compute_slots: float | None = None
+    # the collectives' library: "nccl" (GPUs), or "gloo" (CPU processes), whose reduce-scatter
+    # takes a temporary as large as its input (planner.memory.fsdp_extra_parts)
+    backend: str = "nccl"
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -276,11 +279,15 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
     if not isinstance(slow, (int, float)) or isinstance(slow, bool) or not slow >= 1:
         raise ConfigError(f"{source}: overlap_slowdown {slow!r} must be a number >= 1 (compute time with "
                           "communication overlapping it over the time alone); 1 for no slowdown")
+    # profiles written before the field: CPU processes (a measured "cpu process" device) ran gloo
+    backend = d.get("backend", "gloo" if str(device.name).startswith("cpu") else "nccl")
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"{source}: backend {backend!r} must be nccl or gloo (the collectives' library)")
     return ClusterSpec(
         name=d["name"], devices_per_node=dpn, device=device, collectives=collectives, nodes=nodes,
         description=str(d.get("description", "")), kind=str(d.get("kind", "datasheet")),
         tiers=d.get("tiers", {}), sources=d.get("sources", {}), node_of_rank=node_of_rank,
-        overlap_slowdown=float(slow), compute_slots=slots, raw=d)
+        overlap_slowdown=float(slow), compute_slots=slots, backend=backend, raw=d)
 
 
 def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:

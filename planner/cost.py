@@ -361,7 +361,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         time_breakdown["runtime_sync_s"] = sync
         time_breakdown["pipeline_overhead_s"] = pipe_overhead
 
-    mem_by_rank = memory_by_rank(plan, stage_info)
+    mem_by_rank = memory_by_rank(plan, stage_info, rs_temp=cluster.backend == "gloo")
     peak_rank = max(mem_by_rank, key=lambda d: d["total_bytes"])
     peak = peak_rank["total_bytes"]
     dev = cluster.device

@@ -29,15 +29,17 @@ def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: floa
 
 
 def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float, shard_pb: float | None = None, split: bool = False) -> float:
+                     pb: float, gb: float, shard_pb: float | None = None, split: bool = False,
+                     rs_temp: bool = False) -> float:
     """Bytes the runtime's ZeRO holds for one stage beyond the ZeRO paper's accounting: the sum of
     fsdp_extra_parts."""
-    return sum(fsdp_extra_parts(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb, split))
+    return sum(fsdp_extra_parts(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb, split,
+                                rs_temp))
 
 
 def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
                      pb: float, gb: float, shard_pb: float | None = None,
-                     split: bool = False) -> tuple[float, float]:
+                     split: bool = False, rs_temp: bool = False) -> tuple[float, float]:
     """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's
     root module, which holds every parameter outside the blocks: embedding, head, final norm)
     holds beyond the ZeRO paper's accounting of one stage, per device; `held` all step, `transient`
@@ -61,6 +63,10 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     chunk's unsharded gradients beside one group's flat input; ZeRO 3 also gathers the whole
     chunk's blocks for I and for W (torch differentiates with respect to the parameters the module
     holds then), with one block's gather in flight.
+    `rs_temp`: the collectives' library takes a temporary as large as a reduce-scatter's input
+    while it runs (gloo: measured here, a 16.8 MB reduce_scatter_single peaked 16.8 MB above its
+    buffers, an all-reduce or all-gather of that size 0.005 MB; NCCL reduces in place): one more
+    largest group's gradients in the transient of ZeRO 1-3.
     Measured on CPU against run.json peaks (benchmarks/prediction_accuracy.py;
     tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
     held, transient = _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb)
@@ -69,6 +75,8 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
         transient = (chunk + group) * gb
         if zero == 3:
             transient += (sum(block_params) + max(block_params, default=0.0) / dp) * pb
+    if rs_temp and zero >= 1 and dp > 1:
+        transient += max(list(block_params) + [root_params]) * gb
     if zero >= 2 and dp > 1 and (micro_batches > 1 or split):
         # FSDP2 keeps the last reduce-scatter input of a backward until the stage's next backward
         # starts reducing: the root's, or the first block's where the stage has no root parameters.
@@ -164,7 +172,7 @@ def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
     return params * weight / shard, params * gb / shard, params * ADAM_STATE_BYTES / shard, params * temp / shard
 
 
-def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
+def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[dict]:
     """Bytes each pipeline rank holds at its peak, by kind (planner.cost's memory model): the
     ZeRO paper's parameters, gradients and optimizer state by ZeRO level; the activations of the
     micro-batches in flight as the schedule holds them; and, as other, what FSDP2 holds beyond
@@ -212,7 +220,7 @@ def memory_by_rank(plan: Plan, stage_info: list) -> list[dict]:
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
-                                               pipe.schedule == "zbv" and pp > 1)
+                                               pipe.schedule == "zbv" and pp > 1, rs_temp)
             held_other += held
             stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
             transient_bytes = max(transient_bytes, stage_replay + transient

@@ -14,7 +14,7 @@ from planner.model import ConfigError, is_int
 # what a cluster profile holds at the top level: planner.cluster reads the first ones; `tiers`
 # (link descriptions), `sources` (where each number comes from) and `sweep` (the raw points of
 # `trident profile cluster`, runtime/profile.py) document the file
-PROFILE_KEYS = ("format_version", "name", "description", "kind", "devices_per_node", "nodes", "device",
+PROFILE_KEYS = ("format_version", "name", "description", "kind", "backend", "devices_per_node", "nodes", "device",
                 "collectives", "topology", "overlap_slowdown", "compute_slots", "tiers", "sources", "sweep")
 
 

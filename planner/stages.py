@@ -198,7 +198,7 @@ class StageCosts:
             extra = (z, dp, cfg.micro_batches > 1, split, blk[0].params, k, root)  # all FSDP2's buffers depend on
             if extra not in ctx._fsdp_extra:
                 ctx._fsdp_extra[extra] = fsdp_extra_parts(z, dp, cfg.micro_batches, blocks, root, ctx.pb, ctx.gb,
-                                                          ctx.spb, split)
+                                                          ctx.spb, split, ctx.cluster.backend == "gloo")
             held, transient = ctx._fsdp_extra[extra]
             transient += accum
             fixed = P * state + held

@@ -230,16 +230,19 @@ def profile_cluster(args) -> dict | None:
     if gpu:
         name = args.name or f"{_slug(device['name'])}-nccl-{world}"
         what, links = f"{world} GPUs (NCCL)", ("NCCL inside a node (NVLink / PCIe)", "NCCL across nodes")
+        backend = "nccl"
     else:
         name = args.name or f"cpu-gloo-{world}"
         device["name"] = f"cpu process ({local_world} per host)"
         what, links = f"{world} gloo processes", ("gloo over loopback TCP", "gloo over TCP")
+        backend = "gloo"
     return {
         "format_version": 1,
         "name": name,
         "description": f"measured: {what} on {nodes} host(s) ({', '.join(order)}), "
                        f"torch {torch.__version__}, {os.cpu_count()} CPUs",
         "kind": "measured",
+        "backend": backend,
         "devices_per_node": per_node,
         "nodes": nodes,
         "device": device,

@@ -74,7 +74,7 @@ PROFILE_CASES = [
     (("topology",), {"node_of_rank": [0] * 9}, r"topology\.node_of_rank: node 0 has 9 ranks but devices_per_node"),
     (("topology",), {"node_of_rank": [True, False]}, r"topology\.node_of_rank: must be a list of node indices"),
     (("topology",), [0, 1], r"topology\.node_of_rank: must be a list"),
-    (("colectives",), {}, r"colectives: unknown field; known fields are collectives, compute_slots"),
+    (("colectives",), {}, r"colectives: unknown field; known fields are backend, collectives, compute_slots"),
     (("device", "memroy_bytes"), 1, r"device\.memroy_bytes: unknown field; known fields are allocator_overhead"),
     (("devices_per_node",), True, r"devices_per_node True must be a positive integer"),
     (("nodes",), True, r"nodes True must be a positive integer"),
