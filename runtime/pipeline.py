@@ -30,7 +30,8 @@ class _Stage(PipelineStage):
     P_os+g+p, DeepSpeed's stages 2 and 3). A ZeRO-3 chunk also reshards after each block's
     backward, as after its forward (else it would hold every block gathered by the end of each
     backward: ZeRO-1's parameter memory); a ZeRO-2 chunk keeps its parameters gathered. The
-    planner prices both so.
+    planner prices both so. Under zbv's split backward a ZeRO-2/3 chunk gathers its parameters
+    before I and before W and reduce-scatters after W (_weight_backward).
 
     The last stage drops its output (the logits) from the forward cache once the forward is done:
     its backward starts from the loss, which keeps what it needs (runtime.loss), and the cached
