@@ -70,13 +70,13 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     Measured on CPU against run.json peaks (benchmarks/prediction_accuracy.py;
     tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
     held, transient = _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb)
+    group = max(list(block_params) + [root_params])  # the largest reduce-scatter's parameters
     if split and zero >= 2 and dp > 1:
-        chunk, group = sum(block_params) + root_params, max(list(block_params) + [root_params])
-        transient = (chunk + group) * gb
+        transient = (sum(block_params) + root_params + group) * gb
         if zero == 3:
             transient += (sum(block_params) + max(block_params, default=0.0) / dp) * pb
     if rs_temp and zero >= 1 and dp > 1:
-        transient += max(list(block_params) + [root_params]) * gb
+        transient += group * gb
     if zero >= 2 and dp > 1 and (micro_batches > 1 or split):
         # FSDP2 keeps the last reduce-scatter input of a backward until the stage's next backward
         # starts reducing: the root's, or the first block's where the stage has no root parameters.
