@@ -195,10 +195,7 @@ class ClusterSpec:
         return max(inter_a + f * nbytes / (k * inter_bw), intra_a + f * nbytes / intra_bw)
 
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
-        if src == dst:
-            return 0.0
-        same = self.node_of(src) == self.node_of(dst)
-        return self.shaped_collective_time("send_recv", nbytes, (2, 1, 2) if same else (2, 2, 1))
+        return self.shaped_collective_time("send_recv", nbytes, self.group_shape((src, dst))) if src != dst else 0.0
 
 
 def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:

@@ -143,10 +143,10 @@ class StageCosts:
         if (k, emb, head) in local:
             return local[(k, emb, head)]
         cfg = self.cfg
+        split = cfg.schedule == "zbv" and cfg.pp > 1  # a split backward prices ZeRO 2/3 apart (one combo)
         # what a menu depends on: the data-parallel group by its shape, not by the mesh order that made it
         key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
-               self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head,
-               cfg.schedule == "zbv" and cfg.pp > 1)  # a split backward prices ZeRO 2/3 apart
+               self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head, split)
         if key in self.ctx._menus:
             local[(k, emb, head)] = self.ctx._menus[key]
             return local[(k, emb, head)]
@@ -169,7 +169,6 @@ class StageCosts:
         n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
         arr = np.empty((12, n_all))
         at = 0
-        split = cfg.schedule == "zbv" and cfg.pp > 1  # (recompute none only: one combo)
         comp_w = k * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
         coll = (self.dp_shape, P)  # the same for every micro-batch size and sequence-parallel setting
         if coll not in ctx._coll_times:
