@@ -195,11 +195,14 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         split = None
         if pipe.schedule == "zbv" and pp > 1:
             # held from each I to its W: what the weight gradients start from, and the activations a
-            # recomputed layer replayed in the I (the weight gradients need their inputs)
+            # fully recomputed block replayed in the I (the weight gradients need their inputs;
+            # runtime.recompute keeps them to W). A selective block's replayed attention core is
+            # read by I alone (its replay is transient)
             split = {**zero, **{i: e * t.micro_batch * t.seq_len
                                 * sum(m.weight_grad_inputs_per_token(j, tp) for j in range(pipe.stages[i].start,
                                                                                            pipe.stages[i].end))
-                                + sum(c.replay_bytes for c in stage_info[i]["costs"])
+                                + sum(c.replay_bytes for c, r in zip(stage_info[i]["costs"], pipe.stages[i].recompute)
+                                      if r == "full")
                                 for i in ids}}
         acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split)
         p_bytes = g_bytes = o_bytes = other = held_other = 0.0
@@ -222,7 +225,9 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
                                                pipe.schedule == "zbv" and pp > 1, rs_temp)
             held_other += held
-            stage_replay = max((c.replay_bytes for c in si["costs"]), default=0.0)
+            # replaying one block's forward (under a split backward a full one's replay is held to W: above)
+            stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)
+                                if not (split and r == "full")), default=0.0)
             transient_bytes = max(transient_bytes, stage_replay + transient
                                   + accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb))
             if st.zero == 0 and dp > 1:

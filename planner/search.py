@@ -35,8 +35,6 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import numpy as np
-
 from planner.cluster import ClusterSpec
 from planner.cost import Estimate, estimate, layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
@@ -45,7 +43,7 @@ from planner.partition import Inner
 from planner.plan import DTYPES, SCHEDULES, Plan, Training
 from planner.plan_checks import MAX_MICRO_BATCHES
 from planner.build import build_plan, even_stages
-from planner.schedule import rank_order
+from planner.bounds import in_flight_counts
 from planner.stages import TOL, MenuCache, _rank
 
 ORDERS = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
@@ -150,29 +148,10 @@ class Ctx:
         self._flight: dict = {}
 
     def in_flight(self, cfg):
-        """Per pipeline rank: the micro-batch count vectors (one entry per chunk) after each forward,
-        their per-chunk maxima, and kappa = max over time of the smallest entry (so that the peak
-        activation memory is at least kappa x the rank's activations of one micro-batch)."""
+        """planner.bounds.in_flight_counts of the configuration's schedule, cached."""
         key = (cfg.schedule, cfg.pp, cfg.v, cfg.micro_batches)
         if key not in self._flight:
-            flight, maxcnt = [], []
-            for r in range(cfg.pp):
-                if cfg.v == 1:
-                    # without a pipeline micro-batches run one after another (gradient accumulation)
-                    n = (1 if cfg.pp == 1 else cfg.micro_batches if cfg.schedule == "gpipe"
-                         else min(cfg.pp - r, cfg.micro_batches))
-                    flight.append(np.array([[float(n)]]))
-                else:
-                    cnt, recs = [0] * cfg.v, []
-                    for kind, s, _ in rank_order(cfg.schedule, cfg.pp, cfg.v, cfg.micro_batches, r):
-                        # a chunk holds a micro-batch from its F to its B (a split backward: its W)
-                        cnt[s // cfg.pp] += {"F": 1, "I": 0}.get(kind, -1)
-                        if kind == "F":
-                            recs.append(tuple(cnt))
-                    flight.append(np.unique(np.array(recs, dtype=float), axis=0))
-                maxcnt.append(flight[-1].max(axis=0))
-            kappa = np.array([f.min(axis=1).max() for f in flight])
-            self._flight[key] = (flight, maxcnt, kappa)
+            self._flight[key] = in_flight_counts(*key)
         return self._flight[key]
 
     def collectives(self, cfg):
@@ -227,8 +206,8 @@ def _configs(ctx: Ctx, global_batch: int):
                         scheds += [("1f1b", 1)] if ("1f1b", 1) not in scheds else []
                     elif s == "interleaved-1f1b":
                         scheds += [(s, v) for v in sp_.virtual_stages if v > 1 and pp * v <= total and mbs % pp == 0]
-                    elif s == "zbv":  # what the runtime runs it with: no recomputation
-                        if 2 * pp <= total and "none" in sp_.recompute:
+                    elif s == "zbv":
+                        if 2 * pp <= total:
                             scheds.append((s, 2))
                     elif s == "gpipe" or mbs >= pp:  # 1F1B needs a micro-batch per stage (planner.plan)
                         scheds.append((s, 1))

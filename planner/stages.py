@@ -1,19 +1,20 @@
-"""What a pipeline stage costs under one mesh and schedule configuration, and lower bounds.
+"""What a pipeline stage costs under one mesh and schedule configuration, and an assignment's bound.
 
 A stage holds k identical blocks (plus the embedding and/or the head); its options are a ZeRO level
 and how many of its blocks are recomputed fully, selectively or not at all (only the counts
 matter). Every option is priced from the cached per-layer costs of planner.cost (layer_cost), the
 way planner.cost.estimate adds them up: forward f, backward b (recomputation, exposed ZeRO-3
 gathers), gradient sync, optimizer, ZeRO-1/2 gather, and memory (model state by ZeRO level,
-activations x micro-batches in flight, replay, buffers). Options dominated within their ZeRO level
-(no faster backward for no fewer activations, same replay) are dropped.
+activations x micro-batches in flight, replay, buffers; under zbv's split backward also what is
+held from each I to its W). Options dominated within their ZeRO level (no faster backward for no
+fewer activations, same replay) are dropped.
 
 The bounds are those of planner.search's docstring: `config_bound` and `balance_bound` for a whole
-configuration, `evaluate` (exact memory check and LB) for one assignment.
+configuration (planner.bounds), `evaluate` (exact memory check and LB) for one assignment.
 """
 from __future__ import annotations
 
-import math
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,8 +24,8 @@ from planner.memory import accumulation_bytes, fsdp_extra_parts, step_bytes, tie
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.plan import stage_rank
+from planner.bounds import TOL, Bounds
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
-TOL = 1e-9
 
 
 class MenuCache(dict):
@@ -37,22 +38,27 @@ class MenuCache(dict):
         super().__init__()
         self.nbytes = 0
         self._sizes: dict = {}
+        self._order: deque = deque()  # keys, oldest first (next(iter(dict)) slows as the front empties)
 
     def __setitem__(self, key, menu):
         self.put(key, menu, sum(v.nbytes for v in menu.values() if isinstance(v, np.ndarray)))
 
     def put(self, key, menu, nbytes: int):
         """Store a menu whose arrays take `nbytes` (the views of one block count once)."""
+        if key in self._sizes:
+            self.nbytes -= self._sizes[key]
+        else:
+            self._order.append(key)
         self._sizes[key] = nbytes
         self.nbytes += nbytes
         super().__setitem__(key, menu)
         while self.nbytes > self.MAX_BYTES and len(self) > 1:
-            oldest = next(iter(self))  # dicts keep insertion order
+            oldest = self._order.popleft()
             self.nbytes -= self._sizes.pop(oldest)
             super().__delitem__(oldest)
 
 
-class StageCosts:
+class StageCosts(Bounds):
     """One configuration: stage option menus and bounds (planner.partition.Inner searches them)."""
 
     def __init__(self, ctx, cfg):
@@ -64,8 +70,6 @@ class StageCosts:
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
         self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
-        if cfg.schedule == "zbv":  # the runtime runs ZB-V without recomputation
-            self.modes = ("none",)
         self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
         self.stages_of = [[] for _ in range(cfg.pp)]
         for s, r in enumerate(self.rank_of):
@@ -82,8 +86,8 @@ class StageCosts:
         """Collective costs of the data-parallel group and the activations in flight."""
         self.ag, self.ar, self.rs, self.dp_shape = self.ctx.collectives(self.cfg)
         self.flight, self.maxcnt, _ = self.ctx.in_flight(self.cfg)
-        cfg, m, t = self.cfg, self.ctx.model, self.ctx.train
-        msg = self.ctx.e * cfg.micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
+        cfg = self.cfg
+        msg = self._message()
         mesh = SimpleNamespace(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
         p2p = [self.ctx.cluster.p2p_time(msg, _rank(mesh, r, 0, 0), _rank(mesh, (r + 1) % cfg.pp, 0, 0))
                for r in range(cfg.pp)]
@@ -100,14 +104,33 @@ class StageCosts:
             return 0.0 if a == b else self.ctx.cluster.p2p_time(msg, _rank(mesh, a, 0, 0), _rank(mesh, b, 0, 0))
         self.sends = [(hop(ro[s], ro[s + 1]) if s < S - 1 else 0.0) + (hop(ro[s], ro[s - 1]) if s > 0 else 0.0)
                       if BLOCKING_P2P else 0.0 for s in range(S)]
-        # the runtime's receive buffers, one per micro-batch, held all step (planner.memory.recv_buffer_bytes)
-        self.recv = [((s > 0) + (s < S - 1)) * cfg.micro_batches * msg if S > 1 else 0.0 for s in range(S)]
+        self.recv = self._recv()
         return self
+
+    def _message(self):
+        """Bytes of one micro-batch's activation between stages."""
+        cfg, m, t = self.cfg, self.ctx.model, self.ctx.train
+        return self.ctx.e * cfg.micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
+
+    def _recv(self):
+        """Per stage the runtime's receive buffers, one per micro-batch and neighbour, held all step
+        (planner.memory.recv_buffer_bytes): fixed by the configuration, whatever the partition."""
+        S, msg = self.S, self._message()
+        return [((s > 0) + (s < S - 1)) * self.cfg.micro_batches * msg if S > 1 else 0.0 for s in range(S)]
+
+    def _recv_by_rank(self):
+        recv = self._recv()
+        return np.array([sum(recv[s] for s in self.stages_of[r]) for r in range(self.cfg.pp)])
 
     # -------------------------------------------------------------- menus
     def combos(self, k):
-        """(n_none, n_selective, n_full) block counts a stage of k blocks may use, as an array."""
+        """(n_none, n_selective, n_full) block counts a stage of k blocks may use, as an array. Under
+        a split backward (zbv) one mode a stage: there a full block's replay is held from I to W,
+        so that activations plus what is held then do not depend on how many are full, no count
+        dominates another and per-layer counts would make k^2 / 2 options a stage where one mode makes 3."""
         g = self.ctx.space.recompute_granularity if not self.cfg.recompute else "plan"
+        if g == "layer" and self.cfg.schedule == "zbv" and self.cfg.pp > 1:
+            g = "stage"
         key = (k, self.modes, g)
         if key not in self.ctx._combos:
             idx = [RECOMPUTE_MODES.index(x) for x in self.modes]
@@ -123,17 +146,24 @@ class StageCosts:
 
     def blocks(self, k):
         """Block part of a stage of k blocks per recompute combination: (combos, backward compute,
-        backward TP time, activations, replay bytes, the combinations not dominated without ZeRO-3)."""
+        backward TP time, activations, replay bytes, the combinations not dominated without ZeRO-3).
+        Under a split backward (zbv) a full block's replay is held from I to W (menu's held_iw), not
+        a transient, and combinations are compared with those of as many full blocks."""
         cfg = self.cfg
+        split = cfg.schedule == "zbv" and cfg.pp > 1
         key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, self.modes,
-               self.ctx.space.recompute_granularity if not cfg.recompute else "plan", k)
+               self.ctx.space.recompute_granularity if not cfg.recompute else "plan", k, split)
         if key not in self.ctx._blocks:
             cb = self.combos(k)
             blk = [self.lc["blk"][r] for r in RECOMPUTE_MODES]
             col = lambda a: np.array([getattr(x, a) for x in blk])
             comp_b, tp_b, act = cb @ col("bwd_compute_s"), cb @ col("bwd_tp_s"), cb @ col("activation_bytes")
-            replay = np.max(np.where(cb > 0, col("replay_bytes")[None, :], 0.0), axis=1)
-            self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, _pareto(comp_b + tp_b, act, replay))
+            if split:
+                replay = np.where(cb[:, 1] > 0, blk[1].replay_bytes, 0.0)
+                classes = cb[:, 2] + (k + 1) * (cb[:, 1] > 0)
+            else:
+                replay = classes = np.max(np.where(cb > 0, col("replay_bytes")[None, :], 0.0), axis=1)
+            self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, _pareto(comp_b + tp_b, act, classes))
         return self.ctx._blocks[key]
 
     def menu(self, k, emb, head):
@@ -166,19 +196,23 @@ class StageCosts:
         dp, e = cfg.dp, ctx.e
         layers = [1] * (k > 0) + [0] * emb + [ctx.model.layers + 1] * head  # one of each kind the stage holds
         accum = accumulation_bytes(ctx.model, layers, cfg.tp, dp, cfg.micro_batches, ctx.gb)
-        n_all = sum(len(plain) if not (z == 3 and dp > 1) else len(cb) for z in self.zeros)
-        arr = np.empty((12, n_all))
-        at = 0
         comp_w = k * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
+        # held from each I to its W under a split backward (planner.memory.memory_by_rank): what the
+        # weight gradients start from, and the fully recomputed blocks' replay
+        wgi = lambda j: ctx.model.weight_grad_inputs_per_token(j, cfg.tp)  # noqa: E731
+        held_iw = (ctx.e * cfg.micro_batch * ctx.train.seq_len * (k * wgi(1) + emb * wgi(0) + head * wgi(self.L + 1))
+                   + cb[:, 2] * blk[2].replay_bytes) if split else np.zeros(len(cb))
         coll = (self.dp_shape, P)  # the same for every micro-batch size and sequence-parallel setting
         if coll not in ctx._coll_times:
             ctx._coll_times[coll] = ((self.ag(P * e), self.ar(P * ctx.gb), self.rs(P * ctx.gb)) if dp > 1
                                      else (0.0, 0.0, 0.0))
         gathered, all_reduced, scattered = ctx._coll_times[coll]
+        base = comp_b + tp_b
         cb_min, blocks, root = comp_b.min(), [blk[0].params] * k, sum(x.params for x in ends)
         tied = emb and head and ctx.model.tie_embeddings
         if tied:  # the end of the backward can hold more
             tied_bytes, tied_end = tied_matrix_grad_bytes(ctx.model, cfg.tp, ctx.gb, cfg.micro_batches)
+        scalars, pieces = [], []  # per ZeRO level: its scalar rows; (backward, options) or (shift, None)
         for z in self.zeros:
             state, copies, step_per_param = self._per_param(z)
             ag = gathered if z == 3 else 0.0
@@ -188,10 +222,13 @@ class StageCosts:
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
             copy_f, copy_b, copy_s = (x * P for x in copies)
             f = comp_f + tp_f + max(0.0, ag - comp_f) + copy_f
-            b = comp_b + tp_b + np.maximum(0.0, beside - comp_b) + copy_b
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
-                b = comp_b + tp_b + 2 * ag + max(0.0, sync - comp_w) + copy_b
-            keep = _pareto(b, act, replay) if beside > cb_min else plain  # exposure reorders
+                pieces.append((2 * ag + max(0.0, sync - comp_w) + copy_b, None))
+            elif beside > cb_min and not split:  # exposed beside some options' backward: reorders them
+                b = base + np.maximum(0.0, beside - comp_b) + copy_b
+                pieces.append((b, _pareto(b, act, replay)))
+            else:  # the same shift for every option
+                pieces.append((copy_b, None))
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (gathered if z in (1, 2) else 0.0) + copy_s
             extra = (z, dp, cfg.micro_batches > 1, split, blk[0].params, k, root)  # all FSDP2's buffers depend on
@@ -208,17 +245,22 @@ class StageCosts:
                 step = max(step, fixed + self.act_grad + tied_end)
                 fixed += tied_bytes
             fixed += self.head_logits if head else 0.0
-            sl = slice(at, at + len(keep))
-            at += len(keep)
-            arr[_SCALAR_ROWS, sl] = np.array((f, sync, opt, gather, fixed, z, transient, step))[:, None]
-            arr[_ARRAY_ROWS, sl] = (b[keep], act[keep], replay[keep], keep)
-        arr = arr[:, :at].copy()  # a slice would keep the whole preallocated block alive in the cache
-        menu = dict(zip(("f", "b", "sync", "opt", "gather", "fixed", "act", "replay", "zero", "combo", "transient",
-                         "step"), arr))
-        menu["combo"] = menu["combo"].astype(int)
-        menu["cb"] = cb
-        menu["c"] = cfg.micro_batches * (menu["f"] + menu["b"]) + menu["sync"] + menu["opt"] + menu["gather"]
-        self.ctx._menus.put(key, menu, arr.nbytes + cb.nbytes + menu["combo"].nbytes + menu["c"].nbytes)
+            scalars.append((f, sync, opt, gather, fixed, z, transient, step))
+        if all(keep is None for _, keep in pieces):  # the common case: the same options at every level
+            n, nz = len(plain), len(pieces)
+            keep = np.broadcast_to(plain, (nz, n)).ravel()
+            b = (base[plain][None, :] + np.array([sh for sh, _ in pieces])[:, None]).ravel()
+            sc = np.repeat(np.array(scalars).T, n, axis=1)
+        else:
+            keeps = [plain if kp is None else kp for _, kp in pieces]
+            keep = np.concatenate(keeps)
+            b = np.concatenate([base[plain] + x if kp is None else x[kp] for x, kp in pieces])
+            sc = np.repeat(np.array(scalars).T, [len(x) for x in keeps], axis=1)
+        menu = dict(zip(("f", "sync", "opt", "gather", "fixed", "zero", "transient", "step"), sc))
+        menu.update(b=b, act=act[keep], replay=replay[keep], combo=keep, held_iw=held_iw[keep], cb=cb)
+        menu["c"] = cfg.micro_batches * (menu["f"] + b) + menu["sync"] + menu["opt"] + menu["gather"]
+        nbytes = sc.nbytes + sum(menu[x].nbytes for x in ("b", "act", "replay", "combo", "held_iw", "c"))
+        self.ctx._menus.put(key, menu, nbytes)
         local[(k, emb, head)] = menu
         return menu
 
@@ -241,74 +283,6 @@ class StageCosts:
 
     def flags(self, s):
         return s == 0, s == self.S - 1
-
-    # -------------------------------------------------------------- bounds
-    def config_bound(self):
-        """(lower bound on step time, lower bound on per-device memory) for any inner choice."""
-        ctx, cfg, lc = self.ctx, self.cfg, self.lc
-        w = lambda x: x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
-        wtot = w(lc["emb"]) + w(lc["head"]) + self.L * min(w(lc["blk"][r]) for r in self.modes)
-        head = tied_head(ctx.model, lc["head"], cfg.tp) if ctx.model.tie_embeddings else lc["head"]  # at least
-        P = lc["emb"].params + head.params + self.L * lc["blk"]["none"].params
-        dp, mbs, p = cfg.dp, cfg.micro_batches, cfg.pp
-        # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
-        # parameters (alpha + beta P), and for v = 1 each rank has one stage.
-        ag, ar, rs, _ = ctx.collectives(cfg)
-        segmented = not all(x.affine for op in ctx.cluster.collectives.values() for x in op.values())
-        ab = lambda f: (0.0, 0.0) if segmented else (f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0))
-        alphas, betas = [], []
-        for z in self.zeros:
-            a_s, b_s = ab(ar if z == 0 else rs) if dp > 1 else (0.0, 0.0)
-            a_g, b_g = ab(ag) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
-            alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
-            betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
-                         + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
-        lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
-        if cfg.v == 1 and p > 1:
-            lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
-        if self.share:  # the whole model's work on shared compute (evaluate)
-            lb = max(lb, mbs * wtot / self.share)
-        state = min(sum(self._state(z)) for z in self.zeros)
-        return lb, P * state / p + self.act_grad
-
-    def balance_bound(self, bound=math.inf):
-        """A lower bound on m x (the busiest rank's work per micro-batch) that respects memory, or inf
-        when no partition can fit. Relaxation: blocks may be split fractionally over ranks and
-        take any recompute mode; rank r holds at least kappa_r micro-batches of its activations and
-        at least the cheapest ZeRO state of its parameters. For a per-rank work budget U, rank r can
-        take at most max n0 + n1 + n2 s.t. sum n_i t_i <= U, sum n_i (s + kappa_r a_i) <= M (an LP
-        whose optimum uses at most two modes); bisect on the smallest U that places all L blocks."""
-        ctx, cfg, lc = self.ctx, self.cfg, self.lc
-        _, _, kappa = ctx.in_flight(cfg)
-        blk = [lc["blk"][r] for r in self.modes]
-        t = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
-        a = np.array([x.activation_bytes for x in blk])
-        mbs = cfg.micro_batches
-        state = min(sum(self._state(z)) for z in self.zeros) * blk[0].params
-        M = ctx.lim_eff * (1 + TOL) - self.act_grad
-        mem = state + kappa[:, None] * a[None, :]  # (ranks, modes)
-        pairs = [(i, j) for i in range(len(t)) for j in range(i + 1, len(t))]
-
-        def cap(U):
-            best = np.max(np.minimum(U / t[None, :], M / mem), axis=1)
-            for i, j in pairs:  # both constraints tight: solve for n_i, n_j
-                det = t[i] * mem[:, j] - t[j] * mem[:, i]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ni = (U * mem[:, j] - t[j] * M) / det
-                    nj = (t[i] * M - U * mem[:, i]) / det
-                ok = (det != 0) & (ni >= 0) & (nj >= 0)
-                best = np.where(ok, np.maximum(best, ni + nj), best)
-            return np.maximum(best, 0.0).sum()
-
-        if M <= 0 or cap(t.max() * self.L * 2) < self.L * (1 - 1e-9):
-            return math.inf
-        if math.isfinite(bound) and cap(bound / mbs) < self.L * (1 - 1e-9):
-            return bound  # cannot beat the incumbent: that is all the caller needs to know
-        lo, hi = 0.0, t.max() * self.L
-        for _ in range(12):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if cap(mid) >= self.L * (1 - 1e-9) else (mid, hi)
-        return mbs * lo
 
     def evaluate(self, assign):
         """Exact LB and memory check of an assignment [(k, menu, option index) per stage]."""
@@ -340,18 +314,15 @@ class StageCosts:
             mine = [assign[s] for s in self.stages_of[r]]
             recv = sum(self.recv[s] for s in self.stages_of[r])
             fixed = sum(mn["fixed"][i] for _, mn, i in mine) + recv
-            acts = np.array([mn["act"][i] for _, mn, i in mine])
-            peak = float((self.flight[r] @ acts).max())
+            acts = [mn["act"][i] for _, mn, i in mine]
+            if self.flight[r].shape[1] > len(acts):  # v > 1: and what each chunk holds from I to W
+                acts += [mn["held_iw"][i] for _, mn, i in mine]
+            peak = float((self.flight[r] @ np.array(acts)).max())
             rep = max(mn["replay"][i] + mn["transient"][i] for _, mn, i in mine)  # one stage computes at a time
             step = sum(mn["step"][i] for _, mn, i in mine) + recv
             if max(fixed + peak + rep + self.act_grad, step) > self.ctx.lim_eff * (1 + TOL):
                 return None
         return max(lb1, lb2)
-
-
-# the rows of a menu's array (StageCosts.menu): one value per ZeRO level, or one per option
-_SCALAR_ROWS = np.array([0, 2, 3, 4, 5, 8, 10, 11])  # f, sync, opt, gather, fixed, zero, transient, step
-_ARRAY_ROWS = np.array([1, 6, 7, 9])  # b, act, replay, combo
 
 
 def _pareto(b, act, replay):
@@ -361,14 +332,14 @@ def _pareto(b, act, replay):
         return np.zeros(1, dtype=int)
     order = np.lexsort((act, b, replay))  # by class, then b, then act
     r, a = replay[order], act[order]
-    cuts = np.flatnonzero(r[1:] != r[:-1]) + 1
-    keep = []
-    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
-        prev = np.empty(hi - lo)
-        prev[0] = np.inf
-        np.minimum.accumulate(a[lo:hi - 1], out=prev[1:])
-        keep.append(order[lo:hi][a[lo:hi] < prev])
-    return np.sort(np.concatenate(keep))
+    # one running minimum over all classes: each earlier class lifted above every later one
+    cls = np.concatenate(([0], np.cumsum(r[1:] != r[:-1])))
+    span = float(a.max() - a.min()) + 1.0
+    lifted = a + (cls[-1] - cls) * span
+    prev = np.empty(n)
+    prev[0] = np.inf
+    np.minimum.accumulate(lifted[:-1], out=prev[1:])
+    return np.sort(order[lifted < prev])
 
 
 def _rank(mesh, pp, dp, tp):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from planner.model import ConfigError, ModelConfig
+from runtime.recompute import replay_once
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +114,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
         self.full_recompute = False  # checkpoint the whole block: keep only its input for backward
+        self.replay_once = False  # recompute for a split backward (runtime.recompute)
 
     def _forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -120,6 +122,8 @@ class Block(nn.Module):
 
     def forward(self, x, cos=None, sin=None):
         if self.full_recompute and torch.is_grad_enabled():
+            if self.replay_once:
+                return replay_once(self._forward, x, cos, sin)
             return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
         return self._forward(x, cos, sin)
 

@@ -158,13 +158,17 @@ def retie(chunk: Transformer) -> None:
             head.weight = emb.weight
 
 
-def apply_recompute(chunk: Transformer, modes: dict[int, str]) -> None:
-    """`modes` maps a layer index to none | selective | full (the plan stage's recompute list)."""
+def apply_recompute(chunk: Transformer, modes: dict[int, str], split_backward: bool = False) -> None:
+    """`modes` maps a layer index to none | selective | full (the plan stage's recompute list).
+    Under a split backward (zbv's I and W) a fully recomputed block replays once for both
+    (runtime.recompute); a selective one's attention core is read by I alone, which torch's
+    checkpoint replays once and frees at once."""
     for name, layer in chunk.layers.items():
         mode = modes.get(int(name), "none")
         if isinstance(layer, Block):
             layer.full_recompute = mode == "full"
             layer.attention.selective_recompute = mode == "selective"
+            layer.replay_once = split_backward
         elif mode != "none":
             raise ConfigError(f"recompute: layer {name} is not a block; only blocks are recomputed")
 

@@ -47,14 +47,6 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         if value != runs:
             raise ConfigError(f"{name}: {json.dumps(value)} describes {who} for prediction; the runtime runs "
                               f"{json.dumps(runs)}, set it to that to run")
-    if plan.pipeline.schedule == "zbv" and plan.mesh.pp > 1:
-        for i, st in enumerate(plan.pipeline.stages):
-            if any(r != "none" for r in st.recompute):
-                # torch's checkpoint replays a block once per backward call, and ZB-V's I and W are two
-                # (pytorch/pytorch#166536; its schedules do not group them): twice what the plan prices
-                raise ConfigError(f"pipeline.stages[{i}].recompute: {st.recompute} under zbv, where torch's "
-                                  "checkpointing replays a recomputed block in both halves of the split backward; "
-                                  "use recompute none with zbv, or another schedule")
     if plan.model.tie_embeddings and len(plan.pipeline.stages) > 1:
         raise ConfigError("model.tie_embeddings: the embedding and the head are in different pipeline stages; the "
                           "runtime ties them inside one stage only (untie them or use pp=1)")

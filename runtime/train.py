@@ -93,7 +93,8 @@ class Trainer:
             chunk = Transformer(cfg, st.start, st.end)
         if m.tp > 1:
             apply_tp(chunk, self.mesh["tp"], st.sequence_parallel)
-        apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)})
+        apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)},
+                        split_backward=self.plan.pipeline.schedule == "zbv" and m.pp > 1)
         apply_data_parallel(chunk, self.mesh["dp"], st.zero, AUTOCAST_DTYPES.get(self.dtype))
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies

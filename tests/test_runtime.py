@@ -107,6 +107,9 @@ def plans(tmp_path_factory):
     uneven = [Stage(layers=[0, 2], recompute=["none", "none"]), Stage(layers=[2, 6], recompute=["none"] * 4)]
     mixed = [Stage(layers=[0, 2], zero=0, recompute=["none", "full"]),
              Stage(layers=[2, 6], zero=3, recompute=["selective", "none", "full", "none"])]
+    # zbv's four stages, recomputed per layer (runtime.recompute: a full block replays once for I and W)
+    zbv_recompute = [Stage(layers=[0, 2], recompute=["none", "full"]), Stage(layers=[2, 3], recompute=["selective"]),
+                     Stage(layers=[3, 4], recompute=["full"]), Stage(layers=[4, 6], recompute=["full", "none"])]
     return {
         "ref": write_plan(d, "ref"),
         "ref-gpt": write_plan(d, "ref-gpt", "tiny-gpt"),
@@ -123,6 +126,7 @@ def plans(tmp_path_factory):
                                       virtual_stages=2),
         # zero bubble (ZB-V): two stages a rank in a V, split backward
         "pp2-zbv": write_plan(d, "pp2-zbv", world=2, pp=2, schedule="zbv"),
+        "pp2-zbv-recompute": write_plan(d, "pp2-zbv-recompute", world=2, pp=2, schedule="zbv", stages=zbv_recompute),
         # world 8: pp2 x dp2 x tp2, plain data parallel (ZeRO 0) over tensor-parallel DTensors
         "pp2-dp2-tp2": write_plan(d, "pp2-dp2-tp2", world=8, pp=2, tp=2, schedule="1f1b", zero=0,
                                   micro_batch=2),
@@ -130,7 +134,7 @@ def plans(tmp_path_factory):
         "pp2-dp2-tp2-mixed": write_plan(d, "pp2-dp2-tp2-mixed", world=8, pp=2, tp=2, schedule="1f1b",
                                         micro_batch=2, stages=mixed),
         "pp2-dp2-tp2-zbv": write_plan(d, "pp2-dp2-tp2-zbv", world=8, pp=2, tp=2, schedule="zbv", zero=3,
-                                      micro_batch=2),
+                                      recompute="full", micro_batch=2),
     }
 
 
@@ -152,7 +156,7 @@ def _reference_of(name: str) -> str:
 
 def test_every_two_rank_plan_trains_like_one_process(plans, reference, tmp_path):
     names = ["zero3-dp2-full", "zero2-dp2", "tp2-sp-selective", "gpt-tied-tp2", "gpt-pp2-gpipe", "pp2-1f1b-uneven",
-             "pp2-interleaved", "pp2-zbv"]
+             "pp2-interleaved", "pp2-zbv", "pp2-zbv-recompute"]
     assert_ok(train(2, "--plan", *[plans[n] for n in names], "--steps", STEPS, "--out", tmp_path))
     for n in names:
         assert_same_losses(losses_of(tmp_path / f"{n}.json"), reference[_reference_of(n)], n)
@@ -217,7 +221,8 @@ def test_zero3_under_a_pipeline_keeps_its_parameters_sharded(tmp_path):
     eight blocks per stage holds what the planner counts (within 3% of CPU heap noise).
     Under ZB-V's split backward the runtime gathers a ZeRO-3 chunk for I and again for W, and
     reduce-scatters after W, whose gradients autograd's hooks (fired at I) never see: ZeRO 2 and
-    3 plans train like one process and hold what the planner counts for them. Priced for gloo,
+    3 plans train like one process and hold what the planner counts for them, with full
+    recomputation too (each block replayed in I and kept to W, runtime.recompute). Priced for gloo,
     whose reduce-scatter takes a temporary as large as its input: without it the 1F1B ZeRO-2
     plan, which peaks in a reduce-scatter, measured 1.03 of the prediction."""
     from planner.cluster import load_cluster
@@ -228,6 +233,8 @@ def test_zero3_under_a_pipeline_keeps_its_parameters_sharded(tmp_path):
                         micro_batch=1) for z in (2, 3)]
     paths += [write_plan(tmp_path, f"pp2-dp2-zbv-zero{z}", deep, world=4, pp=2, dp=2, zero=z, schedule="zbv",
                          micro_batch=1) for z in (2, 3)]
+    paths += [write_plan(tmp_path, "pp2-dp2-zbv-zero3-full", deep, world=4, pp=2, dp=2, zero=3, schedule="zbv",
+                         recompute="full", micro_batch=1)]
     write_plan(tmp_path, "one", deep, micro_batch=2)  # the same global batch on one process
     assert_ok(train(1, "--plan", tmp_path / "one.json", "--steps", 2, "--out", tmp_path / "one.run.json"))
     (tmp_path / "runs").mkdir()
