@@ -10,7 +10,7 @@
    once; each plan is priced with the profiles measured at its own world size (the 1-process
    plans with the 2-process cluster profile, whose collectives they never use).
 2. Plans on 1, 2 and 4 processes (data parallel, ZeRO-1/3, TP, TP+SP, GPipe / 1F1B / interleaved /
-   ZB-V pipelines (one with ZeRO-3), recomputation, mixes), each predicted by planner.cost.estimate with the measured
+   ZB-V pipelines (one with ZeRO-3, one recomputing every block), recomputation, mixes), each predicted by planner.cost.estimate with the measured
    cluster and model profiles, then trained with runtime.train under torchrun (one launch per
    model and world size, several plans per launch). On 2 and 4 processes the search's own pick
    on the measured profiles (planner.search.search_profiled) joins the plans of its launch, and
@@ -63,6 +63,7 @@ PLANS = {
     "w2-pp2-1f1b": ("tiny", 2, dict(micro_batch=1, pp=2, schedule="1f1b")),
     "w2-pp2-interleaved": ("tiny", 2, dict(micro_batch=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2)),
     "w2-pp2-zbv": ("tiny", 2, dict(micro_batch=1, pp=2, schedule="zbv")),
+    "w2-pp2-zbv-full": ("tiny", 2, dict(micro_batch=1, pp=2, schedule="zbv", recompute="full")),
     "w4-dp4": ("tiny", 4, dict(micro_batch=2, zero=0)),
     "w4-zero3-full": ("tiny", 4, dict(micro_batch=2, zero=3, recompute="full")),
     "w4-tp2-dp2": ("tiny", 4, dict(micro_batch=4, tp=2, zero=1)),
