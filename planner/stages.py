@@ -125,9 +125,10 @@ class StageCosts(Bounds):
     # -------------------------------------------------------------- menus
     def combos(self, k):
         """(n_none, n_selective, n_full) block counts a stage of k blocks may use, as an array. Under
-        a split backward (zbv) one mode a stage: there a full block's replay is held from I to W,
-        so that activations plus what is held then do not depend on how many are full, no count
-        dominates another and per-layer counts would make k^2 / 2 options a stage where one mode makes 3."""
+        a split backward (zbv) one mode a stage: a full block's replay is then held from I to W, so
+        a block's activations plus what it holds then are the same recomputed or not, no count of
+        full blocks dominates another, and per-layer counts would make k^2 / 2 options a stage
+        where one mode a stage makes 3."""
         g = self.ctx.space.recompute_granularity if not self.cfg.recompute else "plan"
         if g == "layer" and self.cfg.schedule == "zbv" and self.cfg.pp > 1:
             g = "stage"
