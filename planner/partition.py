@@ -126,14 +126,18 @@ class Inner(StageCosts):
         """(menu, option) of k blocks all in `mode` at ZeRO level z, or (when that combination was
         dropped as dominated) the fastest option at z holding no more activations and replay."""
         mn = self.menu(k, emb, head)
-        want = np.array([k if RECOMPUTE_MODES[j] == mode else 0 for j in range(3)])
-        combo = np.nonzero((mn["cb"] == want).all(axis=1))[0]
-        if not len(combo):
-            return mn, None
-        _, _, _, blk_act, blk_rep, _ = self.blocks(k)
-        act = blk_act[combo[0]] + (mn["act"][0] - blk_act[mn["combo"][0]])  # + embedding / head
-        hit = np.nonzero((mn["zero"] == z) & (mn["act"] <= act * (1 + TOL)) & (mn["replay"] <= blk_rep[combo[0]]))[0]
-        return mn, (int(hit[np.argmin(mn["b"][hit])]) if len(hit) else None)
+        memo = mn.setdefault("uniform", {})  # the menu's key fixes everything but (z, mode)
+        if (z, mode) not in memo:
+            want = np.array([k if RECOMPUTE_MODES[j] == mode else 0 for j in range(3)])
+            combo = np.nonzero((mn["cb"] == want).all(axis=1))[0]
+            hit = []
+            if len(combo):
+                _, _, _, blk_act, blk_rep, _ = self.blocks(k)
+                act = blk_act[combo[0]] + (mn["act"][0] - blk_act[mn["combo"][0]])  # + embedding / head
+                hit = np.nonzero((mn["zero"] == z) & (mn["act"] <= act * (1 + TOL))
+                                 & (mn["replay"] <= blk_rep[combo[0]]))[0]
+            memo[(z, mode)] = int(hit[np.argmin(mn["b"][hit])]) if len(hit) else None
+        return mn, memo[(z, mode)]
 
     def _enumerate(self, opts, fixed_sizes=None):
         out = []
