@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from planner.cost import tied_head
+from planner.memory import held_i_to_w_bytes
 from planner.schedule import rank_order
 
 TOL = 1e-9
@@ -96,9 +97,9 @@ class Bounds:
         blk = [lc["blk"][r] for r in self.modes]
         t = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
-        # held from I to W per block (menu's held_iw): its weight gradients' inputs, a full one's replay
-        h = np.array([ctx.e * cfg.micro_batch * ctx.train.seq_len * ctx.model.weight_grad_inputs_per_token(1, cfg.tp)
-                      + (x.replay_bytes if r == "full" else 0.0) for r, x in zip(self.modes, blk)])
+        tokens = cfg.micro_batch * ctx.train.seq_len  # held from I to W per block (menu's held_iw)
+        h = np.array([held_i_to_w_bytes(ctx.model, 1, cfg.tp, tokens, ctx.e, x.replay_bytes, r)
+                      for r, x in zip(self.modes, blk)])
         mbs = cfg.micro_batches
         state = min(sum(self._state(z)) for z in self.zeros) * blk[0].params
         M = ctx.lim_eff * (1 + TOL) - self.act_grad - self._recv_by_rank()  # per rank

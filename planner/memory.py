@@ -172,6 +172,15 @@ def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
     return params * weight / shard, params * gb / shard, params * ADAM_STATE_BYTES / shard, params * temp / shard
 
 
+def held_i_to_w_bytes(model: ModelConfig, index: int, tp: int, tokens: float, e: float, replay_bytes: float,
+                      recompute: str) -> float:
+    """What layer `index` holds from its I to its W under a split backward (zbv): what its weight
+    gradients start from (ModelConfig.weight_grad_inputs_per_token, for `tokens` tokens of e bytes)
+    and, fully recomputed, its replay (runtime.recompute keeps it to W; a selective block's
+    replayed attention core is read by I alone, a transient)."""
+    return e * tokens * model.weight_grad_inputs_per_token(index, tp) + (replay_bytes if recompute == "full" else 0.0)
+
+
 def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[dict]:
     """Bytes each pipeline rank holds at its peak, by kind (planner.cost's memory model): the
     ZeRO paper's parameters, gradients and optimizer state by ZeRO level; the activations of the
@@ -194,15 +203,10 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         zero = {i: 0.0 for i in range(len(pipe.stages))}
         split = None
         if pipe.schedule == "zbv" and pp > 1:
-            # held from each I to its W: what the weight gradients start from, and the activations a
-            # fully recomputed block replayed in the I (the weight gradients need their inputs;
-            # runtime.recompute keeps them to W). A selective block's replayed attention core is
-            # read by I alone (its replay is transient)
-            split = {**zero, **{i: e * t.micro_batch * t.seq_len
-                                * sum(m.weight_grad_inputs_per_token(j, tp) for j in range(pipe.stages[i].start,
-                                                                                           pipe.stages[i].end))
-                                + sum(c.replay_bytes for c, r in zip(stage_info[i]["costs"], pipe.stages[i].recompute)
-                                      if r == "full")
+            tokens = t.micro_batch * t.seq_len  # held from each I to its W
+            split = {**zero, **{i: sum(held_i_to_w_bytes(m, j, tp, tokens, e, c.replay_bytes, r)
+                                       for j, c, r in zip(range(pipe.stages[i].start, pipe.stages[i].end),
+                                                          stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}
         acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split)
         p_bytes = g_bytes = o_bytes = other = held_other = 0.0

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from planner.cost import tied_head
-from planner.memory import accumulation_bytes, fsdp_extra_parts, step_bytes, tied_matrix_grad_bytes, zero_state_bytes
+from planner.memory import (accumulation_bytes, fsdp_extra_parts, held_i_to_w_bytes, step_bytes,
+                            tied_matrix_grad_bytes, zero_state_bytes)
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.plan import stage_rank
@@ -198,11 +199,13 @@ class StageCosts(Bounds):
         layers = [1] * (k > 0) + [0] * emb + [ctx.model.layers + 1] * head  # one of each kind the stage holds
         accum = accumulation_bytes(ctx.model, layers, cfg.tp, dp, cfg.micro_batches, ctx.gb)
         comp_w = k * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
-        # held from each I to its W under a split backward (planner.memory.memory_by_rank): what the
-        # weight gradients start from, and the fully recomputed blocks' replay
-        wgi = lambda j: ctx.model.weight_grad_inputs_per_token(j, cfg.tp)  # noqa: E731
-        held_iw = (ctx.e * cfg.micro_batch * ctx.train.seq_len * (k * wgi(1) + emb * wgi(0) + head * wgi(self.L + 1))
-                   + cb[:, 2] * blk[2].replay_bytes) if split else np.zeros(len(cb))
+        # held from each I to its W under a split backward (planner.memory.held_i_to_w_bytes) per
+        # combination: every layer's weight-gradient inputs, and each fully recomputed block's replay
+        held_iw = np.zeros(len(cb))
+        if split:
+            tokens = cfg.micro_batch * ctx.train.seq_len
+            held = lambda j: held_i_to_w_bytes(ctx.model, j, cfg.tp, tokens, ctx.e, 0.0, "none")  # noqa: E731
+            held_iw += k * held(1) + emb * held(0) + head * held(self.L + 1) + cb[:, 2] * blk[2].replay_bytes
         coll = (self.dp_shape, P)  # the same for every micro-batch size and sequence-parallel setting
         if coll not in ctx._coll_times:
             ctx._coll_times[coll] = ((self.ag(P * e), self.ar(P * ctx.gb), self.rs(P * ctx.gb)) if dp > 1
