@@ -88,10 +88,11 @@ class Bounds:
         """A lower bound on m x (the busiest rank's work per micro-batch) that respects memory, or inf
         when no partition can fit. Relaxation: blocks may be split fractionally over ranks and
         take any recompute mode; rank r holds at least kappa_r micro-batches of its activations and
-        at least the cheapest ZeRO state of its parameters (and, under zbv, kappa_iw_r micro-batches
-        of what it holds from I to W), beside its receive buffers. For a per-rank work budget U,
-        rank r can take at most max n0 + n1 + n2 s.t. sum n_i t_i <= U, sum n_i (s + kappa_r a_i) <= M_r (an LP
-        whose optimum uses at most two modes); bisect on the smallest U that places all L blocks."""
+        at least the cheapest ZeRO state of its parameters (and, under zbv, kappa[e, r, 1]
+        micro-batches of what it holds from I to W), beside its receive buffers. For a per-rank
+        work budget U, rank r can take at most max n0 + n1 + n2 s.t. sum n_i t_i <= U,
+        sum n_i (s + kappa_r a_i) <= M_r (an LP whose optimum uses at most two modes); the smallest
+        U that places all L blocks is found on three successive grids of 16."""
         ctx, cfg, lc = self.ctx, self.cfg, self.lc
         _, _, kappa = ctx.in_flight(cfg)
         blk = [lc["blk"][r] for r in self.modes]

@@ -44,7 +44,7 @@ from planner.cluster import ClusterSpec
 from planner.comm import ASYNC_TP_HIDDEN, clip_norm_comm, runtime_sync, tp_comm
 from planner.memory import memory_by_rank
 from planner.model import ModelConfig
-from planner.plan import DTYPES, Plan, Stage
+from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_bytes
 from planner.precision import GRAD_ACCUMULATION_BYTES, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes
 from planner.schedule import Sharing, StageTimes, simulate
@@ -250,7 +250,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         params = sum(c.params for c in costs)
         grad_total = params * gb
         zero3_f = zero3_b = zero3_w = 0.0
-        split = pipe.schedule == "zbv" and pp > 1  # its backward is two operations, I and W
+        split = split_backward(pipe.schedule, pp)  # its backward is two operations, I and W
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
         ag = cluster.collective_time("all_gather", params * e, dp_ranks) if (dp > 1 and st.zero == 3) else 0.0
         if ag:  # gather parameters before forward and again before backward
@@ -340,7 +340,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
     zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
-    pipe_overhead = (3 if pipe.schedule == "zbv" and pp > 1 else 2) * pipe_op * mbs * len(mine)  # F, B or F, I, W
+    pipe_overhead = (3 if split_backward(pipe.schedule, pp) else 2) * pipe_op * mbs * len(mine)  # F, B or F, I, W
     copies = sum(si["fsdp_copy_s"] for si in mine)
     busy = compute + tp_time + zero3 + copies + pipe_overhead
     if how["sharing"] is not None and busy > 0:  # operations ran at the shared speed: scale to the played time

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from planner.model import ModelConfig
-from planner.plan import DTYPES, Plan
+from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import ADAM_STATE_BYTES, model_state_bytes, optimizer_temp_bytes, sharded_param_bytes
 from planner.schedule import peak_in_flight
 
@@ -196,13 +196,14 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     e = DTYPES[t.dtype]
     pb, gb, ob = model_state_bytes(t)
     spb = sharded_param_bytes(t)
+    two = split_backward(pipe.schedule, pp)  # I and W apart (zbv)
     mem_by_rank = []
     for rr in range(pp):
         ids = plan.stages_of_rank(rr)
         weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
         zero = {i: 0.0 for i in range(len(pipe.stages))}
         split = None
-        if pipe.schedule == "zbv" and pp > 1:
+        if two:
             tokens = t.micro_batch * t.seq_len  # held from each I to its W
             split = {**zero, **{i: sum(held_i_to_w_bytes(m, j, tp, tokens, e, c.replay_bytes, r)
                                        for j, c, r in zip(range(pipe.stages[i].start, pipe.stages[i].end),
@@ -227,11 +228,11 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
-                                               pipe.schedule == "zbv" and pp > 1, rs_temp)
+                                               two, rs_temp)
             held_other += held
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)
-                                if not (split and r == "full")), default=0.0)
+                                if not (two and r == "full")), default=0.0)
             transient_bytes = max(transient_bytes, stage_replay + transient
                                   + accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb))
             if st.zero == 0 and dp > 1:

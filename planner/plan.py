@@ -33,6 +33,12 @@ FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 
 
+def split_backward(schedule: str, pp: int) -> bool:
+    """Whether a pipeline runs each backward as two operations, I (input gradients) and W (weight
+    gradients): zbv with a pipeline."""
+    return schedule == "zbv" and pp > 1
+
+
 def stage_rank(schedule: str, pp: int, stage_index: int) -> int:
     """Pipeline rank of model chunk `stage_index`: loop-style (chunk i on rank i % pp), or in a V
     under zbv (chunk i on rank 2 pp - 1 - i from the second half on)."""

@@ -24,7 +24,7 @@ from planner.memory import (accumulation_bytes, fsdp_extra_parts, held_i_to_w_by
                             tied_matrix_grad_bytes, zero_state_bytes)
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
-from planner.plan import stage_rank
+from planner.plan import split_backward, stage_rank
 from planner.bounds import TOL, Bounds
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 
@@ -71,6 +71,7 @@ class StageCosts(Bounds):
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
         self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
+        self.split = split_backward(cfg.schedule, cfg.pp)  # I and W apart (zbv)
         self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
         self.stages_of = [[] for _ in range(cfg.pp)]
         for s, r in enumerate(self.rank_of):
@@ -131,7 +132,7 @@ class StageCosts(Bounds):
         full blocks dominates another, and per-layer counts would make k^2 / 2 options a stage
         where one mode a stage makes 3."""
         g = self.ctx.space.recompute_granularity if not self.cfg.recompute else "plan"
-        if g == "layer" and self.cfg.schedule == "zbv" and self.cfg.pp > 1:
+        if g == "layer" and self.split:
             g = "stage"
         key = (k, self.modes, g)
         if key not in self.ctx._combos:
@@ -152,7 +153,7 @@ class StageCosts(Bounds):
         Under a split backward (zbv) a full block's replay is held from I to W (menu's held_iw), not
         a transient, and combinations are compared with those of as many full blocks."""
         cfg = self.cfg
-        split = cfg.schedule == "zbv" and cfg.pp > 1
+        split = self.split
         key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, self.modes,
                self.ctx.space.recompute_granularity if not cfg.recompute else "plan", k, split)
         if key not in self.ctx._blocks:
@@ -175,7 +176,7 @@ class StageCosts(Bounds):
         if (k, emb, head) in local:
             return local[(k, emb, head)]
         cfg = self.cfg
-        split = cfg.schedule == "zbv" and cfg.pp > 1  # a split backward prices ZeRO 2/3 apart (one combo)
+        split = self.split  # a split backward prices ZeRO 2/3 apart
         # what a menu depends on: the data-parallel group by its shape, not by the mesh order that made it
         key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
                self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head, split)

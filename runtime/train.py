@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.model import ConfigError
 from planner.args import OneLineParser
-from planner.plan import Plan
+from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.data import local_rows, make_source
 from runtime.loss import cross_entropy
@@ -94,7 +94,7 @@ class Trainer:
         if m.tp > 1:
             apply_tp(chunk, self.mesh["tp"], st.sequence_parallel)
         apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)},
-                        split_backward=self.plan.pipeline.schedule == "zbv" and m.pp > 1)
+                        split_backward=split_backward(self.plan.pipeline.schedule, m.pp))
         apply_data_parallel(chunk, self.mesh["dp"], st.zero, AUTOCAST_DTYPES.get(self.dtype))
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies
