@@ -18,10 +18,10 @@ TOL = 1e-9
 def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
     """Per pipeline rank of `schedule`: the micro-batch count vectors after each forward (and I)
     with v > 1, one entry per chunk of its micro-batches from F to B (W), then one per chunk of
-    those from I to W (none but under zbv); their maxima; and kappa[e, r] = (smallest of the first v
-    entries, smallest of the last v) at two moments e: where the first is largest and where the
-    second is (so that the peak activation memory is at least kappa[e, r, 0] x the rank's
-    activations of one micro-batch plus kappa[e, r, 1] x what it holds from I to W)."""
+    those from I to W (none but under zbv); their maxima; and moments[e, r] (E, pp, 2 v): rank r's
+    count vector at E <= 4 of those moments (where the smallest F-to-W count of a chunk is largest,
+    where the smallest I-to-W count is, where a chunk holds the most from F to W, and where all
+    chunks together hold the most), from which balance_bound bounds the peak activation memory."""
     flight, maxcnt = [], []
     for r in range(pp):
         if v == 1:
@@ -41,15 +41,15 @@ def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
             counts = np.cumsum(steps, axis=0)[(kind == "F") | (kind == "I")]
             flight.append(np.unique(counts, axis=0))
         maxcnt.append(flight[-1].max(axis=0))
-    # (smallest F-to-W count, smallest I-to-W count) per rank at two moments: where the first
-    # is largest, and (a split backward) where the second is
-    kappa = np.zeros((2, pp, 2))
+    width = flight[0].shape[1]
+    moments = np.zeros((4, pp, width))
     for r, f in enumerate(flight):
         lo_f = f[:, :v].min(axis=1)
         lo_w = f[:, v:].min(axis=1) if f.shape[1] > v else np.zeros(len(f))
-        for e, i in enumerate((np.lexsort((lo_w, lo_f))[-1], np.lexsort((lo_f, lo_w))[-1])):
-            kappa[e, r] = lo_f[i], lo_w[i]
-    return flight, maxcnt, kappa
+        for e, i in enumerate((np.lexsort((lo_w, lo_f))[-1], np.lexsort((lo_f, lo_w))[-1],
+                               int(np.argmax(f[:, :v].max(axis=1))), int(np.argmax(f.sum(axis=1))))):
+            moments[e, r] = f[i]
+    return flight, maxcnt, np.unique(moments, axis=0)  # without repeats (one moment for v = 1)
 
 
 class Bounds:
@@ -78,6 +78,10 @@ class Bounds:
         lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
+        elif cfg.v > 1:  # micro-batch 0 runs forward through every stage, and (not split) back
+            f = lambda x: x.fwd_compute_s + x.fwd_tp_s  # noqa: E731
+            lb = max(lb, f(lc["emb"]) + f(lc["head"]) + self.L * min(f(lc["blk"][r]) for r in self.modes)
+                     if self.split else wtot)
         if self.share:  # the whole model's work on shared compute (evaluate)
             lb = max(lb, mbs * wtot / self.share)
         state = min(sum(self._state(z)) for z in self.zeros)
@@ -85,58 +89,140 @@ class Bounds:
         return lb, P * state / p + self.act_grad + float(self._recv_by_rank().mean())
 
     def balance_bound(self, bound=math.inf):
-        """A lower bound on m x (the busiest rank's work per micro-batch) that respects memory, or inf
+        """A lower bound on max_r (m W_r + what rank r adds once a step), m micro-batches of per
+        micro-batch work W_r (the LB of planner.search's docstring), that respects memory, or inf
         when no partition can fit. Relaxation: blocks may be split fractionally over ranks and
-        take any recompute mode; rank r holds at least kappa_r micro-batches of its activations and
-        at least the cheapest ZeRO state of its parameters (and, under zbv, kappa[e, r, 1]
-        micro-batches of what it holds from I to W), beside its receive buffers. For a per-rank
-        work budget U, rank r can take at most max n0 + n1 + n2 s.t. sum n_i t_i <= U,
-        sum n_i (s + kappa_r a_i) <= M_r (an LP whose optimum uses at most two modes); the smallest
-        U that places all L blocks is found on three successive grids of 16."""
+        take any recompute mode. At each moment of in_flight_counts a rank's block is held at
+        least as long as the rank's least held chunk holds it (kappa), and every chunk but the
+        first and last stage has a block held as long as its own chunk holds it; a rank holds its
+        blocks' ZeRO state, the embedding or head where its chunks have them, and its receive
+        buffers. At ZeRO level z a block costs per micro-batch at least its compute and TP time
+        t_i plus c_z, and at least g_z (_zero_terms: FSDP2's copies, the step's terms over the m
+        micro-batches, the ZeRO-3 gathers and ZeRO-2/3 reduce-scatters a block waits for). For a
+        per-rank work budget U, rank r can take at most max n0 + n1 + n2 s.t. sum n_i (t_i + c_z)
+        <= U - its ends' work, sum n_i (s_z + kappa_r a_i) <= what its memory leaves (an LP whose
+        optimum uses at most two modes), and at most (U - its ends') / g_z blocks; each rank at
+        its best level for v = 1 (one stage a rank), every term at its least over the levels for
+        v > 1 (a rank's chunks may differ). The smallest U that places all L blocks is searched
+        on a geometric grid, then two linear ones (tests/test_bounds.py checks it against every
+        assignment of small cases)."""
         ctx, cfg, lc = self.ctx, self.cfg, self.lc
-        _, _, kappa = ctx.in_flight(cfg)
+        p, v = cfg.pp, cfg.v
+        _, _, moments = ctx.in_flight(cfg)
+        F = moments[:, :, :v]  # (moments, ranks, chunks): micro-batches held from F to B (W)
+        W = moments[:, :, v:] if moments.shape[2] > v else np.zeros_like(F)  # from I to W
         blk = [lc["blk"][r] for r in self.modes]
-        t = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
+        t0 = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
         tokens = cfg.micro_batch * ctx.train.seq_len  # held from I to W per block (menu's held_iw)
         h = np.array([held_i_to_w_bytes(ctx.model, 1, cfg.tp, tokens, ctx.e, x.replay_bytes, r)
                       for r, x in zip(self.modes, blk)])
         mbs = cfg.micro_batches
-        state = min(sum(self._state(z)) for z in self.zeros) * blk[0].params
         M = ctx.lim_eff * (1 + TOL) - self.act_grad - self._recv_by_rank()  # per rank
-        # (moments, ranks, modes): each moment's memory is a constraint; a rank takes at most the
-        # least any of them allows
-        mem = state + kappa[:, :, :1] * a[None, None, :] + kappa[:, :, 1:] * h[None, None, :]
-        pairs = [(i, j) for i in range(len(t)) for j in range(i + 1, len(t))]
+        if (M <= 0).any():  # every rank holds those
+            return math.inf
+        tp_min = min(x.fwd_tp_s + x.bwd_tp_s for x in blk)
+        terms = self._zero_terms()
+        if v > 1:  # a rank's chunks may differ in ZeRO level: each term at its least
+            terms = [tuple(min(x[j] for x in terms) for j in range(3))]
+        # a block is held at least as long as the rank's least held chunk holds it (kappa); every
+        # chunk but the first and last stage has a block (k_range), held as long as its chunk
+        # holds it: n_first blocks a rank must take, and at least what they hold beyond kappa
+        first = np.array([[0 < s < self.S - 1 for s in self.stages_of[r]] for r in range(p)], dtype=float)
+        n_first = first.sum(axis=1)
+        kap_f, kap_w = F.min(axis=2), W.min(axis=2)  # (moments, ranks)
+        beyond = (F - kap_f[..., None])[..., None] * a + (W - kap_w[..., None])[..., None] * h
+        first_mem = (first[None, :, :, None] * beyond).min(axis=3).sum(axis=2)
+        # the embedding and the head, on the ranks of the first and last stage: their work, and
+        # their ZeRO state, activations and what they hold from I to W, beside the blocks
+        end_t, end_p, end_tp, end_mem = np.zeros(p), np.zeros(p), np.zeros(p), first_mem
+        head = tied_head(ctx.model, lc["head"], cfg.tp) if ctx.model.tie_embeddings else lc["head"]  # at least
+        for x, s, j in ((lc["emb"], 0, 0), (head, self.S - 1, self.L + 1)):
+            r, c = self.rank_of[s], self.stages_of[self.rank_of[s]].index(s)
+            end_t[r] += x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
+            end_tp[r] += x.fwd_tp_s + x.bwd_tp_s
+            end_p[r] += x.params
+            held = held_i_to_w_bytes(ctx.model, j, cfg.tp, tokens, ctx.e, 0.0, "none") if self.split else 0.0
+            end_mem[:, r] += F[:, r, c] * x.activation_bytes + W[:, r, c] * held
+        end_mem[:, self.rank_of[-1]] += self.head_logits
+        pairs = [(i, j) for i in range(len(t0)) for j in range(i + 1, len(t0))]
+        levels = []
+        for c, g, state in terms:
+            t, gb = t0 + c * blk[0].params, (g + c) * blk[0].params + tp_min
+            # (moments, ranks, modes): each moment's memory is a constraint; a rank takes at most
+            # the least any of them allows
+            mem = state * blk[0].params + kap_f[..., None] * a + kap_w[..., None] * h
+            room = M[None, :] - state * end_p[None, :] - end_mem  # (moments, ranks)
+            levels.append((t, gb, mem, end_t + c * end_p, end_tp + (g + c) * end_p, room))
+        if not np.any([(lv[5] >= 0).all(axis=0) for lv in levels], axis=0).all():
+            return math.inf  # a rank cannot hold its embedding, head or its chunks' first blocks
 
         def cap(U):
             """Blocks all ranks can take within each work budget of the array U."""
             U = np.asarray(U, dtype=float)[:, None, None]  # (budgets, moments, ranks)
-            best = np.max(np.minimum(U[..., None] / t, M[None, None, :, None] / mem), axis=3)
-            for i, j in pairs:  # both constraints tight: solve for n_i, n_j
-                det = t[i] * mem[:, :, j] - t[j] * mem[:, :, i]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ni = (U * mem[:, :, j] - t[j] * M) / det
-                    nj = (t[i] * M - U * mem[:, :, i]) / det
-                ok = (det != 0) & (ni >= 0) & (nj >= 0)
-                best = np.where(ok, np.maximum(best, ni + nj), best)
-            return np.maximum(best, 0.0).min(axis=1).sum(axis=1)
+            most = None
+            for t, gb, mem, off_t, off_g, room in levels:
+                Ut = U - off_t
+                best = np.max(np.minimum(Ut[..., None] / t, room[None, :, :, None] / mem), axis=3)
+                for i, j in pairs:  # both constraints tight: solve for n_i, n_j
+                    det = t[i] * mem[:, :, j] - t[j] * mem[:, :, i]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        ni = (Ut * mem[:, :, j] - t[j] * room) / det
+                        nj = (t[i] * room - Ut * mem[:, :, i]) / det
+                    ok = (det != 0) & (ni >= 0) & (nj >= 0)
+                    best = np.where(ok, np.maximum(best, ni + nj), best)
+                best = np.maximum(best, 0.0).min(axis=1)  # (budgets, ranks)
+                if gb > 0:
+                    best = np.minimum(best, (U[:, 0] - off_g) / gb)
+                best = np.where(best >= n_first * (1 - 1e-9), best, -np.inf)  # its chunks' first blocks
+                best = np.where((room >= 0).all(axis=0), best, -np.inf)  # this level cannot hold the ends
+                most = best if most is None else np.maximum(most, best)
+            return most.sum(axis=1)
 
         need = self.L * (1 - 1e-9)
-        probe = [t.max() * self.L * 2] + ([bound / mbs] if math.isfinite(bound) else [])
+        top = max(max(lv[0].max(), lv[1]) * self.L + max(lv[3].max(), lv[4].max()) for lv in levels)
+        probe = [top * 2] + ([bound / mbs] if math.isfinite(bound) else [])
         caps = cap(probe)
-        if (M <= 0).any() or caps[0] < need:  # every rank holds those
+        if caps[0] < need:
             return math.inf
         if len(caps) > 1 and caps[1] < need:
             return bound  # cannot beat the incumbent: that is all the caller needs to know
-        # the smallest budget that places all L blocks, to 1/16^3 of the range (largest infeasible)
-        lo, hi = 0.0, t.max() * self.L
-        for _ in range(3):
-            grid = lo + (hi - lo) * np.arange(1, 17) / 16
+        # the smallest budget that places all L blocks (the largest infeasible one found): it lies
+        # between the ranks' average least work and 2 top (feasible), searched on a geometric grid
+        # of 16, then two linear ones
+        least = min(lv[0].min() for lv in levels) * self.L + np.min([lv[3] for lv in levels], axis=0).sum()
+        lo, hi = max(least / p, top * 1e-6), 2 * top
+        for n in range(3):
+            grid = lo * (hi / lo) ** (np.arange(1, 17) / 16) if n == 0 else lo + (hi - lo) * np.arange(1, 17) / 16
             ok = np.flatnonzero(cap(grid) >= need)
-            if not len(ok):
-                lo = hi
-                break
             lo, hi = (grid[ok[0] - 1] if ok[0] else lo), grid[ok[0]]
         return mbs * lo
 
+    def _zero_terms(self):
+        """Per allowed ZeRO level and per parameter: (c, g, state) of
+        balance_bound: seconds per micro-batch every block adds (FSDP2's copies; the step's
+        optimizer, ZeRO-1/2 gather and, for v = 1, gradient sync, over m micro-batches; under zbv's
+        split backward the two ZeRO-3 gathers, exposed), the communication a block's forward and
+        backward wait for (the menus' max(compute, gather) and max(compute, what runs beside the
+        backward), planner.stages.menu), and the ZeRO state bytes. Collectives at their
+        latency-free slope (ClusterSpec.seconds_per_byte), a lower bound of their time."""
+        ctx, cfg, params = self.ctx, self.cfg, 1.0
+        dp, mbs, e = cfg.dp, cfg.micro_batches, ctx.e
+        shape = ctx.collectives(cfg)[3]
+        slope = (lambda op: ctx.cluster.seconds_per_byte(op, shape)) if dp > 1 else (lambda op: 0.0)  # noqa: E731
+        s_ag, s_ar, s_rs = slope("all_gather"), slope("all_reduce"), slope("reduce_scatter")
+        out = []
+        for z in self.zeros:
+            state, (copy_f, copy_b, copy_s), _ = self._per_param(z)
+            ag = s_ag * e * params if z == 3 else 0.0
+            sync = (s_ar if z == 0 else s_rs) * ctx.gb * params
+            beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
+            step = params / (dp if z >= 1 else 1) * ctx.osb / ctx.bw + copy_s * params
+            step += (s_ag * e * params if z in (1, 2) else 0.0) + (sync if cfg.v == 1 else 0.0)
+            c = (copy_f + copy_b) * params + step / mbs
+            if self.split and z >= 2 and dp > 1:  # planner.cost: I and W each gather, exposed
+                c += 2 * ag
+                out.append((c, 0.0, state * params))
+            else:
+                out.append((c, ag + beside, state * params))
+        return out

@@ -79,6 +79,15 @@ class AlphaBeta:
         return self.by_group_size.get(n, (self.alpha_s, self.bus_bandwidth_bytes_per_s))
 
 
+    def peak(self, n: int) -> tuple[float, float]:
+        """(the smallest alpha, the largest busbw) this tier has for a group of n at any message
+        size: `at` interpolates a measured curve between its points and holds its end values."""
+        pts = [self.at(n)] + [(a, bw) for _, a, bw in self.segments.get(n, ())]
+        if self.by_size and n not in self.by_group_size:
+            pts += [(0.0, bw) for _, bw in self.by_size]
+        return min(a for a, _ in pts), max(bw for _, bw in pts)
+
+
 def _busbw_at(curve: tuple, nbytes: float) -> float:
     """Bus bandwidth at `nbytes` from measured (bytes, busbw) points (module doc)."""
     s0, b0 = curve[0]
@@ -193,6 +202,25 @@ class ClusterSpec:
         # a ring through k members of a node and its NICs runs at the pace of its slower tier
         f = ring_factor(op, n)
         return max(inter_a + f * nbytes / (k * inter_bw), intra_a + f * nbytes / intra_bw)
+
+    def seconds_per_byte(self, op: str, shape: tuple[int, int, int]) -> float:
+        """A slope c with shaped_collective_time(op, x, shape) >= c x for every x > 0: the time at
+        each tier's largest bandwidth, without latency; 0 where a fitted latency is negative."""
+        n, nodes, k = shape
+        if n <= 1:
+            return 0.0
+        intra_a, intra_bw = self.collectives[op]["intra_node"].peak(n)
+        if nodes == 1:
+            return ring_factor(op, n) / intra_bw if intra_a >= 0 else 0.0
+        inter_a, inter_bw = self.collectives[op]["inter_node"].peak(n)
+        if min(intra_a, inter_a) < 0:
+            return 0.0
+        if op == "send_recv":
+            return 1.0 / inter_bw
+        if op == "all_to_all":
+            return (n - k) / n / inter_bw + (k - 1) / n / intra_bw
+        f = ring_factor(op, n)
+        return max(f / (k * inter_bw), f / intra_bw)
 
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
         return self.shaped_collective_time("send_recv", nbytes, self.group_shape((src, dst))) if src != dst else 0.0

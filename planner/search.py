@@ -13,13 +13,19 @@ with m micro-batches, W_r the per-micro-batch work of pipeline rank r (its stage
 backward, and its own sends when they block), f_s, b_s those of stage s, tail = optimizer +
 ZeRO-1/2 gather: rank r works serially, cannot start before micro-batch 0 has come through stages
 0..r-1, and its last backward still has to flow back through them before rank 0 can finish.
+With v > 1 chunks a rank (interleaved 1F1B), also LB >= sum_s (f_s + b_s): micro-batch 0 goes
+forward through every stage and back.
 
 Configurations wait in a priority queue keyed by a lower bound and are taken cheapest first:
 (1) the config bound: all layers at their cheapest, averaged over ranks, with the 1F1B fill
-Wtot / (1 - (1 - 1/m)^p) for v = 1; (2) on first pop, a memory-aware balance bound
-(planner.stages.StageCosts.balance_bound); (3) on the next pop the candidates are generated and priced with
-the full estimate in increasing LB order, until LB reaches the K-th best price found. The search
-stops when the queue's smallest key reaches the K-th best price. All three keys are valid lower
+Wtot / (1 - (1 - 1/m)^p) for v = 1 and micro-batch 0's way through every stage for v > 1; (2) on
+first pop, a memory-aware balance bound that also counts each block's data-parallel
+communication and copies, the embedding and head, and each chunk's first block
+(planner.bounds.Bounds.balance_bound); (3) on the next pop the candidates are generated and
+priced with the full estimate in increasing LB order, until LB reaches the K-th best price found.
+Until K plans are priced, the first partition of a large inner problem is priced when found, so
+that the bound on k (blocks a stage) has an incumbent to work with. The search stops when the
+queue's smallest key reaches the K-th best price. All three keys are valid lower
 bounds when the inner problem is enumerated (few layers and options: exact, which the tests check
 against brute force); for large inner problems the dynamic programme first yields the partition
 at the best bottleneck, whose LB is used as the key before the full threshold sweep (a heuristic:
@@ -307,6 +313,13 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
         if tightened == 1:  # the partition at the best bottleneck alone first; the full sweep if still promising
             cands = inner.candidates(kth(), quick=True)
             if not inner.exhaustive:
+                if cands and len(best) < top:  # no incumbent yet: price this partition, to have one
+                    _, assign = min(cands, key=lambda x: x[0])
+                    plan = inner.to_plan(assign, build)
+                    est = estimate(plan, cluster, memory_limit_bytes=limit)
+                    res.priced += 1
+                    if est.fits:
+                        best[cfg] = Found(plan, est, cfg)
                 heapq.heappush(heap, (max([lb] + [min((c[0] for c in cands), default=math.inf)]), n, 2, cfg))
                 continue
         else:

@@ -315,6 +315,8 @@ class StageCosts(Bounds):
             lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
         if self.share:  # every F and B of every stage, done by its tp x dp processes, at most that fast
             lb1 = max(lb1, mbs * sum(mn["f"][i] + mn["b"][i] for _, mn, i in assign) / self.share)
+        if self.cfg.v > 1 and not zbv:  # micro-batch 0's forward through every stage and backward back
+            lb1 = max(lb1, sum(mn["f"][i] + mn["b"][i] for _, mn, i in assign))
         for r in range(p):
             mine = [assign[s] for s in self.stages_of[r]]
             recv = sum(self.recv[s] for s in self.stages_of[r])

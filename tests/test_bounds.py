@@ -1,0 +1,88 @@
+"""The search's configuration bounds are lower bounds: never above the LB of any assignment the
+inner problem can choose (enumerated exhaustively on small cases), and infinite only where no
+assignment fits. The slope of a collective's time never overstates it."""
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+
+from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
+from planner.partition import Inner
+from planner.plan import Training
+from planner.search import Ctx, SearchSpace, _configs
+from test_search import GiB, shrunk
+
+SHAPES = [(2, 1, 2), (8, 1, 8), (16, 2, 8), (64, 8, 8), (24, 8, 3), (4, 4, 1)]
+SIZES = [1.0, 1e3, 1e5, 3e6, 1e8, 4e9, 1e12]
+
+
+def _check_slopes(cluster):
+    for op, shape, x in itertools.product(("all_gather", "all_reduce", "reduce_scatter", "send_recv", "all_to_all"),
+                                          SHAPES, SIZES):
+        n, nodes, _ = shape
+        if nodes > 1 and not cluster.nodes:
+            continue
+        slope = cluster.seconds_per_byte(op, shape)
+        assert slope >= 0
+        assert cluster.shaped_collective_time(op, x, shape) >= slope * x * (1 - 1e-12), (op, shape, x)
+
+
+def test_collective_slope_is_a_lower_bound_of_its_time():
+    for name in ("dgx-a100-80gb", "dgx-h100-80gb", "hgx-h200-141gb"):
+        cluster = load_cluster(name, nodes=8)
+        _check_slopes(cluster)
+        # an alpha-beta line's slope is its beta exactly
+        ab = cluster.collectives["send_recv"]["inter_node"]
+        assert cluster.seconds_per_byte("send_recv", (2, 2, 1)) == pytest.approx(1 / ab.bus_bandwidth_bytes_per_s)
+    # a measured profile: per-size segments, and the shipped busbw curve
+    d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
+    d["collectives"]["all_gather"]["intra_node"]["by_group_size"] = {"8": {
+        "alpha_s": 1e-5, "bus_bandwidth_bytes_per_s": 2e11,
+        "segments": [{"up_to_bytes": 1e6, "alpha_s": 2e-5, "bus_bandwidth_bytes_per_s": 5e10},
+                     {"up_to_bytes": None, "alpha_s": 1e-5, "bus_bandwidth_bytes_per_s": 2.4e11}]}}
+    measured = cluster_from_dict(d).with_nodes(8)
+    _check_slopes(measured)
+    assert measured.seconds_per_byte("all_gather", (8, 1, 8)) == pytest.approx(7 / 8 / 2.4e11)
+    # a latency below zero (profiles refuse one; the slope does not rely on that) gives no slope
+    tiers = dict(measured.collectives["reduce_scatter"])
+    tiers["intra_node"] = dataclasses.replace(tiers["intra_node"], alpha_s=-3e-5, by_size=())
+    measured.collectives["reduce_scatter"] = tiers
+    assert measured.seconds_per_byte("reduce_scatter", (8, 1, 8)) == 0.0
+
+
+CASES = [  # (layers, gpus, global batch, memory limit GiB, space): some configurations fit, some not
+    (4, 8, 8, 1.2, SearchSpace()),
+    (4, 8, 8, 1.6, SearchSpace()),
+    (6, 8, 16, 2.0, SearchSpace(schedules=("zbv", "interleaved-1f1b"))),
+    (5, 4, 8, 1.8, SearchSpace(schedules=("zbv", "1f1b"), zero=(0, 3))),
+    (6, 4, 8, 1.5, SearchSpace(schedules=("zbv",))),
+]
+
+
+@pytest.mark.parametrize("layers,gpus,gbs,limit,space", CASES)
+def test_configuration_bounds_are_below_every_assignment(layers, gpus, gbs, limit, space):
+    """Over every configuration whose inner problem is enumerated exhaustively: the balance and
+    config bounds never exceed the best assignment's LB, so the search can skip a configuration by
+    them without losing a plan, and infinite bounds come only with nothing that fits."""
+    model = shrunk(layers)
+    cluster = load_cluster("dgx-a100-80gb").shaped_as(1, gpus)
+    train = Training(global_batch=gbs, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
+    ctx = Ctx(model, cluster, train, limit * GiB, space)
+    fit = none = 0
+    for cfg in _configs(ctx, gbs):
+        inner = Inner(ctx, cfg).setup()
+        cands = inner.candidates(math.inf)
+        if not inner.exhaustive:
+            continue
+        best = min((lb for lb, _ in cands), default=math.inf)
+        bound = Inner(ctx, cfg).balance_bound()
+        lb, _ = Inner(ctx, cfg).config_bound()
+        if math.isinf(best):
+            none += 1
+            continue
+        fit += 1
+        assert bound <= best * (1 + 1e-9), (cfg, bound, best)
+        assert lb <= best * (1 + 1e-9), (cfg, lb, best)
+    assert fit >= 3 and none >= 1  # both sides are tested
