@@ -206,7 +206,7 @@ class Bounds:
         backward wait for (the menus' max(compute, gather) and max(compute, what runs beside the
         backward), planner.stages.menu), and the ZeRO state bytes. Collectives at their
         latency-free slope (ClusterSpec.seconds_per_byte), a lower bound of their time."""
-        ctx, cfg, params = self.ctx, self.cfg, 1.0
+        ctx, cfg = self.ctx, self.cfg
         dp, mbs, e = cfg.dp, cfg.micro_batches, ctx.e
         shape = ctx.collectives(cfg)[3]
         slope = (lambda op: ctx.cluster.seconds_per_byte(op, shape)) if dp > 1 else (lambda op: 0.0)  # noqa: E731
@@ -214,15 +214,14 @@ class Bounds:
         out = []
         for z in self.zeros:
             state, (copy_f, copy_b, copy_s), _ = self._per_param(z)
-            ag = s_ag * e * params if z == 3 else 0.0
-            sync = (s_ar if z == 0 else s_rs) * ctx.gb * params
+            ag = s_ag * e if z == 3 else 0.0
+            sync = (s_ar if z == 0 else s_rs) * ctx.gb
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
-            step = params / (dp if z >= 1 else 1) * ctx.osb / ctx.bw + copy_s * params
-            step += (s_ag * e * params if z in (1, 2) else 0.0) + (sync if cfg.v == 1 else 0.0)
-            c = (copy_f + copy_b) * params + step / mbs
+            step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) else 0.0)
+            step += sync if cfg.v == 1 else 0.0  # evaluate counts the sync of a rank's first stage
+            c = copy_f + copy_b + step / mbs
             if self.split and z >= 2 and dp > 1:  # planner.cost: I and W each gather, exposed
-                c += 2 * ag
-                out.append((c, 0.0, state * params))
+                out.append((c + 2 * ag, 0.0, state))
             else:
-                out.append((c, ag + beside, state * params))
+                out.append((c, ag + beside, state))
         return out
