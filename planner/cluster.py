@@ -78,7 +78,6 @@ class AlphaBeta:
             return 0.0, _busbw_at(self.by_size, nbytes)
         return self.by_group_size.get(n, (self.alpha_s, self.bus_bandwidth_bytes_per_s))
 
-
     def peak(self, n: int) -> tuple[float, float]:
         """(the smallest alpha, the largest busbw) this tier has for a group of n at any message
         size: `at` interpolates a measured curve between its points and holds its end values."""

@@ -295,6 +295,15 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             return math.inf
         return sorted(f.estimate.step_time_s for f in best.values())[top - 1]
 
+    def price(cfg, inner, assign):
+        """Estimate an assignment's plan; keep it as the configuration's best if it fits and is faster."""
+        plan = inner.to_plan(assign, build)
+        est = estimate(plan, cluster, memory_limit_bytes=limit)
+        res.priced += 1
+        mine = best.get(cfg)
+        if est.fits and (mine is None or est.step_time_s < mine.estimate.step_time_s):
+            best[cfg] = Found(plan, est, cfg)
+
     last = t0
     heap = [(lb, n, 0, cfg) for n, (lb, cfg) in enumerate(bounded)]
     heapq.heapify(heap)
@@ -314,12 +323,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             cands = inner.candidates(kth(), quick=True)
             if not inner.exhaustive:
                 if cands and len(best) < top:  # no incumbent yet: price this partition, to have one
-                    _, assign = min(cands, key=lambda x: x[0])
-                    plan = inner.to_plan(assign, build)
-                    est = estimate(plan, cluster, memory_limit_bytes=limit)
-                    res.priced += 1
-                    if est.fits:
-                        best[cfg] = Found(plan, est, cfg)
+                    price(cfg, inner, min(cands, key=lambda x: x[0])[1])
                 heapq.heappush(heap, (max([lb] + [min((c[0] for c in cands), default=math.inf)]), n, 2, cfg))
                 continue
         else:
@@ -334,12 +338,8 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
                 break
             if not inner.exhaustive and priced >= space.max_priced_per_config:
                 break
-            plan = inner.to_plan(assign, build)
-            est = estimate(plan, cluster, memory_limit_bytes=limit)
+            price(cfg, inner, assign)
             priced += 1
-            res.priced += 1
-            if est.fits and (mine is None or est.step_time_s < mine.estimate.step_time_s):
-                best[cfg] = Found(plan, est, cfg)
     res.results = sorted(best.values(), key=lambda f: f.estimate.step_time_s)[:top]
     if not res.results:
         res.min_required_bytes = _least_memory(ctx, [c for _, _, c in sorted(mem_lbs)], build)
