@@ -12,7 +12,9 @@ networkx and pandas (the lent H200 machine's own). On one GPU, in one command of
 3. four single-GPU plans (recompute none, selective, full; micro-batch 1 to 4), each predicted
    three ways: the shipped profile alone, the measured device alone, the measured device and model
    profile; then trained by runtime.train (bf16 autocast over float32 weights, AdamW), and
-   compared: step time, optimizer step and peak memory (torch.cuda.max_memory_allocated).
+   compared: step time, optimizer step and peak memory (torch.cuda.max_memory_allocated); the last
+   step of each is traced (runtime.train --trace: DIR/traces), and the table gives the share of it
+   the GPU spent in kernels ("busy") and the operators the host dispatched.
 Without a GPU it runs the same loop as a smoke test on the CPU with the tiny model (step 1 left
 out: runtime.profile_gpu measures GPUs only). Everything it writes lands in DIR; the table and
 results.json say what was measured.
@@ -76,9 +78,60 @@ def device_worker(path: str) -> int:
     device["reserved_bytes"] = profile_gpu.reserved_outside_allocator()
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps({"device": device, "sources": sources, "overlap_slowdown": slow,
-                                          "compute_slots": slots}, indent=1) + "\n")
+                                          "compute_slots": slots, "host_dispatch_s": host_dispatch(),
+                                          "eager_bandwidth": eager_bandwidth()}, indent=1) + "\n")
     dist.destroy_process_group()
     return 0
+
+
+def host_dispatch() -> dict:
+    """Host seconds per eager operator, for operators whose GPU work takes a few microseconds:
+    back to back, the host's dispatch sets the pace (the best of 5 runs of 2000 calls each)."""
+    import torch
+    import torch.nn.functional as F
+
+    from runtime.device import current, timed
+    dev = current()
+    x = torch.zeros(16, device=dev)
+    xg = torch.zeros(16, 16, device=dev, requires_grad=True)
+    w = torch.zeros(16, 16, device=dev, requires_grad=True)
+
+    def per_call(fn, n=2000):
+        fn()
+        return min(timed(lambda: [fn() for _ in range(n)]) for _ in range(5)) / n
+
+    def linear_amp():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, cache_enabled=False):
+            return F.linear(xg, w)
+    return {"add_": per_call(lambda: x.add_(1)), "mul_autograd": per_call(lambda: xg * 2),
+            "linear_autocast_autograd": per_call(linear_amp),
+            "linear_autocast_fwd_bwd": per_call(lambda: linear_amp().sum().backward(), 500)}
+
+
+def eager_bandwidth() -> dict:
+    """Bytes per second (reads and writes counted) of eager kernels the runtime runs, on 2^28
+    elements: casts both ways, a contiguous bf16 product, float32 accumulation, the loss's
+    broadcast subtraction into float32, and a complex product (rotary embeddings)."""
+    import torch
+
+    from runtime.device import current, timed
+    dev, n = current(), 2**28
+    a16, b16 = (torch.randn(n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    a32, b32 = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    rows = a16.view(-1, 8192)
+    top = torch.randn(rows.shape[0], 1, device=dev)
+    out32 = torch.empty(rows.shape, device=dev)
+    c = torch.randn(n // 2, device=dev, dtype=torch.complex64)
+    f = torch.randn(n // 2, device=dev, dtype=torch.complex64)
+    cases = {"copy_fp32": (lambda: b32.copy_(a32), 8), "cast_fp32_to_bf16": (lambda: a32.to(torch.bfloat16), 6),
+             "cast_bf16_to_fp32": (lambda: a16.float(), 6), "mul_bf16": (lambda: a16 * b16, 6),
+             "add__fp32": (lambda: b32.add_(a32), 12), "sub_broadcast_bf16_to_fp32": (lambda: torch.sub(rows, top, out=out32), 6),
+             "complex_mul": (lambda: c * f, 12)}
+    out = {}
+    for name, (fn, per) in cases.items():
+        fn()
+        out[name] = per * n / min(timed(fn) for _ in range(10))
+    return out
 
 
 def shipped_for(name: str):
@@ -163,6 +216,8 @@ def main(argv=None) -> int:
         mpath.write_text(json.dumps(measured_cluster(json.loads(shipped_path.read_text()), dev), indent=1) + "\n")
         measured = load_cluster(str(mpath)).shaped_as(1, 1)
         lines = compare_curves(shipped, measured)
+        lines += [f"  host dispatch {k}: {v * 1e6:.1f} us" for k, v in dev.get("host_dispatch_s", {}).items()]
+        lines += [f"  eager kernel {k}: {v / 1e12:.2f} TB/s" for k, v in dev.get("eager_bandwidth", {}).items()]
         print("\n".join(lines), flush=True)
     else:
         mpath, measured, lines = shipped_path, shipped, []
@@ -187,7 +242,7 @@ def main(argv=None) -> int:
         plan.write(out / "plans" / f"{pname}.json")
         plans[pname] = plan
     torchrun("-m", "runtime.train", "--plan", *[out / "plans" / f"{n}.json" for n in plans], "--steps", args.steps,
-             "--out", out / "runs")
+             "--out", out / "runs", "--trace", out / "traces")
     rows = []
     for pname, plan in plans.items():
         run = json.loads((out / "runs" / f"{pname}.json").read_text())
@@ -202,14 +257,18 @@ def main(argv=None) -> int:
                      "memory_error[device+model]": c["memory_error"],
                      "measured_optimizer_s": c["measured_optimizer_s"], "predicted_optimizer_s": c["predicted_optimizer_s"],
                      "measured_tflops_per_gpu": p["device"].model_tflops_per_gpu * p["device"].step_time_s
-                     / c["measured_step_time_s"]})
+                     / c["measured_step_time_s"],
+                     # the traced step (runtime.trace): the share of it the GPU spent in kernels
+                     "device_busy": (run["trace"][0]["device_kernel_s"] or 0.0) / run["trace"][0]["step_s"],
+                     "aten_calls": run["trace"][0]["aten_calls"]})
     print(f"\n{'plan':14s} {'measured s':>10s} {'shipped':>8s} {'device':>8s} {'dev+model':>9s}   "
-          f"{'peak GiB':>8s} {'analytic':>8s} {'dev+model':>9s}  TFLOP/s")
+          f"{'peak GiB':>8s} {'analytic':>8s} {'dev+model':>9s}  TFLOP/s  busy  aten ops")
     for r in rows:
         e = [r[f"step_error[{k}]"] for k in ("shipped", "device", "device+model")]
         print(f"{r['plan']:14s} {r['measured_step_s']:10.4f} {e[0]:+8.1%} {e[1]:+8.1%} {e[2]:+9.1%}   "
               f"{r['measured_peak_bytes'] / 2**30:8.2f} {r['memory_error[analytic]']:+8.1%} "
-              f"{r['memory_error[device+model]']:+9.1%}  {r['measured_tflops_per_gpu'] / 1e12:7.1f}")
+              f"{r['memory_error[device+model]']:+9.1%}  {r['measured_tflops_per_gpu']:7.1f} {r['device_busy']:5.0%} "
+              f"{r['aten_calls']:9,d}")
     print(f"(step-time and memory errors are predicted / measured - 1; {time.perf_counter() - t_start:.0f} s in all)")
     (out / "results.json").write_text(json.dumps({"device": name, "gpu": gpu, "device_lines": lines, "rows": rows},
                                                  indent=1) + "\n")

@@ -34,6 +34,8 @@ def read_run(path) -> dict:
             raise bad(key, "a list of numbers" + (" above 0" if low == 0.0 else " of at least 0" if low else ""))
     if not _is_number(run["peak_memory_bytes"], -1.0):
         raise bad("peak_memory_bytes", "a number of at least 0")
+    if run.get("traced_step_index") is not None and not _is_count(run["traced_step_index"]):
+        raise bad("traced_step_index", "a non-negative integer or null")
     if "world_size" in run and not (_is_count(run["world_size"]) and run["world_size"] > 0):
         raise bad("world_size", "a positive integer")
     steps = run["step_times_s"]
@@ -81,7 +83,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         raise ConfigError(f"run.dtype: the run computed in {run['dtype']} but the plan is priced for "
                           f"{plan.training.dtype}; rerun it with --dtype {plan.training.dtype} or plan it with "
                           f"--dtype {run['dtype']}")
-    timed = run["step_times_s"][run["warmup_steps"]:]
+    timed = [run["step_times_s"][i] for i in _timed_steps(run)]
     measured_step = statistics.median(timed)
     tokens = plan.training.global_batch * plan.training.seq_len
     pred_step = prediction["step_time_s"]
@@ -115,15 +117,22 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
     }
 
 
+def _timed_steps(run: dict) -> list[int]:
+    """Indices of the steps that time the plan: after the warm-up, less the one traced under
+    runtime.train --trace (the profiler slows it), unless it is the only one."""
+    steps = range(run["warmup_steps"], len(run["step_times_s"]))
+    return [i for i in steps if i != run.get("traced_step_index")] or list(steps)
+
+
 def _optimizer_terms(run: dict, prediction: dict) -> dict:
     """The optimizer step (the slowest rank's gradient clipping and AdamW step) and the rest of the
     step, predicted against measured, where the run recorded its optimizer times."""
     opt = run.get("optimizer_times_s")
     if not isinstance(opt, list) or len(opt) != len(run["step_times_s"]):
         return {}
-    w = run["warmup_steps"]
-    meas_opt = statistics.median(opt[w:])
-    meas_rest = statistics.median(t - o for t, o in zip(run["step_times_s"][w:], opt[w:]))
+    steps = _timed_steps(run)
+    meas_opt = statistics.median(opt[i] for i in steps)
+    meas_rest = statistics.median(run["step_times_s"][i] - opt[i] for i in steps)
     pred_opt = prediction["breakdown"]["time"].get("optimizer_s", 0.0)
     pred_rest = prediction["step_time_s"] - pred_opt
     return {"predicted_optimizer_s": pred_opt, "measured_optimizer_s": meas_opt,

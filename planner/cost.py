@@ -7,9 +7,8 @@ Time of a layer on one device, per micro-batch:
   (Dao et al., FlashAttention, 2022) and its backward runs 5 matmuls to the forward's 2 (Dao,
   FlashAttention-2, 2023, section 3.1.2); unfused attention computes the full square.
 - memory-bound operations (norms, activation functions, softmax, dropout, residual adds, RoPE,
-  cross-entropy): bytes moved / achieved memory bandwidth. Each forward op reads its input and
-  writes its output; its backward reads the output gradient and a saved tensor and writes the
-  input gradient, so it moves 1.5x the forward's bytes.
+  cross-entropy; planner.pointwise), adding up micro-batch gradients, the runtime's autocast casts
+  of its weights (planner.precision): bytes moved / achieved memory bandwidth.
 - TP communication, issued by the runtime and not overlapped (Megatron-style): per block two
   all-reduces of the activation in forward and two in backward, or with sequence parallelism an
   all-gather and a reduce-scatter in place of each (Korthikanti et al. 2022, section 4.2.2).
@@ -28,12 +27,10 @@ clipping) is memory-bound.
 
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
-with Adam, 2 + 2 + 8 without an fp32 master copy; gradients are held in the dtype they are
-accumulated and reduced in, float32 in the runtime's and Megatron-LM's bf16 mixed precision:
-2 + 4 + 12; planner.precision), activations of the micro-batches in flight as
-the schedule holds them (planner.schedule.peak_in_flight) by recompute mode (planner.model),
-the transient of replaying one block, activation gradients, communication buffers, the
-pipeline's receive buffers, and what FSDP2 holds beyond that accounting (planner.memory).
+with Adam; gradients in the dtype they add up in, float32 in the runtime's and Megatron-LM's bf16
+runs; planner.precision), activations of the micro-batches in flight (planner.schedule.peak_in_
+flight) by recompute mode (planner.model, planner.precision.autocast_held_bytes), the replay of
+one block, activation gradients, communication and receive buffers, and FSDP2's (planner.memory).
 """
 from __future__ import annotations
 
@@ -46,7 +43,8 @@ from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_bytes
-from planner.precision import GRAD_ACCUMULATION_BYTES, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes
+from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, autocast_held_bytes, fsdp_copy_bytes,
+                               model_state_bytes, optimizer_step_bytes)
 from planner.schedule import Sharing, StageTimes, simulate
 
 
@@ -163,10 +161,14 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
             tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, wg(*gemms[i])) for i in (0, 2))
         else:
             tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wg(1, b * s, math.ceil(m.vocab / tp), m.hidden))
-    params = layer_params_on_device(m, index, tp)
-    accumulate = (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
-                  if plan.pipeline.micro_batches > 1 else 0.0)
-    fwd_c, bwd_c = mm_f + el_f, mm_b + el_b + accumulate
+    params, dp = layer_params_on_device(m, index, tp), getattr(plan.mesh, "dp", 1)
+    # the weights of its matrix products, which the runtime's autocast casts (precision), the cast
+    # of their gradients in the weights' share of the backward; none in the embedding's lookup
+    mats = {"block": params - (6 if m.arch == "gpt" else 2) * m.hidden, "head": math.ceil(m.vocab / tp) * m.hidden}
+    cast_f, cast_b = (x * mats.get(kind, 0) / bw for x in autocast_cast_bytes(t, dp))
+    accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
+                           if plan.pipeline.micro_batches > 1 else 0.0)
+    fwd_c, bwd_c = mm_f + el_f + cast_f, mm_b + el_b + accumulate
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.
     wgrad = (el_b if kind == "embedding" else wgrad) + accumulate
@@ -182,8 +184,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
               dropout=dropout, attention=t.attention)
-    act = m.activation_bytes(index, recompute=rec, **kw)
-    replay = m.activation_bytes(index, recompute="none", **kw) - act if rec != "none" else 0.0
+    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats.get(kind, 0)) for r in (rec, "none")]
+    act = m.activation_bytes(index, recompute=rec, **kw) + held[0]
+    replay = m.activation_bytes(index, recompute="none", **kw) + held[1] - act if rec != "none" else 0.0
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad)
 
 
@@ -380,11 +383,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
     tflops = m.model_flops_per_step(t.global_batch, t.seq_len) / step / world / 1e12
     hw_tflops = m.executed_flops_per_step(t.global_batch, t.seq_len, blocks) / step / world / 1e12
-    stages_out = []
-    for si in stage_info:
-        d = {k: v for k, v in si.items() if k != "costs"}
-        d["memory"] = next(x for x in mem_by_rank if x["pp_rank"] == si["pp_rank"])["total_bytes"]
-        stages_out.append(d)
+    stages_out = [{**{k: v for k, v in si.items() if k != "costs"},
+                   "memory": next(x for x in mem_by_rank if x["pp_rank"] == si["pp_rank"])["total_bytes"]}
+                  for si in stage_info]
     priced_by = {"cluster_profile": {"name": cluster.name, "hash": cluster.profile_hash}}
     if model_profile is not None:
         priced_by["model_profile"] = {"name": model_profile.name, "hash": model_profile.profile_hash}

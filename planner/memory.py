@@ -166,7 +166,7 @@ def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
     temp = optimizer_temp_bytes(t)
     if temp == 0:
         return 0.0, 0.0, 0.0, 0.0
-    pb, gb, ob = model_state_bytes(t)
+    pb, gb, ob = model_state_bytes(t, dp)
     shard = dp if (zero >= 1 and dp > 1) else 1
     weight = ob - ADAM_STATE_BYTES or pb  # what the optimizer updates: the master copy, else the parameter
     return params * weight / shard, params * gb / shard, params * ADAM_STATE_BYTES / shard, params * temp / shard
@@ -194,7 +194,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
-    pb, gb, ob = model_state_bytes(t)
+    pb, gb, ob = model_state_bytes(t, dp)
     spb = sharded_param_bytes(t)
     two = split_backward(pipe.schedule, pp)  # I and W apart (zbv)
     mem_by_rank = []

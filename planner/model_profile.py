@@ -166,6 +166,9 @@ class ModelProfile:
     micro_batches: list
     entries: dict  # (layer, tp, sp, recompute) -> LayerFit
     pipeline: dict = field(default_factory=dict)  # schedule -> {"overhead_per_op_s": ...}
+    # the dtype of the parameters whose bytes were measured: the runtime keeps float32 weights and
+    # computes in bf16 by autocast, so param_bytes count 4 bytes a parameter in bf16 profiles too
+    param_dtype: str = "fp32"
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -217,12 +220,14 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     from planner.comm import tp_comm
     from planner.cost import LayerCost, layer_cost
     from planner.plan import DTYPES
+    from planner.precision import grad_bytes
     m, t = plan.model, plan.training
     b, s, sp = t.micro_batch, t.seq_len, stage.sequence_parallel
     e = DTYPES[t.dtype]
     kind = m.layer_kind(index)
     rec = stage.recompute[index - stage.start]
     fit = profile.lookup(kind, plan.mesh.tp, sp, rec)
+    params = fit.param_bytes / DTYPES[profile.param_dtype]  # the measured parameter bytes, in elements
     msg = e * b * s * m.hidden
     # the profile measured TP on consecutive ranks 0..tp-1 (runtime.profile_model), inside a node
     # where the node is large enough; the plan's TP group may sit elsewhere (across nodes)
@@ -248,29 +253,30 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
         if dpm:
             r = plan.stage_rank(plan.pipeline.stages.index(stage))
             dp_ranks = [plan.mesh.rank(pp=r, dp=i, tp=0) for i in range(plan.mesh.dp)]
-            dpm = dp_at_plan_ranks(dpm, cluster, stage.zero, base.param_bytes, dp_ranks,
+            dpm = dp_at_plan_ranks(dpm, cluster, stage.zero, (params * e, params * grad_bytes(t)), dp_ranks,
                                    [i * plan.mesh.tp for i in range(base.data_parallel.get("dp", plan.mesh.dp))])
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
     wshare = 0.0
     if plan.pipeline.schedule == "zbv":  # the weights' share of the measured backward, as the analytic
         analytic = layer_cost(plan, cluster, index, stage, tp_ranks)  # model splits it (measured whole)
         wshare = analytic.bwd_weight_s / analytic.bwd_compute_s if analytic.bwd_compute_s > 0 else 0.0
-    return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, fit.param_bytes / e, opt, dpm, bwd_weight_s=bwd * wshare)
+    return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, params, opt, dpm, bwd_weight_s=bwd * wshare)
 
 
-def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: float, plan_ranks: list, measured_ranks: list) -> dict:
+def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: tuple, plan_ranks: list, measured_ranks: list) -> dict:
     """A layer's measured data-parallel extras moved from the dp group they were measured on
     (runtime.profile_model: ranks 0, tp, 2 tp, ...) to the plan's: each extra plus the difference of
     the cluster profile's prediction of its collectives on the two groups (a group of another size
     or on another tier). ZeRO-3 gathers the layer before each forward and backward (FSDP2 resharding
     after forward); ZeRO-1/2 reduce-scatters its gradients (and gathers it once per step, priced by
-    the caller at the plan's ranks, as is ZeRO-0's all-reduce)."""
+    the caller at the plan's ranks, as is ZeRO-0's all-reduce). `nbytes`: (gathered, reduced) bytes
+    of the layer, in the dtypes its parameters are gathered and its gradients reduced in."""
     if zero == 0 or plan_ranks == measured_ranks:
         return dpm
 
-    def diff(op):
-        return cluster.collective_time(op, nbytes, plan_ranks) - cluster.collective_time(op, nbytes, measured_ranks)
-    ag, rs = diff("all_gather"), diff("reduce_scatter")
+    def diff(op, n):
+        return cluster.collective_time(op, n, plan_ranks) - cluster.collective_time(op, n, measured_ranks)
+    ag, rs = diff("all_gather", nbytes[0]), diff("reduce_scatter", nbytes[1])
     out = dict(dpm)
     if zero == 3:
         out["forward_s"] = max(0.0, dpm["forward_s"] + ag)
@@ -299,6 +305,8 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
         raise ConfigError(f"{source}: {exc}") from None
     need(isinstance(d["seq_len"], int) and d["seq_len"] > 0, "seq_len", f"{d['seq_len']!r} must be a positive integer")
     need(d["dtype"] in ("fp32", "bf16", "fp16"), "dtype", f"{d['dtype']!r}; use fp32, bf16 or fp16")
+    need(d.get("param_dtype", "fp32") in ("fp32", "bf16", "fp16"), "param_dtype",
+         f"{d.get('param_dtype')!r}; use fp32, bf16 or fp16 (the dtype the measured parameters are held in)")
     procs = d.get("processes", 1)
     need(isinstance(procs, int) and procs > 0, "processes", f"{procs!r} must be a positive integer")
     cp = d["cluster_profile"]
@@ -348,7 +356,8 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
             need(_num(v) and v >= 0, f"pipeline.{sched}.overhead_per_op_s", f"{v!r} must be a non-negative number")
     return ModelProfile(name=str(d["name"]), model=model, seq_len=d["seq_len"], dtype=d["dtype"], processes=procs,
                         cluster_name=cp["name"], cluster_hash=cp.get("hash", ""),
-                        micro_batches=list(d.get("micro_batches", [])), entries=entries, pipeline=pipe, raw=d)
+                        micro_batches=list(d.get("micro_batches", [])), entries=entries, pipeline=pipe,
+                        param_dtype=d.get("param_dtype", "fp32"), raw=d)
 
 
 def load_model_profile(spec) -> ModelProfile:

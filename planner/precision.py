@@ -17,9 +17,14 @@ MASTER_BYTES = 4  # float32 master copy under mixed precision
 GRAD_ACCUMULATION_BYTES = {"separate-fp32": 3 * 4, "separate-16bit": 3 * 2, "fused": 0}
 
 
-def model_state_bytes(t) -> tuple[int, int, int]:
+def model_state_bytes(t, dp: int = 2) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter. Gradients are held in the dtype they
-    are accumulated and reduced in (grad_bytes)."""
+    are accumulated and reduced in (grad_bytes). The runtime without data parallelism under mixed
+    precision (autocast_cast_bytes) keeps no 16-bit copy: its float32 weights are the master copy,
+    counted as the parameters; the 16-bit casts it holds per micro-batch are activations
+    (autocast_held_bytes)."""
+    if autocast_cast_bytes(t, dp) != (0, 0):
+        return 4, grad_bytes(t), ADAM_STATE_BYTES
     e = DTYPES[t.dtype]
     master = MASTER_BYTES if (t.master_weights and t.dtype != "fp32") else 0
     return e, grad_bytes(t), ADAM_STATE_BYTES + master
@@ -80,22 +85,79 @@ def optimizer_temp_bytes(t) -> int:
 
 
 def optimizer_step_bytes(t) -> int:
-    """HBM bytes per parameter the optimizer step moves on the parameters a rank updates. AdamW
+    """HBM bytes per parameter the optimizer step moves on the parameters a rank updates.
+
+    A fused AdamW kernel (`training.elementwise_kernels: fused`: apex's, DeepSpeed's, Megatron-LM's)
     reads the parameter it updates (the float32 master copy under mixed precision), its gradient
-    and both float32 moments, and writes the parameter and moments back; clipping reads the
-    gradients for their norm and scales them in place (3 passes). Gradients held in 16 bits under
-    mixed precision are first copied into float32 (2 + 4), fp16 training unscales them and checks
-    them for inf/NaN (2 passes; loss scaling: Micikevicius et al. 2018), and a master copy ends the
-    step by writing the 16-bit parameters (4 + 2)."""
+    and both float32 moments, and writes the parameter and moments back in one pass. The runtime's
+    (`eager`) is torch's foreach AdamW (torch/optim/adam.py, _multi_tensor_adam, decoupled weight
+    decay, not capturable), eight passes: the weight decay scales the parameter (read and write
+    it), lerp_ the first moment towards the gradient (moment twice, gradient once), mul_ and
+    addcmul_ the second moment (moment four times, gradient twice), sqrt of the second moment into
+    a new tensor, div_ and add_ on it (two moment-sized reads and writes each), and addcdiv_ the
+    parameter (parameter twice, first moment and the new tensor once): 4 p + 3 g + 56 bytes, 84 for
+    float32 parameters and gradients. On an H200 (benchmarks/gpu_check.py, 2026-11-30) its
+    kernels and the clipping's took 28.8 ms for 1.24e9 float32 parameters: 96 bytes a parameter
+    at 4.14 TB/s, the copy bandwidth measured there.
+
+    Either way clipping reads the gradients for their norm and scales them in place (3 passes).
+    Gradients held in 16 bits under mixed precision are first copied into float32 (2 + 4), fp16
+    training unscales them and checks them for inf/NaN (2 passes; loss scaling: Micikevicius et al.
+    2018), and a master copy ends the step by writing the 16-bit parameters (4 + 2); the runtime
+    keeps no 16-bit copy to write (autocast casts at each use, FSDP2 as it gathers)."""
     e = DTYPES[t.dtype]
     mixed = t.master_weights and e == 2
     p = 4 if mixed else e  # what AdamW updates
     g = 4 if mixed else grad_bytes(t)  # the gradient it reads
-    n = 2 * p + g + 2 * ADAM_STATE_BYTES + 3 * g
+    s = ADAM_STATE_BYTES // 2  # one moment
+    eager = t.elementwise_kernels == "eager"
+    adam = 4 * p + 3 * g + 14 * s if eager else 2 * p + g + 2 * ADAM_STATE_BYTES
+    n = adam + 3 * g
     if mixed and grad_bytes(t) == 2:
         n += 2 + 4
     if t.dtype == "fp16":
         n += 2 * g
-    if mixed:
+    if mixed and not eager:
         n += 4 + e
     return n
+
+
+def autocast_cast_bytes(t, dp: int) -> tuple[int, int]:
+    """(forward, backward) bytes per weight of a matrix product and per micro-batch that casting
+    the weights to 16 bits moves, in the runtime without data parallelism: it keeps float32
+    weights and computes in bf16 by autocast (runtime.train), so each micro-batch's forward casts
+    every weight it multiplies by (reads 4 bytes, writes e) and its backward casts the weight's
+    16-bit gradient back to float32 (ToCopyBackward: reads e, writes 4), again for every
+    micro-batch (the autocast weight cache is off). With data parallelism FSDP2 gathers 16-bit
+    weights instead (fsdp_copy_bytes); frameworks with fused kernels keep 16-bit working weights."""
+    e = DTYPES[t.dtype]
+    if dp > 1 or t.elementwise_kernels != "eager" or not t.master_weights or e != 2:
+        return 0, 0
+    return 4 + e, e + 4
+
+
+def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int, sp: bool,
+                        matmul_params: float) -> float:
+    """Bytes a layer holds from forward to backward per micro-batch in the runtime without data
+    parallelism under mixed precision (autocast_cast_bytes) beyond ModelConfig.activation_bytes,
+    which counts every saved tensor in the compute dtype: there the embedding's float32 weights
+    make the residual stream float32, so each norm (and a fully recomputed block) keeps a float32
+    input; autocast casts a norm's float32 output afresh for each linear that reads it (q, k, v,
+    and w1, w3 in a gated FFN; ModelConfig counts one such input per norm) and keeps each cast;
+    and each linear keeps its 16-bit weight (e bytes per weight of a matrix product), for every
+    micro-batch in flight. On an H200 (benchmarks/gpu_check.py, 2026-11-30, Llama 3.2 1B's shape at
+    sequence 2048) a block measured 230.7 MB per sequence plus 122.7 MB, against 231.0 and 121.6
+    counted this way (ModelConfig alone: 189.0 and none)."""
+    if autocast_cast_bytes(t, dp) == (0, 0):
+        return 0.0
+    e = DTYPES[t.dtype]
+    kind = model.layer_kind(index)
+    stream = s * b * model.hidden / (tp if sp else 1)  # residual-stream elements on this device
+    if kind == "embedding":
+        return 0.0
+    if kind == "head":
+        return (4 - e) * stream + e * matmul_params
+    if recompute == "full":
+        return (4 - e) * stream  # the block's float32 input alone
+    casts = 3 + (2 if model.arch == "llama" else 1)  # linears reading a norm's output
+    return 2 * (4 - e) * stream + (casts - 2) * e * stream + e * matmul_params

@@ -140,7 +140,8 @@ class Ctx:
         self.limit = limit
         self.lim_eff = (limit - dev.reserved_bytes) / (1 + dev.allocator_overhead_fraction)
         self.e = DTYPES[train.dtype]
-        self.pb, self.gb, self.ob = model_state_bytes(train)
+        self.pb, self.gb, self.ob = model_state_bytes(train)  # with data parallelism
+        self.states_dp1 = model_state_bytes(train, dp=1)
         self.osb = optimizer_step_bytes(train)  # per parameter the optimizer step moves
         self.spb = sharded_param_bytes(train)  # per parameter of FSDP2's shard beyond the optimizer state
         self.bw = dev.memory_bytes_per_s
@@ -172,13 +173,15 @@ class Ctx:
                 + (self.cluster.group_shape(ranks),)
         return self._coll[key]
 
-    def layers(self, tp, b, sp, multi):
-        """LayerCost of the embedding, the head and a block per recompute mode."""
-        key = (tp, b, sp, multi)
+    def layers(self, tp, b, sp, multi, dp1):
+        """LayerCost of the embedding, the head and a block per recompute mode (`dp1`: without data
+        parallelism, where the runtime casts its weights at each use: precision.autocast_cast_bytes)."""
+        key = (tp, b, sp, multi, dp1)
         if key not in self._layers:
             m = self.model
             fake = SimpleNamespace(model=m, training=dataclasses.replace(self.train, micro_batch=b),
-                                   mesh=SimpleNamespace(tp=tp), pipeline=SimpleNamespace(micro_batches=2 if multi else 1))
+                                   mesh=SimpleNamespace(tp=tp, dp=1 if dp1 else 2),
+                                   pipeline=SimpleNamespace(micro_batches=2 if multi else 1))
             ranks = list(range(tp))
 
             def lc(i, rec):

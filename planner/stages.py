@@ -67,7 +67,7 @@ class StageCosts(Bounds):
         m = ctx.model
         self.L = m.layers
         self.S = cfg.pp * cfg.v
-        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1)
+        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1)
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
         self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
@@ -154,7 +154,7 @@ class StageCosts(Bounds):
         a transient, and combinations are compared with those of as many full blocks."""
         cfg = self.cfg
         split = self.split
-        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, self.modes,
+        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1, self.modes,
                self.ctx.space.recompute_granularity if not cfg.recompute else "plan", k, split)
         if key not in self.ctx._blocks:
             cb = self.combos(k)
@@ -272,7 +272,8 @@ class StageCosts(Bounds):
     def _state(self, z):
         """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z."""
         ctx, cfg = self.ctx, self.cfg
-        return zero_state_bytes(z, cfg.dp, cfg.micro_batches, ctx.pb, ctx.gb, ctx.ob, ctx.spb)
+        states = (ctx.pb, ctx.gb, ctx.ob) if cfg.dp > 1 else ctx.states_dp1
+        return zero_state_bytes(z, cfg.dp, cfg.micro_batches, *states, ctx.spb)
 
     def _per_param(self, z):
         """Per parameter at ZeRO level z: the bytes the ZeRO paper counts (_state), the seconds of

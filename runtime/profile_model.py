@@ -370,6 +370,9 @@ def profile_model(args) -> dict | None:
         "model": load_model(args.model).to_dict(),
         "seq_len": args.seq_len,
         "dtype": args.dtype,
+        # what param_bytes count: the runtime's weights, created in torch's default dtype (float32;
+        # bf16 computes by autocast over them)
+        "param_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[torch.get_default_dtype()],
         "processes": world,
         "cluster_profile": {"name": c.name, "hash": c.profile_hash},
         "micro_batches": args.mbs,

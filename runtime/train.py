@@ -34,6 +34,7 @@ from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
+from runtime.trace import traced_step
 from runtime.run_checks import check_out, check_plan  # noqa: F401 (check_plan: runtime.train's API)
 
 BETAS = (0.9, 0.95)
@@ -51,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                     help="compute dtype (default: the plan's on GPU, fp32 on CPU)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="profile the last step with torch.profiler: per-rank operator tables and traces in DIR")
     return ap.parse_args(argv)
 
 
@@ -212,10 +215,12 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               + ("; the peak memory is the first step's, before the optimizer state exists" if left < 2 else "")
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
-    losses, times, grad_norms, opt_times = [], [], [], []
+    losses, times, grad_norms, opt_times, trace = [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
         ctx = peak.measure() if step == measure_at else contextlib.nullcontext()
+        if args.trace and step == args.steps - 1 and step != measure_at:
+            ctx = traced_step(device, args.trace, Path(plan_path).stem, rank, trace)
         dist.barrier()
         t0 = time.perf_counter()
         with ctx:
@@ -232,7 +237,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, trainer.stage_ids,
                       plan_hash, {"next_step": step + 1})
-    timed = times[warmup:] or times
+    # the traced step runs under the profiler, slower: it is left out of the step time
+    timed = times[warmup:len(times) - bool(trace)] or times[warmup:] or times
     peaks = gather(peak.bytes)
     opt_by_rank = gather(opt_times)
     tokens = t.global_batch * t.seq_len
@@ -250,6 +256,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "step_times_s": times,
         # per step, the slowest rank's gradient clipping + optimizer step (part of step_times_s)
         "optimizer_times_s": [max(r[i] for r in opt_by_rank) for i in range(len(times))],
+        # the index in step_times_s of the step traced under --trace (slower: compare leaves it out)
+        "traced_step_index": len(times) - 1 if trace else None,
         "warmup_steps": warmup,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens * len(timed) / sum(timed),
@@ -257,6 +265,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "peak_memory_bytes_per_rank": peaks,
         "peak_memory_method": peak.method,
         "environment": environment(backend, device),
+        **({"trace": gather(trace)} if trace else {}),
     }
 
 

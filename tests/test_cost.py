@@ -268,11 +268,16 @@ def test_async_tp_allreduce_hides_backward_allreduces_behind_weight_gradients():
 
 def test_optimizer_and_gradient_reduction_bytes_follow_the_gradient_dtype():
     from planner.precision import grad_bytes, optimizer_step_bytes
-    runtime = plan_for().training  # bf16 autocast over float32 parameters: float32 gradients
-    assert grad_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 28 + 12 + 6
+    # the runtime: bf16 autocast over float32 parameters, float32 gradients, torch's foreach AdamW
+    # (eight passes, tests/test_pointwise.py counts them) and clipping (three), no 16-bit copy to write
+    runtime = plan_for().training
+    assert grad_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 84 + 12
     fp32 = plan_for(dtype="fp32").training
-    assert grad_bytes(fp32) == 4 and optimizer_step_bytes(fp32) == 28 + 12
-    megatron_fp16 = plan_for(dtype="fp16", grad_accumulation="separate-16bit").training
+    assert grad_bytes(fp32) == 4 and optimizer_step_bytes(fp32) == 84 + 12
+    # a fused AdamW kernel: one pass over parameter, gradient and moments; the master copy writes
+    # the 16-bit parameters
+    assert optimizer_step_bytes(plan_for(elementwise_kernels="fused").training) == 28 + 12 + 6
+    megatron_fp16 = plan_for(dtype="fp16", grad_accumulation="separate-16bit", elementwise_kernels="fused").training
     assert grad_bytes(megatron_fp16) == 2
     assert optimizer_step_bytes(megatron_fp16) == 28 + 12 + 6 + 8 + 6  # fp32 copy, unscale, 16-bit params
     assert optimizer_step_bytes(plan_for(grad_accumulation="fused").training) == optimizer_step_bytes(runtime)

@@ -48,7 +48,9 @@ class ByteCounter(TorchDispatchMode):
         if name not in FLOPS_OPS and not views and name not in NO_TRAFFIC:
             inputs = list(args) + [v for k, v in (kwargs or {}).items() if k != "out"]  # out= is written
             reads = 0 if name in PARTIAL_READS else _bytes(inputs)
-            self.total += reads + _bytes(out)
+            # in-place foreach operations (the optimizer's) return nothing: they write their first list
+            writes = _bytes(args[0]) if name.startswith("_foreach_") and name.endswith("_") else _bytes(out)
+            self.total += reads + writes
         return out
 
 
@@ -118,3 +120,107 @@ def test_eager_llama_blocks_move_several_times_what_fused_kernels_would():
     assert g_eager[0] == pytest.approx(g_fused[0])
     tp4 = eager_bytes(llama, 1, 1, 4096, 4, True, 2, False, "flash")
     assert tp4[0] == pytest.approx(eager[0] / 4)
+
+
+def _traffic_of_step(opt, params, grads_from):
+    """Bytes of one optimizer step (the second: the first creates the moments) with the runtime's
+    gradient clipping, under ByteCounter."""
+    from runtime.optim import clip_grad_norm
+    for _ in range(2):
+        for p, g in zip(params, grads_from):
+            p.grad = g.clone()
+        counter = ByteCounter()
+        with counter:
+            clip_grad_norm(params, 1.0, None, torch.device("cpu"), reduce=False)
+            opt.step()
+    return counter.total
+
+
+def test_eager_optimizer_step_traffic_is_what_torchs_foreach_adamw_moves():
+    """planner.precision.optimizer_step_bytes for the runtime (eager kernels, bf16 on float32
+    weights): torch's foreach AdamW step and the runtime's clipping, counted op by op, move what it
+    prices; a fused Adam would move less than half of it."""
+    from planner.build import build_plan
+    from planner.precision import optimizer_step_bytes
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (4096, 70_000, 300_000)]
+    grads = [torch.randn_like(p) * 100 for p in params]  # large enough to be clipped
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    moved = _traffic_of_step(opt, params, grads)
+    count = sum(p.numel() for p in params)
+    kw = dict(cluster_name="x", device="x", nodes=1, devices_per_node=1, global_batch=8, micro_batch=1, seq_len=32,
+              dtype="bf16")
+    eager = build_plan(ZOO["tiny"], **kw).training
+    assert optimizer_step_bytes(eager) * count == pytest.approx(moved, rel=0.01), (optimizer_step_bytes(eager), moved / count)
+    fused = dataclasses.replace(eager, elementwise_kernels="fused")
+    assert optimizer_step_bytes(fused) < 0.5 * optimizer_step_bytes(eager)
+
+
+def test_autocast_weight_casts_are_what_the_runtime_block_moves():
+    """planner.precision.autocast_cast_bytes: without data parallelism the runtime's block, float32
+    weights under bf16 autocast, casts each weight it multiplies by to bf16 in the forward and each
+    such weight's gradient back to float32 in the backward (counted here as the casts whose output
+    has a weight's shape)."""
+    from planner.build import build_plan
+    from planner.precision import autocast_cast_bytes
+    cfg = _small("llama3-8b")
+    block = Block(cfg)
+    cos, sin = rope_tables(cfg)
+    shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
+    matmul_params = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+
+    class Casts(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ == "_to_copy" and tuple(out.shape) in shapes:
+                Casts.total += _bytes(args[0]) + _bytes(out)
+            return out
+    x = torch.randn(4, 32, cfg.hidden, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with Casts():
+            y = block(x, cos, sin)
+        fwd, Casts.total = Casts.total, 0
+    with Casts():
+        y.float().sum().backward()
+    kw = dict(cluster_name="x", device="x", nodes=1, devices_per_node=1, global_batch=8, micro_batch=1, seq_len=32,
+              dtype="bf16")
+    t = build_plan(ZOO["tiny"], **kw).training
+    pf, pb = autocast_cast_bytes(t, dp=1)
+    assert (pf * matmul_params, pb * matmul_params) == (fwd, Casts.total)
+    assert autocast_cast_bytes(t, dp=2) == (0, 0)  # FSDP2 gathers bf16 weights
+    assert autocast_cast_bytes(dataclasses.replace(t, dtype="fp32"), dp=1) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "tiny-gpt"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_what_a_block_under_autocast_keeps_is_what_the_planner_counts(name, recompute):
+    """ModelConfig.activation_bytes plus planner.precision.autocast_held_bytes: what the runtime's
+    block keeps for its backward (saved-tensor hooks, counted by storage; its parameters and the
+    shared rotary tables left out) with float32 weights and a float32 residual stream under bf16
+    autocast, as it trains without data parallelism."""
+    from planner.build import build_plan
+    from planner.precision import autocast_held_bytes
+    cfg = _small(name)
+    block = _gpu_norms(Block(cfg), cfg, torch.float32)
+    block.full_recompute = recompute == "full"
+    cos, sin = rope_tables(cfg)
+    b, s = 4, 32
+    x = torch.randn(b, s, cfg.hidden, requires_grad=True)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x, cos, sin)
+    shared = {t.untyped_storage().data_ptr() for t in [*block.parameters(), cos, sin]}
+    measured = sum(v for k, v in kept.items() if k not in shared)
+    t = build_plan(ZOO["tiny"], cluster_name="x", device="x", nodes=1, devices_per_node=1, global_batch=8,
+                   micro_batch=1, seq_len=32, dtype="bf16").training
+    mats = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    counted = (cfg.activation_bytes(1, b, s, recompute=recompute, bytes_per_element=2, attention="flash")
+               + autocast_held_bytes(cfg, t, 1, 1, recompute, b, s, 1, False, mats))
+    assert counted == pytest.approx(measured, rel=0.01), (counted, measured)
+    assert autocast_held_bytes(cfg, t, 2, 1, recompute, b, s, 1, False, mats) == 0  # FSDP2: bf16 weights

@@ -208,6 +208,7 @@ def test_a_bad_model_profile_gives_one_line_naming_the_field(model_profile, tmp_
         (lambda d: d["entries"][1].update(forward_s=[1.0]), ["entries[1].forward_s"]),
         (lambda d: d["entries"][2].update(param_bytes=-1), ["entries[2].param_bytes"]),
         (lambda d: d["model"].update(hidden="big"), ["model.hidden"]),
+        (lambda d: d.update(param_dtype="int8"), ["param_dtype"]),
     ]:
         bad = copy.deepcopy(good)
         mutate(bad)
@@ -259,6 +260,22 @@ def test_compare_prints_predicted_against_measured(tmp_path, capsys, with_predic
     assert (tmp_path / "c.png").stat().st_size > 0 and "step time" in capsys.readouterr().out
 
 
+def test_compare_leaves_out_the_traced_step(tmp_path, capsys):
+    """runtime.train --trace runs its last step under the profiler; compare times the plan without it."""
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["traced_step_index"] = 2
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_step_time_s"] == pytest.approx(0.1) and out["measured_optimizer_s"] == pytest.approx(0.02)
+    run["traced_step_index"] = "last"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.traced_step_index" in err
+
+
 def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
     _plan_and_run(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
@@ -296,6 +313,12 @@ def test_a_bf16_model_profile_prices_bf16_plans_only(cluster_profile):
               micro_batch=2, seq_len=32)
     est = estimate(build_plan(ZOO["tiny"], dtype="bf16", **kw), cluster, model_profile=mp)
     assert est.step_time_s > 0 and est.peak_memory_bytes > 0
+    # its parameter bytes are the runtime's float32 weights: the same parameters as the analytic
+    # model counts, not twice as many bf16 ones
+    assert json.loads(out.read_text())["param_dtype"] == "fp32" and mp.param_dtype == "fp32"
+    analytic = estimate(build_plan(ZOO["tiny"], dtype="bf16", **kw), cluster)
+    assert est.stages[0]["params"] == pytest.approx(analytic.stages[0]["params"], rel=0.01)
+    assert est.stages[0]["params"] == pytest.approx(ZOO["tiny"].num_parameters(), rel=0.01)
     with pytest.raises(ConfigError, match="measured in bf16 but the plan computes in fp32"):
         estimate(build_plan(ZOO["tiny"], dtype="fp32", **kw), cluster, model_profile=mp)
 

@@ -213,6 +213,24 @@ def test_a_token_file_trains(plans, tmp_path):
     assert "ask for 4 or more steps" in proc.stdout
 
 
+def test_trace_profiles_the_last_step_and_leaves_it_untimed(plans, tmp_path):
+    """--trace DIR runs the last step under torch.profiler: an operator table and a gzipped
+    chrome trace per rank, a summary in run.json, and that step out of the throughput."""
+    import gzip
+    out, traces = tmp_path / "run.json", tmp_path / "traces"
+    assert_ok(train(1, "--plan", plans["ref"], "--steps", 5, "--out", out, "--trace", traces))
+    run = json.loads(out.read_text())
+    stem = Path(plans["ref"]).stem
+    (summary,) = run["trace"]
+    assert summary["table"] == f"{stem}-rank0.txt" and "aten::mm" in (traces / summary["table"]).read_text()
+    events = json.loads(gzip.open(traces / summary["trace"]).read())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    assert summary["aten_calls"] > 100 and summary["step_s"] > 0 and summary["device_kernel_s"] is None  # CPU
+    assert run["traced_step_index"] == 4 and len(run["step_times_s"]) == 5
+    tokens = run["tokens_per_step"]
+    assert run["tokens_per_s"] == pytest.approx(tokens / run["step_times_s"][3])  # step 4 alone is timed
+
+
 def test_zero3_under_a_pipeline_keeps_its_parameters_sharded(tmp_path):
     """torch.distributed.pipelining runs every micro-batch's backward without gradient sync and
     keeps FSDP2 blocks gathered after it, so a ZeRO-3 stage would end each backward with every
