@@ -124,10 +124,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         return profiled_layer_cost(plan, cluster, index, stage, tp_ranks, model_profile)
     m, t = plan.model, plan.training
     b, s, tp, sp = t.micro_batch, t.seq_len, plan.mesh.tp, stage.sequence_parallel
-    e = DTYPES[t.dtype]
-    dropout = t.dropout > 0
-    kind = m.layer_kind(index)
-    rec = stage.recompute[index - stage.start]
+    e, dropout, kind, rec = DTYPES[t.dtype], t.dropout > 0, m.layer_kind(index), stage.recompute[index - stage.start]
     # fused attention (not a library GEMM), at its rate for this sequence length and head size
     rate = (cluster.device.attention_flops_per_s(t.dtype, s, m.dim_per_head, t.attention)
             if t.attention != "unfused" else None)
@@ -148,8 +145,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         mm_b = 2 * mm_f
     else:
         mm_f = mm_b = 0.0
+    dp = getattr(plan.mesh, "dp", 1)  # without it the runtime computes by autocast on float32 weights
     el_f, el_b = (x / bw for x in pointwise_bytes(t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
-                                                  t.attention))
+                                                  t.attention, autocast=autocast_cast_bytes(t, dp) != (0, 0)))
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
@@ -161,7 +159,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
             tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, wg(*gemms[i])) for i in (0, 2))
         else:
             tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wg(1, b * s, math.ceil(m.vocab / tp), m.hidden))
-    params, dp = layer_params_on_device(m, index, tp), getattr(plan.mesh, "dp", 1)
+    params = layer_params_on_device(m, index, tp)
     # the weights of its matrix products, which the runtime's autocast casts (precision), the cast
     # of their gradients in the weights' share of the backward; none in the embedding's lookup
     mats = {"block": params - (6 if m.arch == "gpt" else 2) * m.hidden, "head": math.ceil(m.vocab / tp) * m.hidden}

@@ -78,8 +78,9 @@ def _norm(e: int) -> tuple[int, int]:
 
 
 def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
-                dropout: bool, attention: str) -> tuple[float, float]:
-    """(forward, backward) bytes of the runtime's eager operations (module doc)."""
+                dropout: bool, attention: str, autocast: bool = False) -> tuple[float, float]:
+    """(forward, backward) bytes of the runtime's eager operations (module doc); `autocast`: float32
+    weights under bf16 autocast, the runtime without data parallelism (_autocast_stream)."""
     kind = model.layer_kind(index)
     tokens = s * b
     h = model.hidden
@@ -94,6 +95,8 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
         # runtime/loss.py: the row maximum (reads the logits), logits - maximum into float32,
         # exp in place, the row sum, the gradient written back in the logits' dtype; the
         # backward scales the gradient in place
+        if autocast:  # a float32 norm, its output cast for the head and the cast's gradient back
+            norm_f, norm_b = 2 * 4 + (4 + e), 3 * 4 + (e + 4)
         return (norm_f * tokens * h / rep + (3 * e + 20) * vocab,
                 norm_b * tokens * h / rep + 2 * e * vocab)
     q, kv, f = model.q_dim / tp, model.kv_dim / tp, model.ffn_hidden / tp
@@ -104,6 +107,8 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
     # the attention input feeds wq, wk and wv (two gradient adds), the FFN input w1 and w3 in a
     # gated FFN (one); these run on the whole sequence, before sequence parallelism's scatter
     fan_in = (2 + (1 if model.arch == "llama" else 0)) * 3 * e * h
+    if autocast:
+        (stream_f, stream_b), fan_in = _autocast_stream(model, e, drop), 0.0
     if model.arch == "gpt":
         ffn_f, ffn_b = 2 * e * f, 3 * e * f  # GELU
         rope_f = rope_b = 0.0
@@ -120,6 +125,24 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
     return fwd, bwd
 
 
-def pointwise_bytes(kernels: str, *args) -> tuple[float, float]:
+def _autocast_stream(model: ModelConfig, e: int, drop: float) -> tuple[float, float]:
+    """(forward, backward) bytes per residual-stream element of a block of the runtime without data
+    parallelism: float32 weights under bf16 autocast (planner.precision.autocast_cast_bytes), so
+    the embedding's float32 output makes the residual stream float32. Forward: two float32 norms
+    (read and write 4 bytes), autocast casting the norm's output afresh for each linear that reads
+    it (q, k, v, and w1, w3 when gated: read 4, write e), two residual adds of the bf16 branch into
+    the float32 stream (4 + e + 4). Backward: each cast's gradient back to float32 (e + 4), the
+    float32 gradients of a norm's output added up (one add, 12 bytes, per linear beyond the first
+    of each norm), the two residual adds' stream gradients (12) and their cast to bf16 for the
+    branch (4 + e), two float32 norm backwards (12). tests/test_pointwise.py traces it."""
+    casts = 3 + (2 if model.arch == "llama" else 1)
+    fwd = casts * (4 + e) + 2 * (4 + e + 4) + 2 * 8 + 2 * drop
+    bwd = casts * (e + 4) + (casts - 2) * 12 + 2 * 12 + 2 * (4 + e) + 2 * 12 + 2 * drop
+    return fwd, bwd
+
+
+def pointwise_bytes(kernels: str, *args, autocast: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes of one layer's memory-bound operations with `kernels`."""
-    return (eager_bytes if kernels == "eager" else fused_bytes)(*args)
+    if kernels == "eager":
+        return eager_bytes(*args, autocast=autocast)
+    return fused_bytes(*args)

@@ -35,6 +35,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--trace", default=None, metavar="DIR", help="profile the last step (runtime.trace) into DIR")
     ap.add_argument("--rdzv-endpoint", default="NODE0_HOST:29500",
                     help="host:port of node 0, for the commands printed for a multi-node plan")
     return ap.parse_args(argv)
@@ -44,7 +45,7 @@ def train_args(args: argparse.Namespace) -> list[str]:
     """The runtime.train arguments that `trident run` passes through."""
     out = ["--plan", args.plan, "--steps", str(args.steps), "--data", args.data]
     for flag, value in (("--out", args.out), ("--data-dtype", args.data_dtype), ("--dtype", args.dtype),
-                        ("--checkpoint-dir", args.checkpoint_dir)):
+                        ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
         if value is not None:
             out += [flag, value]
     if args.checkpoint_every:

@@ -224,3 +224,48 @@ def test_what_a_block_under_autocast_keeps_is_what_the_planner_counts(name, reco
                + autocast_held_bytes(cfg, t, 1, 1, recompute, b, s, 1, False, mats))
     assert counted == pytest.approx(measured, rel=0.01), (counted, measured)
     assert autocast_held_bytes(cfg, t, 2, 1, recompute, b, s, 1, False, mats) == 0  # FSDP2: bf16 weights
+
+
+class _NoWeightCasts(ByteCounter):
+    """ByteCounter less the casts of the weights and of their gradients (priced apart:
+    planner.precision.autocast_cast_bytes), whose outputs have a weight's shape."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = shapes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.total
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.overloadpacket.__name__ == "_to_copy" and tuple(out.shape) in self.shapes:
+            self.total = before
+        return out
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "tiny-gpt"])
+def test_eager_traffic_under_autocast_is_what_the_runtime_moves_without_data_parallelism(name):
+    """planner.pointwise with autocast: the runtime's block, head and loss with float32 weights and a
+    float32 residual stream under bf16 autocast (no data parallelism) move what it prices, about
+    1.6x the bf16 count: float32 norms and residual adds, a cast of each norm's output per linear
+    and their gradients cast back and added up in float32."""
+    cfg = _small(name)
+    b, s = 8, 32
+    cos, sin = rope_tables(cfg)
+    targets = torch.randint(0, cfg.vocab, (b, s))
+    for index, module, fn in ((1, Block(cfg), lambda mod, t: mod(t, cos, sin)),
+                              (cfg.num_layers_total - 1, Head(cfg), lambda mod, t: cross_entropy(mod(t), targets))):
+        module = _gpu_norms(module, cfg, torch.float32)
+        shapes = {tuple(p.shape) for p in module.parameters() if p.dim() == 2}
+        x = torch.randn(b, s, cfg.hidden, requires_grad=True)
+        fwd, bwd = _NoWeightCasts(shapes), _NoWeightCasts(shapes)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            with fwd:
+                y = fn(module, x)
+        grad = torch.ones_like(y)
+        with bwd:
+            y.backward(grad)
+        pf, pb = eager_bytes(cfg, index, b, s, 1, False, 2, False, "flash", autocast=True)
+        assert pf == pytest.approx(fwd.total, rel=0.03) and pb == pytest.approx(bwd.total, rel=0.03), \
+            (index, pf, fwd.total, pb, bwd.total)
+        if index == 1:
+            assert pf + pb > 1.4 * sum(eager_bytes(cfg, index, b, s, 1, False, 2, False, "flash"))

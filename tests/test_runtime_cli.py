@@ -171,12 +171,12 @@ def test_trident_run_prints_the_command_of_every_node_of_a_multi_node_plan(tmp_p
                       global_batch=8, micro_batch=2, tp=2)
     path = tmp_path / "two-nodes.json"
     plan.write(path)
-    assert launch.main([str(path), "--steps", "3", "--rdzv-endpoint", "node0:29500"]) == 0
+    assert launch.main([str(path), "--steps", "3", "--rdzv-endpoint", "node0:29500", "--trace", "traces"]) == 0
     cmds = [line for line in capsys.readouterr().out.splitlines() if line.startswith("torchrun")]
     assert len(cmds) == 2
     for rank, cmd in enumerate(cmds):
         assert f"--node-rank {rank}" in cmd and "--nnodes 2" in cmd and "--rdzv-endpoint node0:29500" in cmd
-        assert "--nproc-per-node 2" in cmd and f"--plan {path}" in cmd
+        assert "--nproc-per-node 2" in cmd and f"--plan {path}" in cmd and "--trace traces" in cmd
 
 
 def test_trident_run_refuses_a_bad_plan_before_launching(tmp_path, capsys):
