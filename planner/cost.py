@@ -43,8 +43,8 @@ from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_bytes
-from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, autocast_held_bytes, fsdp_copy_bytes,
-                               model_state_bytes, optimizer_step_bytes)
+from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, autocast_held_bytes, casts_weights,
+                               fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes)
 from planner.schedule import Sharing, StageTimes, simulate
 
 
@@ -147,7 +147,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         mm_f = mm_b = 0.0
     dp = getattr(plan.mesh, "dp", 1)  # without it the runtime computes by autocast on float32 weights
     el_f, el_b = (x / bw for x in pointwise_bytes(t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
-                                                  t.attention, autocast=autocast_cast_bytes(t, dp) != (0, 0)))
+                                                  t.attention, autocast=casts_weights(t, dp)))
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient

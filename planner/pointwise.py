@@ -127,7 +127,7 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
 
 def _autocast_stream(model: ModelConfig, e: int, drop: float) -> tuple[float, float]:
     """(forward, backward) bytes per residual-stream element of a block of the runtime without data
-    parallelism: float32 weights under bf16 autocast (planner.precision.autocast_cast_bytes), so
+    parallelism: float32 weights under bf16 autocast (planner.precision.casts_weights), so
     the embedding's float32 output makes the residual stream float32. Forward: two float32 norms
     (read and write 4 bytes), autocast casting the norm's output afresh for each linear that reads
     it (q, k, v, and w1, w3 when gated: read 4, write e), two residual adds of the bf16 branch into

@@ -20,10 +20,10 @@ GRAD_ACCUMULATION_BYTES = {"separate-fp32": 3 * 4, "separate-16bit": 3 * 2, "fus
 def model_state_bytes(t, dp: int = 2) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter. Gradients are held in the dtype they
     are accumulated and reduced in (grad_bytes). The runtime without data parallelism under mixed
-    precision (autocast_cast_bytes) keeps no 16-bit copy: its float32 weights are the master copy,
+    precision (casts_weights) keeps no 16-bit copy: its float32 weights are the master copy,
     counted as the parameters; the 16-bit casts it holds per micro-batch are activations
     (autocast_held_bytes)."""
-    if autocast_cast_bytes(t, dp) != (0, 0):
+    if casts_weights(t, dp):
         return 4, grad_bytes(t), ADAM_STATE_BYTES
     e = DTYPES[t.dtype]
     master = MASTER_BYTES if (t.master_weights and t.dtype != "fp32") else 0
@@ -122,6 +122,13 @@ def optimizer_step_bytes(t) -> int:
     return n
 
 
+def casts_weights(t, dp: int) -> bool:
+    """Whether the runtime computes in 16 bits by autocast on float32 weights: mixed precision
+    without data parallelism (with it, FSDP2 gathers 16-bit weights), eager kernels (frameworks
+    with fused kernels keep 16-bit working weights)."""
+    return dp <= 1 and t.elementwise_kernels == "eager" and t.master_weights and DTYPES[t.dtype] == 2
+
+
 def autocast_cast_bytes(t, dp: int) -> tuple[int, int]:
     """(forward, backward) bytes per weight of a matrix product and per micro-batch that casting
     the weights to 16 bits moves, in the runtime without data parallelism: it keeps float32
@@ -131,15 +138,13 @@ def autocast_cast_bytes(t, dp: int) -> tuple[int, int]:
     micro-batch (the autocast weight cache is off). With data parallelism FSDP2 gathers 16-bit
     weights instead (fsdp_copy_bytes); frameworks with fused kernels keep 16-bit working weights."""
     e = DTYPES[t.dtype]
-    if dp > 1 or t.elementwise_kernels != "eager" or not t.master_weights or e != 2:
-        return 0, 0
-    return 4 + e, e + 4
+    return (4 + e, e + 4) if casts_weights(t, dp) else (0, 0)
 
 
 def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int, sp: bool,
                         matmul_params: float) -> float:
     """Bytes a layer holds from forward to backward per micro-batch in the runtime without data
-    parallelism under mixed precision (autocast_cast_bytes) beyond ModelConfig.activation_bytes,
+    parallelism under mixed precision (casts_weights) beyond ModelConfig.activation_bytes,
     which counts every saved tensor in the compute dtype: there the embedding's float32 weights
     make the residual stream float32, so each norm (and a fully recomputed block) keeps a float32
     input; autocast casts a norm's float32 output afresh for each linear that reads it (q, k, v,
@@ -148,7 +153,7 @@ def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s
     micro-batch in flight. On an H200 (benchmarks/gpu_check.py, 2026-11-30, Llama 3.2 1B's shape at
     sequence 2048) a block measured 230.7 MB per sequence plus 122.7 MB, against 231.0 and 121.6
     counted this way (ModelConfig alone: 189.0 and none)."""
-    if autocast_cast_bytes(t, dp) == (0, 0):
+    if not casts_weights(t, dp):
         return 0.0
     e = DTYPES[t.dtype]
     kind = model.layer_kind(index)
