@@ -282,7 +282,8 @@ def test_bf16_fsdp_holds_what_the_planner_counts_for_mixed_precision(tmp_path):
     """Under bf16 FSDP2 keeps float32 parameters (the master copy), gathers bf16 ones and reduces
     and accumulates gradients in float32 (MixedPrecisionPolicy). The planner's mixed-precision
     accounting must hold that: the peak memory of ZeRO 0-3 plans of the ~28M-parameter
-    model within 5%, and the losses those of one process."""
+    model within 5%, and the losses those of one process; and the one process's own peak (float32
+    weights under autocast, planner.precision.casts_weights) within 5%."""
     from planner.cluster import load_cluster
     from planner.cost import estimate
     cluster = load_cluster("dgx-a100-80gb").shaped_as(1, 2)  # memory does not depend on the device's speed
@@ -302,6 +303,9 @@ def test_bf16_fsdp_holds_what_the_planner_counts_for_mixed_precision(tmp_path):
     out.mkdir()
     assert_ok(train(2, "--plan", *paths, "--steps", 3, "--dtype", "bf16", "--out", out))
     want = losses_of(tmp_path / "one.run.json")
+    # without data parallelism: float32 weights under autocast, a bf16 cast of each held per micro-batch
+    one_peak = json.loads((tmp_path / "one.run.json").read_text())["peak_memory_bytes"]
+    assert estimate(one, cluster.shaped_as(1, 1)).peak_memory_bytes == pytest.approx(one_peak, rel=0.05)
     for name, pred in predicted.items():
         run = json.loads((out / f"{name}.json").read_text())
         assert run["dtype"] == "bf16"
