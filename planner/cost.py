@@ -162,8 +162,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     params = layer_params_on_device(m, index, tp)
     # the weights of its matrix products, which the runtime's autocast casts (precision), the cast
     # of their gradients in the weights' share of the backward; none in the embedding's lookup
-    mats = {"block": params - (6 if m.arch == "gpt" else 2) * m.hidden, "head": math.ceil(m.vocab / tp) * m.hidden}
-    cast_f, cast_b = (x * mats.get(kind, 0) / bw for x in autocast_cast_bytes(t, dp))
+    mats = params - replicated_params(m, kind) if kind != "embedding" else 0.0
+    cast_f, cast_b = (x * mats / bw for x in autocast_cast_bytes(t, dp))
     accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
                            if plan.pipeline.micro_batches > 1 else 0.0)
     fwd_c, bwd_c = mm_f + el_f + cast_f, mm_b + el_b + accumulate
@@ -182,25 +182,27 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
               dropout=dropout, attention=t.attention)
-    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats.get(kind, 0)) for r in (rec, "none")]
+    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats) for r in (rec, "none")]
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0]
     replay = m.activation_bytes(index, recompute="none", **kw) + held[1] - act if rec != "none" else 0.0
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad)
 
 
+def replicated_params(model: ModelConfig, kind: str) -> int:
+    """Parameters of a layer every TP rank holds whole: norms, row-parallel biases, GPT's positions."""
+    h, gpt = model.hidden, model.arch == "gpt"
+    return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h,
+            "block": 6 * h if gpt else 2 * h}[kind]
+
+
 def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
     """Parameters one TP rank holds for a layer: matrices split tp ways (the vocabulary padded to
-    a multiple of tp), norms and row-parallel biases replicated."""
+    a multiple of tp), replicated_params whole."""
     kind = model.layer_kind(index)
-    h = model.hidden
-    if kind == "embedding":
-        pos = model.seq_len * h if model.arch == "gpt" else 0
-        return math.ceil(model.vocab / tp) * h + pos
-    if kind == "head":
-        norm = 2 * h if model.arch == "gpt" else h
-        return math.ceil(model.vocab / tp) * h + norm
-    replicated = 6 * h if model.arch == "gpt" else 2 * h
-    return (model.block_params() - replicated) / tp + replicated
+    rep = replicated_params(model, kind)
+    if kind == "block":
+        return (model.block_params() - rep) / tp + rep
+    return math.ceil(model.vocab / tp) * model.hidden + rep
 
 
 def tied_head(model: ModelConfig, cost: LayerCost, tp: int) -> LayerCost:

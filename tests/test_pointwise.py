@@ -155,6 +155,24 @@ def test_eager_optimizer_step_traffic_is_what_torchs_foreach_adamw_moves():
     assert optimizer_step_bytes(fused) < 0.5 * optimizer_step_bytes(eager)
 
 
+class _NoWeightCasts(ByteCounter):
+    """ByteCounter less the casts of the weights and of their gradients (priced apart:
+    planner.precision.autocast_cast_bytes), whose outputs have a weight's shape; their bytes are
+    kept in `weight_casts`."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.weight_casts = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.total
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.overloadpacket.__name__ == "_to_copy" and tuple(out.shape) in self.shapes:
+            self.weight_casts += self.total - before
+            self.total = before
+        return out
+
+
 def test_autocast_weight_casts_are_what_the_runtime_block_moves():
     """planner.precision.autocast_cast_bytes: without data parallelism the runtime's block, float32
     weights under bf16 autocast, casts each weight it multiplies by to bf16 in the forward and each
@@ -167,27 +185,19 @@ def test_autocast_weight_casts_are_what_the_runtime_block_moves():
     cos, sin = rope_tables(cfg)
     shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
     matmul_params = sum(p.numel() for p in block.parameters() if p.dim() == 2)
-
-    class Casts(TorchDispatchMode):
-        total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.overloadpacket.__name__ == "_to_copy" and tuple(out.shape) in shapes:
-                Casts.total += _bytes(args[0]) + _bytes(out)
-            return out
     x = torch.randn(4, 32, cfg.hidden, requires_grad=True)
+    casts_f, casts_b = _NoWeightCasts(shapes), _NoWeightCasts(shapes)
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        with Casts():
+        with casts_f:
             y = block(x, cos, sin)
-        fwd, Casts.total = Casts.total, 0
-    with Casts():
+    with casts_b:
         y.float().sum().backward()
+    fwd, bwd = casts_f.weight_casts, casts_b.weight_casts
     kw = dict(cluster_name="x", device="x", nodes=1, devices_per_node=1, global_batch=8, micro_batch=1, seq_len=32,
               dtype="bf16")
     t = build_plan(ZOO["tiny"], **kw).training
     pf, pb = autocast_cast_bytes(t, dp=1)
-    assert (pf * matmul_params, pb * matmul_params) == (fwd, Casts.total)
+    assert (pf * matmul_params, pb * matmul_params) == (fwd, bwd)
     assert autocast_cast_bytes(t, dp=2) == (0, 0)  # FSDP2 gathers bf16 weights
     assert autocast_cast_bytes(dataclasses.replace(t, dtype="fp32"), dp=1) == (0, 0)
 
@@ -224,22 +234,6 @@ def test_what_a_block_under_autocast_keeps_is_what_the_planner_counts(name, reco
                + autocast_held_bytes(cfg, t, 1, 1, recompute, b, s, 1, False, mats))
     assert counted == pytest.approx(measured, rel=0.01), (counted, measured)
     assert autocast_held_bytes(cfg, t, 2, 1, recompute, b, s, 1, False, mats) == 0  # FSDP2: bf16 weights
-
-
-class _NoWeightCasts(ByteCounter):
-    """ByteCounter less the casts of the weights and of their gradients (priced apart:
-    planner.precision.autocast_cast_bytes), whose outputs have a weight's shape."""
-
-    def __init__(self, shapes):
-        super().__init__()
-        self.shapes = shapes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.total
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func.overloadpacket.__name__ == "_to_copy" and tuple(out.shape) in self.shapes:
-            self.total = before
-        return out
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "tiny-gpt"])
