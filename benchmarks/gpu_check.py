@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from planner.device import CONVERSIONS  # noqa: E402
 
 # Llama 3.2 1B's shape (its config.json: hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192,
 # vocabulary 128256, tied embeddings), trained at sequence 2048
@@ -110,22 +111,19 @@ def host_dispatch() -> dict:
 
 def eager_bandwidth() -> dict:
     """Bytes per second (reads and writes counted) of eager kernels the runtime runs, on 2^28
-    elements: casts both ways, a contiguous bf16 product, float32 accumulation, the loss's
-    broadcast subtraction into float32, and a complex product (rotary embeddings)."""
+    elements: a float32 copy, a cast to bf16, a contiguous bf16 product, float32 accumulation, a
+    complex product (rotary embeddings); the profile measures the conversions the planner prices
+    apart (runtime.profile_gpu.conversion_bandwidth)."""
     import torch
 
     from runtime.device import current, timed
     dev, n = current(), 2**28
     a16, b16 = (torch.randn(n, device=dev, dtype=torch.bfloat16) for _ in range(2))
     a32, b32 = torch.randn(n, device=dev), torch.randn(n, device=dev)
-    rows = a16.view(-1, 8192)
-    top = torch.randn(rows.shape[0], 1, device=dev)
-    out32 = torch.empty(rows.shape, device=dev)
     c = torch.randn(n // 2, device=dev, dtype=torch.complex64)
     f = torch.randn(n // 2, device=dev, dtype=torch.complex64)
     cases = {"copy_fp32": (lambda: b32.copy_(a32), 8), "cast_fp32_to_bf16": (lambda: a32.to(torch.bfloat16), 6),
-             "cast_bf16_to_fp32": (lambda: a16.float(), 6), "mul_bf16": (lambda: a16 * b16, 6),
-             "add__fp32": (lambda: b32.add_(a32), 12), "sub_broadcast_bf16_to_fp32": (lambda: torch.sub(rows, top, out=out32), 6),
+             "mul_bf16": (lambda: a16 * b16, 6), "add__fp32": (lambda: b32.add_(a32), 12),
              "complex_mul": (lambda: c * f, 12)}
     out = {}
     for name, (fn, per) in cases.items():
@@ -168,17 +166,55 @@ def compare_curves(shipped, measured) -> list[str]:
                      f"({b / a - 1:+.0%})")
     a, b = shipped.device.memory_bytes_per_s, measured.device.memory_bytes_per_s
     lines.append(f"  memory bandwidth: shipped {a / 1e12:.2f}  measured {b / 1e12:.2f} TB/s ({b / a - 1:+.0%})")
+    for k in CONVERSIONS:  # planner.device: dtype-converting kernels
+        a, b = (c.device.conversion_bandwidth.get(k, c.device.memory_bytes_per_s) for c in (shipped, measured))
+        lines.append(f"  {k} conversions: shipped {a / 1e12:.2f}  measured {b / 1e12:.2f} TB/s ({b / a - 1:+.0%})")
     return lines
+
+
+def replay(d: Path) -> int:
+    """Predict a recorded run (benchmarks/gpu_runs/*: its device.json, plans/ and runs/) again with
+    this planner, from the shipped profile and from the device the run measured, against the
+    measured step times (planner.compare's) and the traced step's time in GPU kernels."""
+    from planner.cluster import cluster_from_dict, load_cluster
+    from planner.compare import compare
+    from planner.cost import estimate
+    from planner.plan import Plan
+    dev = json.loads((d / "device.json").read_text())
+    eager = dev.get("eager_bandwidth", {})
+    if "conversion_bandwidth_bytes_per_s" not in dev["device"] and "cast_bf16_to_fp32" in eager:
+        # recorded before runtime.profile_gpu measured conversions: the same kernels, in its diagnostics
+        dev["device"]["conversion_bandwidth_bytes_per_s"] = {"upcast": eager["cast_bf16_to_fp32"],
+                                                             "broadcast": eager["sub_broadcast_bf16_to_fp32"]}
+    name = shipped_for(dev["device"]["name"])
+    shipped_dict = json.loads((REPO / "profiles" / "hardware" / f"{name}.json").read_text())
+    shipped = load_cluster(name).shaped_as(1, 1)
+    measured = cluster_from_dict(measured_cluster(shipped_dict, dev), "measured").shaped_as(1, 1)
+    print(f"{d.name}: predicted / measured - 1 (kernels: the traced step's time in GPU kernels)")
+    print(f"{'plan':14s} {'measured s':>10s} {'kernels s':>9s} {'shipped':>8s} {'device':>8s} {'device/kernels':>14s}")
+    for path in sorted((d / "plans").glob("*.json")):
+        plan = Plan.read(str(path))
+        run = json.loads((d / "runs" / path.name).read_text())
+        step = compare(plan, run, plan.prediction)["measured_step_time_s"]
+        kernels = run["trace"][0]["device_kernel_s"] if run.get("trace") else float("nan")
+        a, b = (estimate(plan, c).step_time_s for c in (shipped, measured))
+        print(f"{path.stem:14s} {step:10.4f} {kernels:9.4f} {a / step - 1:+8.1%} {b / step - 1:+8.1%} "
+              f"{b / kernels - 1:+14.1%}")
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--replay", default=None, metavar="DIR",
+                    help="predict a recorded run (benchmarks/gpu_runs/*) again; needs no GPU")
     ap.add_argument("--device-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device_worker:
         return device_worker(args.device_worker)
+    if args.replay:
+        return replay(Path(args.replay))
 
     import torch
 
@@ -260,6 +296,7 @@ def main(argv=None) -> int:
                      / c["measured_step_time_s"],
                      # the traced step (runtime.trace): the share of it the GPU spent in kernels
                      "device_busy": (run["trace"][0]["device_kernel_s"] or 0.0) / run["trace"][0]["step_s"],
+                     "device_kernel_s": run["trace"][0]["device_kernel_s"],
                      "aten_calls": run["trace"][0]["aten_calls"]})
     print(f"\n{'plan':14s} {'measured s':>10s} {'shipped':>8s} {'device':>8s} {'dev+model':>9s}   "
           f"{'peak GiB':>8s} {'analytic':>8s} {'dev+model':>9s}  TFLOP/s  busy  aten ops")

@@ -42,7 +42,7 @@ from planner.comm import ASYNC_TP_HIDDEN, clip_norm_comm, runtime_sync, tp_comm
 from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage, split_backward
-from planner.pointwise import pointwise_bytes
+from planner.pointwise import pointwise_seconds
 from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, autocast_held_bytes, casts_weights,
                                fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes)
 from planner.schedule import Sharing, StageTimes, simulate
@@ -146,8 +146,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     else:
         mm_f = mm_b = 0.0
     dp = getattr(plan.mesh, "dp", 1)  # without it the runtime computes by autocast on float32 weights
-    el_f, el_b = (x / bw for x in pointwise_bytes(t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
-                                                  t.attention, autocast=casts_weights(t, dp)))
+    el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
+                                   t.attention, autocast=casts_weights(t, dp))
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
@@ -160,10 +160,11 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         else:
             tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wg(1, b * s, math.ceil(m.vocab / tp), m.hidden))
     params = layer_params_on_device(m, index, tp)
-    # the weights of its matrix products, which the runtime's autocast casts (precision), the cast
-    # of their gradients in the weights' share of the backward; none in the embedding's lookup
+    # the weights of its matrix products, which the runtime's autocast casts (precision), the casts
+    # of their gradients (upcasts) in the weights' share of the backward; none in an embedding
     mats = params - replicated_params(m, kind) if kind != "embedding" else 0.0
-    cast_f, cast_b = (x * mats / bw for x in autocast_cast_bytes(t, dp))
+    cast_f, cast_b = (cluster.device.pointwise_seconds(x * mats, upcast=x * mats * i) for i, x in
+                      enumerate(autocast_cast_bytes(t, dp)))
     accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
                            if plan.pipeline.micro_batches > 1 else 0.0)
     fwd_c, bwd_c = mm_f + el_f + cast_f, mm_b + el_b + accumulate
@@ -191,8 +192,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
 def replicated_params(model: ModelConfig, kind: str) -> int:
     """Parameters of a layer every TP rank holds whole: norms, row-parallel biases, GPT's positions."""
     h, gpt = model.hidden, model.arch == "gpt"
-    return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h,
-            "block": 6 * h if gpt else 2 * h}[kind]
+    return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h, "block": 6 * h if gpt else 2 * h}[kind]
 
 
 def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:

@@ -22,6 +22,14 @@
   overstates it at 2k. Interpolated in log(seq_len), and linearly between the two nearest head
   dimensions; held at the end values outside the measured range. Where a profile has it, it
   replaces `attention_flops` for that kernel; a kernel other than `flash` needs it.
+- `device.conversion_bandwidth_bytes_per_s`: bytes/s (read and written) of the eager elementwise
+  kernels that convert dtypes on the way, by class: `upcast`, reading 16-bit values and writing
+  float32 ones (a cast to float32, a float32 add of a 16-bit operand); `broadcast`, operands of
+  mixed dtypes one of which is broadcast along rows (the loss's logits less their row maximum into
+  float32). PyTorch's CUDA elementwise loops vectorize their loads only where no operand needs a
+  dtype conversion, so these run below the copy bandwidth: on one H200, 1.99 and 1.36 TB/s
+  against a 3.94 TB/s copy (benchmarks/gpu_runs/h200-2026-11-30). planner.pointwise says which
+  bytes of a layer are which. Without it they run at the memory bandwidth.
 """
 from __future__ import annotations
 
@@ -34,7 +42,9 @@ from planner.profile_checks import check_keys
 FUSED_ATTENTION_DTYPES = ("fp16", "bf16")  # what FlashAttention kernels run
 DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth_bytes_per_s",
                "memory_bandwidth_efficiency", "reserved_bytes", "allocator_overhead_fraction",
-               "matmul_flops_by_size", "attention_flops", "attention_flops_by_seq")
+               "matmul_flops_by_size", "attention_flops", "attention_flops_by_seq",
+               "conversion_bandwidth_bytes_per_s")
+CONVERSIONS = ("upcast", "broadcast")  # classes of dtype-converting elementwise kernels (module doc)
 
 
 def _num(d: dict, key: str, where: str, positive: bool = True) -> float:
@@ -94,6 +104,7 @@ class DeviceSpec:
     matmul_by_size: dict = field(default_factory=dict)  # dtype -> ((edge, flop/s), ...) measured, ascending
     attention_flops: dict = field(default_factory=dict)  # dtype -> fused attention FLOP/s, measured
     attention_by_seq: dict = field(default_factory=dict)  # kernel -> ((head_dim, curve), ...), causal
+    conversion_bandwidth: dict = field(default_factory=dict)  # class -> bytes/s, measured (module doc)
 
     def __post_init__(self):
         for f in ("peak_flops", "matmul_efficiency"):
@@ -131,6 +142,14 @@ class DeviceSpec:
     @property
     def memory_bytes_per_s(self) -> float:
         return self.memory_bandwidth_bytes_per_s * self.memory_bandwidth_efficiency
+
+    def pointwise_seconds(self, total: float, upcast: float = 0.0, broadcast: float = 0.0) -> float:
+        """Seconds of memory-bound kernels moving `total` bytes, of which `upcast` and `broadcast`
+        bytes in dtype-converting kernels of those classes (module doc)."""
+        conv = self.conversion_bandwidth
+        bw = self.memory_bytes_per_s
+        return ((total - upcast - broadcast) / bw + upcast / conv.get("upcast", bw)
+                + broadcast / conv.get("broadcast", bw))
 
 
 def _between_head_dims(curves: tuple, seq_len: float, head_dim: float) -> float:
@@ -230,4 +249,17 @@ def device_from_dict(dv, w: str) -> DeviceSpec:
         matmul_by_size=_matmul_curves(dv.get("matmul_flops_by_size"), peak, f"{w}.matmul_flops_by_size"),
         attention_flops=_rates(dv.get("attention_flops"), peak, f"{w}.attention_flops"),
         attention_by_seq=_attention_curves(dv.get("attention_flops_by_seq"), peak, f"{w}.attention_flops_by_seq"),
+        conversion_bandwidth=_conversions(dv.get("conversion_bandwidth_bytes_per_s"),
+                                          f"{w}.conversion_bandwidth_bytes_per_s"),
     )
+
+
+def _conversions(d, where: str) -> dict:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected an object of {' / '.join(CONVERSIONS)} -> bytes/s")
+    for k in d:
+        if k not in CONVERSIONS:
+            raise ConfigError(f"{where}.{k}: unknown class; use {' or '.join(CONVERSIONS)}")
+    return {k: _num(d, k, where) for k in d}

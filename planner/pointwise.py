@@ -141,8 +141,47 @@ def _autocast_stream(model: ModelConfig, e: int, drop: float) -> tuple[float, fl
     return fwd, bwd
 
 
+def conversion_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
+                     autocast: bool = False) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((upcast, broadcast) forward, (upcast, broadcast) backward): the part of eager_bytes moved by
+    kernels that convert dtypes (planner.device, conversion_bandwidth_bytes_per_s), none in float32.
+    Upcasts: the rotary embedding's cast of q and k to float32 and, backward, its gradient's; with
+    autocast the float32 residual adds of each bf16 branch (4 + e + 4 per element) and, backward,
+    each norm output's cast gradients back to float32. Broadcast: runtime/loss.py's logits less
+    their row maximum into float32 and its exponentials times the reciprocal row sums written back
+    in the logits' dtype (e + 4 each), and backward the gradient scaled in place by a float32
+    scalar (2e)."""
+    if e == 4:
+        return (0.0, 0.0), (0.0, 0.0)
+    kind, tokens, h = model.layer_kind(index), s * b, model.hidden
+    rep = tp if sp else 1
+    if kind == "head":
+        vocab = tokens * math.ceil(model.vocab / tp)
+        up_b = (e + 4) * tokens * h / rep if autocast else 0.0
+        return (0.0, 2 * (e + 4) * vocab), (up_b, 2 * e * vocab)
+    if kind != "block":
+        return (0.0, 0.0), (0.0, 0.0)
+    rope = (e + 4) * tokens * (model.q_dim + model.kv_dim) / tp if model.arch == "llama" else 0.0
+    up_f, up_b = rope, rope
+    if autocast:  # as _autocast_stream counts them
+        casts = 3 + (2 if model.arch == "llama" else 1)
+        up_f += 2 * (4 + e + 4) * tokens * h / rep
+        up_b += casts * (e + 4) * tokens * h / rep
+    return (up_f, 0.0), (up_b, 0.0)
+
+
 def pointwise_bytes(kernels: str, *args, autocast: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes of one layer's memory-bound operations with `kernels`."""
     if kernels == "eager":
         return eager_bytes(*args, autocast=autocast)
     return fused_bytes(*args)
+
+
+def pointwise_seconds(device, kernels: str, model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool,
+                      e: int, dropout: bool, attention: str, autocast: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's memory-bound operations on `device`: eager
+    kernels that convert dtypes at their measured bandwidth (conversion_bytes)."""
+    total = pointwise_bytes(kernels, model, index, b, s, tp, sp, e, dropout, attention, autocast=autocast)
+    conv = (conversion_bytes(model, index, b, s, tp, sp, e, autocast) if kernels == "eager"
+            else ((0.0, 0.0), (0.0, 0.0)))
+    return tuple(device.pointwise_seconds(t, *c) for t, c in zip(total, conv))

@@ -7,7 +7,8 @@
 `cluster` writes a ClusterSpec JSON (planner.cluster reads it) with "kind": "measured":
 - device: the matmul rate (fp32; on CPU "peak" is the best rate of a large square matmul, and
   matmul_efficiency is the median rate at transformer-like shapes over that peak), memory
-  bandwidth (a large copy; recorded as achieved, efficiency 1), capacity (/proc/meminfo or
+  bandwidth (a large copy; recorded as achieved, efficiency 1) and that of the kernels converting
+  dtypes (runtime.profile_gpu.conversion_bandwidth), capacity (/proc/meminfo or
   sysconf, divided among the processes of a node), all measured on every rank at once;
 - for all_reduce, all_gather, reduce_scatter, all_to_all and send_recv and every power-of-two
   group size n <= N (all groups of that size running at once), the median time of a message-size
@@ -44,6 +45,7 @@ from planner.args import OneLineParser
 from runtime.comm_sweep import (OPS, Progress, mean_over_ranks, group_layout, group_points, node_key, overlap_ratio,
                                 per_node_of, sizes_for, sweep)
 from runtime.device import current
+from runtime.profile_gpu import conversion_bandwidth
 
 # ------------------------------------------------------------------ device
 def matmul_rate(m: int, n: int, k: int, budget_s: float = 0.15, dtype=torch.float32) -> float:
@@ -133,6 +135,7 @@ def _cpu_device(progress, per_node: int) -> tuple[dict, dict, float, float]:
         achieved = mean_over_ranks(statistics.median(matmul_rate(*s, budget_s=0.05, dtype=dt) for s in shapes))
         eff[name] = min(1.0, achieved / peak[name])
     bw = mean_over_ranks(memory_bandwidth())
+    conv = {k: mean_over_ranks(v) for k, v in conversion_bandwidth(2**24, 5).items()}
     progress.step("device")
     slow = overlap_slowdown()
     slots = compute_slots()
@@ -145,6 +148,7 @@ def _cpu_device(progress, per_node: int) -> tuple[dict, dict, float, float]:
         "matmul_efficiency": eff,
         "memory_bandwidth_bytes_per_s": bw,
         "memory_bandwidth_efficiency": 1.0,
+        "conversion_bandwidth_bytes_per_s": conv,
         "reserved_bytes": 0,
         "allocator_overhead_fraction": 0.0,
     }
@@ -157,6 +161,9 @@ def _cpu_device(progress, per_node: int) -> tuple[dict, dict, float, float]:
         "device.memory_bandwidth_bytes_per_s": "measured: best of 5 copies of a 64 MiB fp32 tensor, "
                                                "2 x 64 MiB moved, every rank at once; efficiency 1 "
                                                "because this is the achieved rate",
+        "device.conversion_bandwidth_bytes_per_s": "measured: best of 5 of a 2^24-element bf16 tensor cast to "
+                                                   "float32 (upcast) and of its rows of 8192 less a float32 per-row "
+                                                   "value into float32 (broadcast), every rank at once",
         "device.memory_bytes": f"measured: {mem_src} divided by the {per_node} processes of a host",
         "device.reserved_bytes": "assumption: 0 on CPU (no device context; run.json counts the tensors alive at the "
                                  "step's start and the heap allocated above them)",

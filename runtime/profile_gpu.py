@@ -11,7 +11,9 @@ Every rank measures its own GPU at once, in the dtypes the runtime trains in:
   dimensions 64 and 128 and sequence lengths 512 to 16k, set up as the FlashAttention-2 benchmark
   (Dao 2023, Fig. 4: 16k tokens a batch, hidden 2048) and counted as it counts (4 s^2 d per head
   forward, halved for the mask, 2.5x that backward);
-- memory bandwidth: a 1 GiB copy (larger than any GPU's L2), reads and writes counted;
+- memory bandwidth: a 1 GiB copy (larger than any GPU's L2), reads and writes counted; that of
+  the kernels converting dtypes (conversion_bandwidth: a cast of bf16 to float32, and the loss's
+  broadcast subtraction into float32), which PyTorch runs unvectorized;
 - memory: the device's total memory; reserved_bytes, what the device holds outside PyTorch's
   caching allocator (its context, NCCL's buffers), is read after the collectives ran
   (runtime.profile.reserved_outside_allocator);
@@ -77,6 +79,24 @@ def memory_bandwidth() -> float:
     return 2 * src.numel() * 4 / min(timed(lambda: dst.copy_(src)) for _ in range(10))
 
 
+def conversion_bandwidth(n: int = 2**28, repeats: int = 10) -> dict:
+    """Bytes/s (read and written) of the dtype-converting eager kernels that planner.device prices
+    apart (conversion_bandwidth_bytes_per_s), on n elements, best of `repeats`: `upcast`, a bf16
+    tensor cast to float32 (2 + 4 bytes an element); `broadcast`, bf16 rows less a float32 value per
+    row written to float32 (runtime/loss.py's subtraction of the row maximum). On CPU or GPU."""
+    dev = current()
+    a16 = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    rows = a16.view(-1, 8192)
+    top = torch.randn(rows.shape[0], 1, device=dev)
+    out32 = torch.empty(rows.shape, device=dev)
+    cases = {"upcast": lambda: a16.float(), "broadcast": lambda: torch.sub(rows, top, out=out32)}
+    out = {}
+    for name, fn in cases.items():
+        fn()
+        out[name] = 6 * n / min(timed(fn) for _ in range(repeats))
+    return out
+
+
 def _stream_time(fn) -> float:
     """Seconds of `fn`'s work on the current stream, by CUDA events (work on other streams, such as
     NCCL's, is not waited for)."""
@@ -121,6 +141,7 @@ def measure_device(quick: bool) -> tuple[dict, dict, float, float]:
         "matmul_efficiency": eff,
         "memory_bandwidth_bytes_per_s": mean_over_ranks(memory_bandwidth()),
         "memory_bandwidth_efficiency": 1.0,
+        "conversion_bandwidth_bytes_per_s": {k: mean_over_ranks(v) for k, v in conversion_bandwidth().items()},
         "reserved_bytes": 0,  # replaced after the collectives by reserved_outside_allocator
         "allocator_overhead_fraction": 0.05,
         "matmul_flops_by_size": curves,
@@ -140,6 +161,9 @@ def measure_device(quick: bool) -> tuple[dict, dict, float, float]:
                                          "halved for the mask, 2.5x backward); used for fp16 too",
         "device.memory_bandwidth_bytes_per_s": "measured: best of 10 copies of a 1 GiB fp32 tensor (reads and writes "
                                                "counted), mean over ranks; efficiency 1: this is the achieved rate",
+        "device.conversion_bandwidth_bytes_per_s": "measured: best of 10 of a 2^28-element bf16 tensor cast to "
+                                                   "float32 (upcast) and of its rows of 8192 less a float32 per-row "
+                                                   "value into float32 (broadcast), 6 bytes an element, mean over ranks",
         "device.memory_bytes": "measured: torch.cuda.get_device_properties().total_memory",
         "device.reserved_bytes": "measured: device memory in use (torch.cuda.mem_get_info) less what PyTorch's "
                                  "caching allocator reserves, after the collectives ran (CUDA context, NCCL "

@@ -82,6 +82,10 @@ def test_measured_curves_are_validated_with_one_line_errors():
         (("device", "attention_flops_by_seq"), {"flash": {"64": [[512, 1e14], [1024, 9e14]]}},
          "attention_flops_by_seq.flash.64: a rate above the 16-bit peak_flops"),
         (("device", "attention_flops_by_seq"), {"flash": {"64": [[1024, 1e14], [512, 1e14]]}}, "rise strictly"),
+        (("device", "conversion_bandwidth_bytes_per_s"), 1e12, "conversion_bandwidth_bytes_per_s: expected an object"),
+        (("device", "conversion_bandwidth_bytes_per_s"), {"downcast": 1e12},
+         "conversion_bandwidth_bytes_per_s.downcast: unknown class; use upcast or broadcast"),
+        (("device", "conversion_bandwidth_bytes_per_s"), {"upcast": -1}, "conversion_bandwidth_bytes_per_s.upcast"),
     ]
     for path, value, words in cases:
         d = _a100_dict()
@@ -138,3 +142,36 @@ def test_fused_attention_runs_at_the_profiles_measured_rate():
     a = layer_cost(plan, A100, 1, plan.pipeline.stages[0], [0, 1])
     assert t.fwd_compute_s - a.fwd_compute_s == pytest.approx(f_core / tp * (1 / 76e12 - 1 / 173e12), rel=1e-6)
     assert t.activation_bytes == a.activation_bytes
+
+
+def test_dtype_converting_kernels_run_at_the_profiles_measured_bandwidth():
+    """device.conversion_bandwidth_bytes_per_s: an eager bf16 layer's upcasts and broadcast
+    conversions (planner.pointwise.conversion_bytes) run at their measured bandwidths, the rest of
+    its memory-bound bytes at the copy bandwidth; without the field, all at the copy bandwidth.
+    The fused kernels of Megatron-style plans convert nothing and are not slowed."""
+    import dataclasses
+    from planner.cluster import cluster_from_dict
+    from planner.cost import layer_cost, layer_params_on_device, replicated_params
+    from planner.pointwise import conversion_bytes
+    d = _a100_dict()
+    plain = cluster_from_dict(d, "a100")
+    d["device"]["conversion_bandwidth_bytes_per_s"] = {"upcast": 5e11, "broadcast": 2.5e11}
+    slow = cluster_from_dict(d, "a100")
+    bw = plain.device.memory_bytes_per_s
+    for nodes in (2, 1):  # dp 2 (FSDP2's bf16 weights); dp 1 (float32 weights under autocast)
+        plan = plan_for("llama3-8b", nodes=nodes, tp=8, pp=1, global_batch=8, micro_batch=1, dtype="bf16")
+        eager = dataclasses.replace(plan, training=dataclasses.replace(plan.training, elementwise_kernels="eager"))
+        stage, m, autocast = eager.pipeline.stages[0], eager.model, nodes == 1
+        for index in (1, m.num_layers_total - 1):  # a block (rotary upcasts), the head (the loss's broadcasts)
+            a, b = (layer_cost(eager, c, index, stage, list(range(8))) for c in (plain, slow))
+            (up_f, bc_f), (up_b, bc_b) = conversion_bytes(m, index, 1, eager.training.seq_len, 8, False, 2, autocast)
+            if autocast:  # each weight's gradient cast back to float32 (planner.precision)
+                kind = m.layer_kind(index)
+                up_b += 6 * (layer_params_on_device(m, index, 8) - replicated_params(m, kind))
+            for t_plain, t_slow, up, bc in ((a.fwd_compute_s, b.fwd_compute_s, up_f, bc_f),
+                                            (a.bwd_compute_s, b.bwd_compute_s, up_b, bc_b)):
+                extra = up * (1 / 5e11 - 1 / bw) + bc * (1 / 2.5e11 - 1 / bw)
+                assert t_slow - t_plain == pytest.approx(extra, rel=1e-6) and extra > 0
+        plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, elementwise_kernels="fused"))
+        fused = [layer_cost(plan, c, 1, plan.pipeline.stages[0], list(range(8))) for c in (plain, slow)]
+        assert fused[0].fwd_compute_s == fused[1].fwd_compute_s and fused[0].bwd_compute_s == fused[1].bwd_compute_s

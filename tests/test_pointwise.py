@@ -263,3 +263,67 @@ def test_eager_traffic_under_autocast_is_what_the_runtime_moves_without_data_par
             (index, pf, fwd.total, pb, bwd.total)
         if index == 1:
             assert pf + pb > 1.4 * sum(eager_bytes(cfg, index, b, s, 1, False, 2, False, "flash"))
+
+
+class _Conversions(_NoWeightCasts):
+    """_NoWeightCasts that also sorts what it counts into the classes of dtype-converting kernels
+    (planner.device, conversion_bandwidth_bytes_per_s): operands of mixed floating widths (complex64
+    counts as float32's) with one broadcast against the output, or else writing float32 from a
+    16-bit operand."""
+
+    def __init__(self, shapes):
+        super().__init__(shapes)
+        self.upcast = self.broadcast = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.total
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        moved = self.total - before
+        ins = [a for a in args if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())]
+        res = out if isinstance(out, torch.Tensor) else (ins[0] if ins else None)
+        if moved and res is not None and (res.is_floating_point() or res.is_complex()):
+            def width(t):
+                return t.element_size() // (2 if t.is_complex() else 1)
+            if len({width(t) for t in ins + [res]}) > 1:
+                if any(t.numel() < res.numel() for t in ins):
+                    self.broadcast += moved
+                elif width(res) == 4:
+                    self.upcast += moved
+        return out
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "tiny-gpt"])
+@pytest.mark.parametrize("autocast", [True, False])
+def test_the_conversions_priced_apart_are_the_runtimes_dtype_converting_kernels(name, autocast):
+    """planner.pointwise.conversion_bytes: the bytes of the runtime's block, head and loss that move
+    through kernels converting dtypes (upcasts to float32, mixed dtypes with a broadcast operand),
+    which run below the copy bandwidth on a GPU; under bf16 autocast on float32 weights (no data
+    parallelism) and in bf16 (FSDP2's working weights). None in float32."""
+    from planner.pointwise import conversion_bytes
+    cfg = _small(name)
+    b, s = 8, 32
+    cos, sin = rope_tables(cfg)
+    targets = torch.randint(0, cfg.vocab, (b, s))
+    dtype = torch.float32 if autocast else torch.bfloat16
+    converted = 0
+    for index, module, fn in ((1, Block(cfg), lambda mod, t: mod(t, cos, sin)),
+                              (cfg.num_layers_total - 1, Head(cfg), lambda mod, t: cross_entropy(mod(t), targets))):
+        module = _gpu_norms(module.to(dtype), cfg, dtype)
+        shapes = {tuple(p.shape) for p in module.parameters() if p.dim() == 2}
+        x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
+        fwd, bwd = _Conversions(shapes), _Conversions(shapes)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast):
+            with fwd:
+                y = fn(module, x)
+        grad = torch.ones_like(y)
+        with bwd:
+            y.backward(grad)
+        (uf, bf), (ub, bb) = conversion_bytes(cfg, index, b, s, 1, False, 2, autocast)
+        # within 3%, or 1% of the layer's traffic (the loss's per-row float32 scalars)
+        slack = 0.01 * (fwd.total + bwd.total)
+        for priced, traced in ((uf, fwd.upcast), (bf, fwd.broadcast), (ub, bwd.upcast), (bb, bwd.broadcast)):
+            assert priced == pytest.approx(traced, rel=0.03, abs=slack), (index, uf, bf, ub, bb, fwd.upcast,
+                                                                          fwd.broadcast, bwd.upcast, bwd.broadcast)
+        converted += uf + bf + ub + bb
+        assert conversion_bytes(cfg, index, b, s, 1, False, 4, autocast) == ((0, 0), (0, 0))
+    assert converted > 0
