@@ -169,13 +169,16 @@ class Trainer:
         return cross_entropy(logits, targets, group, self.tp_rank)
 
     def _accumulate(self, xs, ys) -> float:
-        total = 0.0
+        losses = []
         for i, (x, y) in enumerate(zip(xs, ys)):
             self._set_grad_sync(i == len(xs) - 1)
             loss = self.loss(self.chunks[0](x), y) / len(xs)
             loss.backward()
-            total += float(loss.detach())
-        return total
+            losses.append(loss.detach())
+        # read once a step: reading each micro-batch's loss waited for its backward on a GPU, which
+        # then idled while the host launched the next forward (1.1-1.3 ms a micro-batch in a traced
+        # step of the H200 runs of 2026-11-30, micro-batches of 4 sequences of 2048)
+        return float(torch.stack(losses).double().sum())
 
 
 def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) -> dict:
