@@ -297,6 +297,8 @@ def main(argv=None) -> int:
                      # the traced step (runtime.trace): the share of it the GPU spent in kernels
                      "device_busy": (run["trace"][0]["device_kernel_s"] or 0.0) / run["trace"][0]["step_s"],
                      "device_kernel_s": run["trace"][0]["device_kernel_s"],
+                     # kernels, and the GPU's idle gaps between them: short launch gaps, long waits on the host
+                     "kernel_timeline": run["trace"][0].get("kernel_timeline"),
                      "aten_calls": run["trace"][0]["aten_calls"]})
     print(f"\n{'plan':14s} {'measured s':>10s} {'shipped':>8s} {'device':>8s} {'dev+model':>9s}   "
           f"{'peak GiB':>8s} {'analytic':>8s} {'dev+model':>9s}  TFLOP/s  busy  aten ops")

@@ -6,8 +6,9 @@ allocator is warm). Each rank writes, under DIR, with STEM the plan file's stem:
   (GPU kernels) where there is one, else by their own CPU time;
 - STEM-rankR.trace.json.gz: the whole trace (chrome://tracing or ui.perfetto.dev read it gzipped).
 and returns a summary for run.json: the step's wall time, the time the device spent in kernels
-(the union of the kernels' intervals, NCCL's on their own stream included), and the number of
-operators the host dispatched. A device busy for much less than the step waited on the host: the
+(the union of the kernels' intervals, NCCL's on their own stream included), the number of
+operators the host dispatched and, on a GPU, the kernels' timeline (`kernel_timeline`: how many
+kernels, and the idle gaps between them, short launch gaps apart from the long waits on the host). A device busy for much less than the step waited on the host: the
 step is bound by Python and kernel launches, not by the GPU (the profiler slows the host, so the
 traced step is slower than the others and its busy share lower).
 """
@@ -23,17 +24,36 @@ from pathlib import Path
 import torch
 
 
-def _busy_s(events) -> float:
-    """Seconds in which at least one GPU kernel ran: the union of the device events' intervals
-    (their own time; a sum over the operators would count each kernel under every parent)."""
+LONG_GAP_S = 100e-6  # an idle gap at least this long between kernels: the device waited on the host
+
+
+def _kernel_spans(events) -> list:
+    """(start, end) in microseconds of every GPU kernel among the profiler's events, sorted."""
     from torch.autograd import DeviceType
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if getattr(e, "device_type", None) == DeviceType.CUDA and getattr(e, "time_range", None))
-    busy, end = 0.0, -math.inf
+    return sorted((e.time_range.start, e.time_range.end) for e in events
+                  if getattr(e, "device_type", None) == DeviceType.CUDA and getattr(e, "time_range", None))
+
+
+def timeline(spans) -> dict:
+    """Of kernel intervals (start, end) in microseconds, sorted by start: `busy_s`, the seconds in
+    which at least one ran (their union; a sum over the operators would count each kernel under
+    every parent), `kernels`, and the idle gaps between the first start and the last end, in
+    seconds: `short_gaps_s` (each under LONG_GAP_S: the launch gaps between back-to-back kernels),
+    `long_gaps_s` (the device waiting on the host: a synchronization, a host-bound stretch) and
+    `gaps`, how many there were."""
+    busy = short = long_ = 0.0
+    gaps, end = 0, None
     for lo, hi in spans:
-        busy += max(0.0, hi - max(lo, end))
-        end = max(end, hi)
-    return busy / 1e6
+        if end is not None and lo > end:
+            gap = (lo - end) / 1e6
+            gaps += 1
+            if gap < LONG_GAP_S:
+                short += gap
+            else:
+                long_ += gap
+        busy += max(0.0, hi - (lo if end is None else max(lo, end))) / 1e6
+        end = hi if end is None else max(end, hi)
+    return dict(busy_s=busy, kernels=len(spans), short_gaps_s=short, long_gaps_s=long_, gaps=gaps)
 
 
 @contextlib.contextmanager
@@ -61,6 +81,6 @@ def traced_step(device: torch.device, out_dir: str, stem: str, rank: int, summar
     raw.unlink()
     # operators the host dispatched: every aten:: call, those an operator makes inside it included
     aten_calls = sum(a.count for a in avgs if a.key.startswith("aten::"))
-    kernel_s = _busy_s(prof.events()) if gpu else None
-    summary.update(step_s=wall, device_kernel_s=kernel_s, aten_calls=aten_calls,
-                   table=f"{base.name}.txt", trace=f"{raw.name}.gz")
+    t = timeline(_kernel_spans(prof.events())) if gpu else {}
+    summary.update(step_s=wall, device_kernel_s=t.pop("busy_s", None), aten_calls=aten_calls,
+                   table=f"{base.name}.txt", trace=f"{raw.name}.gz", kernel_timeline=t or None)

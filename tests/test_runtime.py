@@ -226,9 +226,22 @@ def test_trace_profiles_the_last_step_and_leaves_it_untimed(plans, tmp_path):
     events = json.loads(gzip.open(traces / summary["trace"]).read())["traceEvents"]
     assert any(e.get("name") == "aten::mm" for e in events)
     assert summary["aten_calls"] > 100 and summary["step_s"] > 0 and summary["device_kernel_s"] is None  # CPU
+    assert summary["kernel_timeline"] is None
     assert run["traced_step_index"] == 4 and len(run["step_times_s"]) == 5
     tokens = run["tokens_per_step"]
     assert run["tokens_per_s"] == pytest.approx(tokens / run["step_times_s"][3])  # step 4 alone is timed
+
+
+def test_the_kernel_timeline_splits_busy_time_and_idle_gaps():
+    """runtime.trace.timeline: kernels on two streams overlap (their union is busy), a gap under
+    100 us between kernels is a launch gap, a longer one a wait on the host."""
+    from runtime.trace import timeline
+    spans = [(0, 10), (5, 20), (22, 30), (30, 40), (540, 550)]  # microseconds, sorted by start
+    t = timeline(spans)
+    assert t == dict(busy_s=pytest.approx(48e-6), kernels=5, short_gaps_s=pytest.approx(2e-6),
+                     long_gaps_s=pytest.approx(500e-6), gaps=2)
+    assert t["busy_s"] + t["short_gaps_s"] + t["long_gaps_s"] == pytest.approx(550e-6)  # first start to last end
+    assert timeline([]) == dict(busy_s=0.0, kernels=0, short_gaps_s=0.0, long_gaps_s=0.0, gaps=0)
 
 
 def test_zero3_under_a_pipeline_keeps_its_parameters_sharded(tmp_path):
