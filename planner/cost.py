@@ -163,8 +163,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     # the weights of its matrix products, which the runtime's autocast casts (precision), the casts
     # of their gradients (upcasts) in the weights' share of the backward; none in an embedding
     mats = params - replicated_params(m, kind) if kind != "embedding" else 0.0
-    cast_f, cast_b = (cluster.device.pointwise_seconds(x * mats, upcast=x * mats * i) for i, x in
-                      enumerate(autocast_cast_bytes(t, dp)))
+    cf, cb = (x * mats for x in autocast_cast_bytes(t, dp))
+    cast_f, cast_b = cluster.device.pointwise_seconds(cf), cluster.device.pointwise_seconds(cb, upcast=cb)
     accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
                            if plan.pipeline.micro_batches > 1 else 0.0)
     fwd_c, bwd_c = mm_f + el_f + cast_f, mm_b + el_b + accumulate

@@ -8,9 +8,10 @@ allocator is warm). Each rank writes, under DIR, with STEM the plan file's stem:
 and returns a summary for run.json: the step's wall time, the time the device spent in kernels
 (the union of the kernels' intervals, NCCL's on their own stream included), the number of
 operators the host dispatched and, on a GPU, the kernels' timeline (`kernel_timeline`: how many
-kernels, and the idle gaps between them, short launch gaps apart from the long waits on the host). A device busy for much less than the step waited on the host: the
-step is bound by Python and kernel launches, not by the GPU (the profiler slows the host, so the
-traced step is slower than the others and its busy share lower).
+kernels, and the idle gaps between them, short launch gaps apart from long waits on the host).
+A device busy for much less than the step waited on the host: the step is bound by Python and
+kernel launches, not by the GPU (the profiler slows the host, so the traced step is slower than
+the others and its busy share lower).
 """
 from __future__ import annotations
 
