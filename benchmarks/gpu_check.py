@@ -308,6 +308,11 @@ def main(argv=None) -> int:
               f"{r['measured_peak_bytes'] / 2**30:8.2f} {r['memory_error[analytic]']:+8.1%} "
               f"{r['memory_error[device+model]']:+9.1%}  {r['measured_tflops_per_gpu']:7.1f} {r['device_busy']:5.0%} "
               f"{r['aten_calls']:9,d}")
+    for r in rows:  # the traced step's kernels and the GPU's idle time between them (runtime.trace)
+        t = r["kernel_timeline"]
+        if t:
+            print(f"{r['plan']:14s} {t['kernels']:,d} kernels; idle between them: {t['short_gaps_s'] * 1e3:.1f} ms in "
+                  f"launch gaps, {t['long_gaps_s'] * 1e3:.1f} ms waiting on the host (traced step)")
     print(f"(step-time and memory errors are predicted / measured - 1; {time.perf_counter() - t_start:.0f} s in all)")
     (out / "results.json").write_text(json.dumps({"device": name, "gpu": gpu, "device_lines": lines, "rows": rows},
                                                  indent=1) + "\n")
