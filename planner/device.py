@@ -26,10 +26,11 @@
   kernels that convert dtypes on the way, by class: `upcast`, reading 16-bit values and writing
   float32 ones (a cast to float32, a float32 add of a 16-bit operand); `broadcast`, operands of
   mixed dtypes one of which is broadcast along rows (the loss's logits less their row maximum into
-  float32). PyTorch's CUDA elementwise loops vectorize their loads only where no operand needs a
+  float32). PyTorch's CUDA elementwise loops take a non-vectorized path where an operand needs a
   dtype conversion, so these run below the copy bandwidth: on one H200, 1.99 and 1.36 TB/s
-  against a 3.94 TB/s copy (benchmarks/gpu_runs/h200-2026-11-30). planner.pointwise says which
-  bytes of a layer are which. Without it they run at the memory bandwidth.
+  against a 3.94 TB/s copy (benchmarks/gpu_runs/h200-2026-11-30; its cast of float32 to bf16 ran
+  at 3.85 TB/s, so casts down are priced as plain traffic). planner.pointwise says which bytes of
+  a layer are which. Without the field they run at the memory bandwidth.
 """
 from __future__ import annotations
 
