@@ -173,6 +173,29 @@ class _NoWeightCasts(ByteCounter):
         return out
 
 
+def _traced_layers(cfg, b, s, counter, dtype, autocast):
+    """[(layer index, forward counter, backward counter)] of the runtime's block and of its head with
+    the loss, in `dtype` (under bf16 autocast with `autocast`), each traced by a `counter`
+    (a _NoWeightCasts class) given the shapes of the module's weights."""
+    cos, sin = rope_tables(cfg)
+    targets = torch.randint(0, cfg.vocab, (b, s))
+    out = []
+    for index, module, fn in ((1, Block(cfg), lambda mod, t: mod(t, cos, sin)),
+                              (cfg.num_layers_total - 1, Head(cfg), lambda mod, t: cross_entropy(mod(t), targets))):
+        module = _gpu_norms(module.to(dtype), cfg, dtype)
+        shapes = {tuple(p.shape) for p in module.parameters() if p.dim() == 2}
+        x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
+        fwd, bwd = counter(shapes), counter(shapes)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast):
+            with fwd:
+                y = fn(module, x)
+        grad = torch.ones_like(y)
+        with bwd:
+            y.backward(grad)
+        out.append((index, fwd, bwd))
+    return out
+
+
 def test_autocast_weight_casts_are_what_the_runtime_block_moves():
     """planner.precision.autocast_cast_bytes: without data parallelism the runtime's block, float32
     weights under bf16 autocast, casts each weight it multiplies by to bf16 in the forward and each
@@ -244,20 +267,7 @@ def test_eager_traffic_under_autocast_is_what_the_runtime_moves_without_data_par
     and their gradients cast back and added up in float32."""
     cfg = _small(name)
     b, s = 8, 32
-    cos, sin = rope_tables(cfg)
-    targets = torch.randint(0, cfg.vocab, (b, s))
-    for index, module, fn in ((1, Block(cfg), lambda mod, t: mod(t, cos, sin)),
-                              (cfg.num_layers_total - 1, Head(cfg), lambda mod, t: cross_entropy(mod(t), targets))):
-        module = _gpu_norms(module, cfg, torch.float32)
-        shapes = {tuple(p.shape) for p in module.parameters() if p.dim() == 2}
-        x = torch.randn(b, s, cfg.hidden, requires_grad=True)
-        fwd, bwd = _NoWeightCasts(shapes), _NoWeightCasts(shapes)
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-            with fwd:
-                y = fn(module, x)
-        grad = torch.ones_like(y)
-        with bwd:
-            y.backward(grad)
+    for index, fwd, bwd in _traced_layers(cfg, b, s, _NoWeightCasts, torch.float32, autocast=True):
         pf, pb = eager_bytes(cfg, index, b, s, 1, False, 2, False, "flash", autocast=True)
         assert pf == pytest.approx(fwd.total, rel=0.03) and pb == pytest.approx(bwd.total, rel=0.03), \
             (index, pf, fwd.total, pb, bwd.total)
@@ -302,22 +312,9 @@ def test_the_conversions_priced_apart_are_the_runtimes_dtype_converting_kernels(
     from planner.pointwise import conversion_bytes
     cfg = _small(name)
     b, s = 8, 32
-    cos, sin = rope_tables(cfg)
-    targets = torch.randint(0, cfg.vocab, (b, s))
     dtype = torch.float32 if autocast else torch.bfloat16
     converted = 0
-    for index, module, fn in ((1, Block(cfg), lambda mod, t: mod(t, cos, sin)),
-                              (cfg.num_layers_total - 1, Head(cfg), lambda mod, t: cross_entropy(mod(t), targets))):
-        module = _gpu_norms(module.to(dtype), cfg, dtype)
-        shapes = {tuple(p.shape) for p in module.parameters() if p.dim() == 2}
-        x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
-        fwd, bwd = _Conversions(shapes), _Conversions(shapes)
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast):
-            with fwd:
-                y = fn(module, x)
-        grad = torch.ones_like(y)
-        with bwd:
-            y.backward(grad)
+    for index, fwd, bwd in _traced_layers(cfg, b, s, _Conversions, dtype, autocast):
         (uf, bf), (ub, bb) = conversion_bytes(cfg, index, b, s, 1, False, 2, autocast)
         # within 3%, or 1% of the layer's traffic (the loss's per-row float32 scalars)
         slack = 0.01 * (fwd.total + bwd.total)

@@ -341,14 +341,20 @@ def test_the_gpu_profilers_rate_loops_run_and_time_what_they_run():
     assert set(conv) == {"upcast", "broadcast"} and all(math.isfinite(v) and v > 0 for v in conv.values())
 
 
-def test_the_gpu_check_builds_a_loadable_profile_from_a_measured_device(tmp_path):
-    """benchmarks/gpu_check.py (run where a GPU is lent) puts the device runtime.profile_gpu
-    measures into the shipped profile of the same GPU; the planner must read what it writes."""
+def _gpu_check():
+    """benchmarks/gpu_check.py as a module."""
     import importlib.util
-    from runtime import profile_gpu
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
+    return gc
+
+
+def test_the_gpu_check_builds_a_loadable_profile_from_a_measured_device(tmp_path):
+    """benchmarks/gpu_check.py (run where a GPU is lent) puts the device runtime.profile_gpu
+    measures into the shipped profile of the same GPU; the planner must read what it writes."""
+    from runtime import profile_gpu
+    gc = _gpu_check()
     assert gc.shipped_for("NVIDIA H100 80GB HBM3") == "dgx-h100-80gb" and gc.shipped_for("NVIDIA H200") == "hgx-h200-141gb"
     rates = {"bf16": 7.5e14, "fp16": 7.6e14, "fp32": 5.0e13}
     device = {"name": "NVIDIA H200", "memory_bytes": 150e9, "peak_flops": rates,
@@ -376,10 +382,7 @@ def test_the_recorded_h200_run_is_predicted_from_its_measured_device(capsys):
     figures, so no timing noise: the traced step's time in GPU kernels is predicted within 4%
     (it was 7-11% short before dtype-converting kernels were priced at their measured bandwidth),
     and the measured step within 12% (the rest is time the GPU waits for the host, not priced)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
+    gc = _gpu_check()
     assert gc.replay(REPO / "benchmarks" / "gpu_runs" / "h200-2026-11-30") == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("mb")]
     assert [r[0] for r in rows] == ["mb1-none", "mb2-selective", "mb4-full", "mb4-none"]
