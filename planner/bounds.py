@@ -10,7 +10,7 @@ import numpy as np
 
 from planner.cost import tied_head
 from planner.memory import held_i_to_w_bytes
-from planner.schedule import rank_order
+from planner.schedule import interleaved_sequence, rank_order
 
 TOL = 1e-9
 
@@ -31,15 +31,21 @@ def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
         else:
             # a chunk holds a micro-batch from its F to its B (a split backward: its W), and
             # under a split backward what W needs from its I to its W (the last v columns)
-            ops = rank_order(schedule, pp, v, micro_batches, r)
-            kind = np.array([k for k, _, _ in ops])
-            chunk = np.array([s // pp for _, s, _ in ops])
-            steps = np.zeros((len(ops), 2 * v))
-            at = np.arange(len(ops))
+            if schedule == "interleaved-1f1b":
+                forward, k = interleaved_sequence(pp, v, micro_batches, r)
+                chunk = (k % (pp * v)) // pp
+                chunk = np.where(forward, chunk, v - 1 - chunk)
+                kind = np.where(forward, "F", "B")
+            else:
+                ops = rank_order(schedule, pp, v, micro_batches, r)
+                kind = np.array([k for k, _, _ in ops])
+                chunk = np.array([s // pp for _, s, _ in ops])
+            steps = np.zeros((len(kind), 2 * v))
+            at = np.arange(len(kind))
             steps[at, chunk] = np.select([kind == "F", kind == "I"], [1.0, 0.0], -1.0)  # B, W: -1
             steps[at, v + chunk] = np.select([kind == "I", kind == "W"], [1.0, -1.0], 0.0)
             counts = np.cumsum(steps, axis=0)[(kind == "F") | (kind == "I")]
-            flight.append(np.unique(counts, axis=0))
+            flight.append(_unique_rows(counts))
         maxcnt.append(flight[-1].max(axis=0))
     width = flight[0].shape[1]
     moments = np.zeros((4, pp, width))
@@ -49,7 +55,16 @@ def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
         for e, i in enumerate((np.lexsort((lo_w, lo_f))[-1], np.lexsort((lo_f, lo_w))[-1],
                                int(np.argmax(f[:, :v].max(axis=1))), int(np.argmax(f.sum(axis=1))))):
             moments[e, r] = f[i]
-    return flight, maxcnt, np.unique(moments, axis=0)  # without repeats (one moment for v = 1)
+    return flight, maxcnt, _unique_rows(moments)  # without repeats (one moment for v = 1)
+
+
+def _unique_rows(a):
+    """np.unique(a, axis=0) (its rows sorted, without repeats), faster for small arrays."""
+    flat = a.reshape(len(a), -1)
+    s = flat[np.lexsort(flat.T[::-1])]
+    keep = np.ones(len(s), dtype=bool)
+    keep[1:] = (s[1:] != s[:-1]).any(axis=1)
+    return s[keep].reshape((-1, *a.shape[1:]))
 
 
 class Bounds:

@@ -55,12 +55,11 @@ class Inner(StageCosts):
             else:
                 extra, lim = 0.0, (ctx.lim_eff - self.act_grad) / cfg.v * (1 + TOL)
             kr = {s: set(self.k_range(s, kcap)) for s in ss}
-            for k in sorted(set().union(*kr.values())):
-                mn = self.menu(k, *flags)
-                if "order" not in mn:  # options by c, and their memory parts in that order
-                    mn["order"] = o = np.argsort(mn["c"], kind="stable")
-                    mn["mem_sorted"] = ((mn["fixed"] + mn["replay"] + mn["transient"])[o], mn["act"][o])
-                order, (fixed_rep, act) = mn["order"], mn["mem_sorted"]
+            ks = sorted(set().union(*kr.values()))
+            menus = self.menus(ks, *flags)
+            for k in ks:
+                mn = menus[k]
+                order, (fixed_rep, act) = mn["order"], mn["mem_sorted"]  # options by c, their memory parts
                 fits = (fixed_rep + extra)[None, :] + cnt * act[None, :] <= lim
                 anyfit = fits.any(axis=1)
                 for i, s in enumerate(ss):
@@ -111,10 +110,11 @@ class Inner(StageCosts):
         sizes = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
                  for st in even_stages(self.ctx.model, self.cfg.pp, self.cfg.v)]
         out = []
+        kinds = [(k, *self.flags(s)) for s, k in enumerate(sizes)]  # each stage's (blocks, embedding, head)
         for z in self.zeros:
             for mode in [x for x in RECOMPUTE_MODES if x in self.modes]:
-                picks = {key: self._uniform_option(*key, z, mode) for key in {(k, *self.flags(s)) for s, k in enumerate(sizes)}}
-                assign = [(k, *picks[(k, *self.flags(s))]) for s, k in enumerate(sizes)]
+                picks = {key: self._uniform_option(*key, z, mode) for key in set(kinds)}
+                assign = [(key[0], *picks[key]) for key in kinds]
                 if all(a[2] is not None for a in assign):
                     lb = self.evaluate(assign)
                     if lb is not None:
@@ -126,18 +126,25 @@ class Inner(StageCosts):
         """(menu, option) of k blocks all in `mode` at ZeRO level z, or (when that combination was
         dropped as dominated) the fastest option at z holding no more activations and replay."""
         mn = self.menu(k, emb, head)
-        memo = mn.setdefault("uniform", {})  # the menu's key fixes everything but (z, mode)
-        if (z, mode) not in memo:
-            want = np.array([k if RECOMPUTE_MODES[j] == mode else 0 for j in range(3)])
-            combo = np.nonzero((mn["cb"] == want).all(axis=1))[0]
-            hit = []
-            if len(combo):
-                _, _, _, blk_act, blk_rep, _ = self.blocks(k)
+        if "uniform" not in mn:  # the menu's key fixes everything but (z, mode): all of them at once
+            memo = mn["uniform"] = {}
+            levels = mn["zero"]
+            cuts = np.flatnonzero(np.diff(levels)) + 1  # a menu's options are grouped by ZeRO level
+            spans = list(zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(levels)]))))
+            _, _, _, blk_act, blk_rep, _ = self.blocks(k)
+            for m in self.modes:
+                want = np.array([k if RECOMPUTE_MODES[j] == m else 0 for j in range(3)])
+                combo = np.nonzero((mn["cb"] == want).all(axis=1))[0]
+                if not len(combo):
+                    continue
                 act = blk_act[combo[0]] + (mn["act"][0] - blk_act[mn["combo"][0]])  # + embedding / head
-                hit = np.nonzero((mn["zero"] == z) & (mn["act"] <= act * (1 + TOL))
-                                 & (mn["replay"] <= blk_rep[combo[0]]))[0]
-            memo[(z, mode)] = int(hit[np.argmin(mn["b"][hit])]) if len(hit) else None
-        return mn, memo[(z, mode)]
+                ok = (mn["act"] <= act * (1 + TOL)) & (mn["replay"] <= blk_rep[combo[0]])
+                b = np.where(ok, mn["b"], np.inf)
+                for i, j in spans:
+                    best = i + int(np.argmin(b[i:j]))
+                    if ok[best]:
+                        memo[(int(levels[i]), m)] = best
+        return mn, mn["uniform"].get((z, mode))
 
     def _enumerate(self, opts, fixed_sizes=None):
         out = []

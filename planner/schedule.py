@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 BLOCKING_P2P = True  # ranks wait for their own pipeline sends (see simulate)
 
 
@@ -147,23 +149,30 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
         return order + [("B", rank, j) for j in range(m - warm, m)]
     if schedule != "interleaved-1f1b":
         raise ValueError(f"schedule {schedule!r} with {v} virtual stages")
+    forward, k = interleaved_sequence(p, v, m, rank)
+    chunk = (k % (p * v)) // p
+    chunk = np.where(forward, chunk, v - 1 - chunk)
+    mb = (k // (p * v)) * p + k % p
+    return [("F" if f else "B", int(c) * p + rank, int(j)) for f, c, j in zip(forward.tolist(), chunk.tolist(), mb.tolist())]
+
+
+def interleaved_sequence(p: int, v: int, m: int, rank: int):
+    """Interleaved 1F1B on rank `rank`: (is forward, k) of its operations in order, where the k-th
+    forward runs chunk (k mod pv) div p of micro-batch (k div pv) p + k mod p and the k-th backward
+    the chunks in reverse order (Narayanan et al. 2021, section 2.2): `warm` forwards, then a
+    forward and a backward in turn, then the remaining backwards."""
     if m % p:
         raise ValueError(f"interleaved 1F1B needs micro_batches ({m}) to be a multiple of pp ({p})")
     total = m * v
-
-    def op(kind, k):
-        in_group = k % (p * v)
-        chunk = in_group // p
-        if kind == "B":
-            chunk = v - 1 - chunk
-        mb = (k // (p * v)) * p + k % p
-        return (kind, chunk * p + rank, mb)
-
     warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    order = [op("F", k) for k in range(warm)]
-    for i in range(total - warm):
-        order += [op("F", warm + i), op("B", i)]
-    return order + [op("B", k) for k in range(total - warm, total)]
+    k = np.arange(total)
+    pos_f = np.where(k < warm, k, 2 * k - warm)
+    pos_b = np.where(k < total - warm, warm + 2 * k + 1, total + k)
+    forward = np.zeros(2 * total, dtype=bool)
+    forward[pos_f] = True
+    order = np.empty(2 * total, dtype=int)
+    order[pos_f], order[pos_b] = k, k
+    return forward, order
 
 
 def _zbv_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:

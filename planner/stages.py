@@ -19,9 +19,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.cost import tied_head
-from planner.memory import (accumulation_bytes, fsdp_extra_parts, held_i_to_w_bytes, step_bytes,
-                            tied_matrix_grad_bytes, zero_state_bytes)
+from planner.memory import step_bytes, zero_state_bytes
+from planner.menus import Menus, _pareto
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.plan import split_backward, stage_rank
@@ -59,7 +58,7 @@ class MenuCache(dict):
             super().__delitem__(oldest)
 
 
-class StageCosts(Bounds):
+class StageCosts(Menus, Bounds):
     """One configuration: stage option menus and bounds (planner.partition.Inner searches them)."""
 
     def __init__(self, ctx, cfg):
@@ -141,9 +140,12 @@ class StageCosts(Bounds):
                 out = [(0, 0, 0)]
             elif g in ("plan", "stage"):
                 out = [tuple(k if j == i else 0 for j in range(3)) for i in idx]
-            else:
-                out = [(a, bb, k - a - bb) for a in range(k + 1) for bb in range(k + 1 - a)
-                       if all(n == 0 or j in idx for j, n in enumerate((a, bb, k - a - bb)))]
+            else:  # (a, b, k - a - b) for a in 0..k, b in 0..k - a, only the allowed modes non-zero
+                runs = np.arange(k + 1, 0, -1)
+                a = np.repeat(np.arange(k + 1), runs)
+                b = np.arange(len(a)) - np.repeat(np.cumsum(runs) - runs, runs)
+                out = np.stack([a, b, k - a - b], axis=1)
+                out = out[(out[:, [j for j in range(3) if j not in idx]] == 0).all(axis=1)]
             self.ctx._combos[key] = np.array(out, dtype=float)
         return self.ctx._combos[key]
 
@@ -154,8 +156,10 @@ class StageCosts(Bounds):
         a transient, and combinations are compared with those of as many full blocks."""
         cfg = self.cfg
         split = self.split
-        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1, self.modes,
-               self.ctx.space.recompute_granularity if not cfg.recompute else "plan", k, split)
+        if "_blocks_key" not in self.__dict__:
+            self._blocks_key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1, self.modes,
+                                self.ctx.space.recompute_granularity if not cfg.recompute else "plan")
+        key = (*self._blocks_key, k, split)
         if key not in self.ctx._blocks:
             cb = self.combos(k)
             blk = [self.lc["blk"][r] for r in RECOMPUTE_MODES]
@@ -168,106 +172,6 @@ class StageCosts(Bounds):
                 replay = classes = np.max(np.where(cb > 0, col("replay_bytes")[None, :], 0.0), axis=1)
             self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, _pareto(comp_b + tp_b, act, classes))
         return self.ctx._blocks[key]
-
-    def menu(self, k, emb, head):
-        """Options of a stage with k blocks (+ embedding / head): arrays over (zero, combo), without
-        dominated ones (same ZeRO level and replay, no faster backward for no fewer activations)."""
-        local = self.__dict__.setdefault("_local_menus", {})
-        if (k, emb, head) in local:
-            return local[(k, emb, head)]
-        cfg = self.cfg
-        split = self.split  # a split backward prices ZeRO 2/3 apart
-        # what a menu depends on: the data-parallel group by its shape, not by the mesh order that made it
-        key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
-               self.zeros, self.modes, self.ctx.space.recompute_granularity, k, emb, head, split)
-        if key in self.ctx._menus:
-            local[(k, emb, head)] = self.ctx._menus[key]
-            return local[(k, emb, head)]
-        ctx, lc = self.ctx, self.lc
-        ends = ([lc["emb"]] if emb else []) + ([lc["head"]] if head else [])
-        if emb and head and ctx.model.tie_embeddings:
-            ends[-1] = tied_head(ctx.model, ends[-1], cfg.tp)
-        cb, comp_b, tp_b, act, replay, plain = self.blocks(k)
-        blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
-        e_sum = lambda a: sum(getattr(x, a) for x in ends)
-        comp_f = k * blk[0].fwd_compute_s + e_sum("fwd_compute_s")
-        comp_b = comp_b + e_sum("bwd_compute_s")
-        tp_f = k * blk[0].fwd_tp_s + e_sum("fwd_tp_s")
-        tp_b = tp_b + e_sum("bwd_tp_s")
-        act = act + e_sum("activation_bytes")
-        P = k * blk[0].params + sum(x.params for x in ends)
-        dp, e = cfg.dp, ctx.e
-        layers = [1] * (k > 0) + [0] * emb + [ctx.model.layers + 1] * head  # one of each kind the stage holds
-        accum = accumulation_bytes(ctx.model, layers, cfg.tp, dp, cfg.micro_batches, ctx.gb)
-        comp_w = k * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
-        # held from each I to its W under a split backward (planner.memory.held_i_to_w_bytes) per
-        # combination: every layer's weight-gradient inputs, and each fully recomputed block's replay
-        held_iw = np.zeros(len(cb))
-        if split:
-            tokens = cfg.micro_batch * ctx.train.seq_len
-            held = lambda j: held_i_to_w_bytes(ctx.model, j, cfg.tp, tokens, ctx.e, 0.0, "none")  # noqa: E731
-            held_iw += k * held(1) + emb * held(0) + head * held(self.L + 1) + cb[:, 2] * blk[2].replay_bytes
-        coll = (self.dp_shape, P)  # the same for every micro-batch size and sequence-parallel setting
-        if coll not in ctx._coll_times:
-            ctx._coll_times[coll] = ((self.ag(P * e), self.ar(P * ctx.gb), self.rs(P * ctx.gb)) if dp > 1
-                                     else (0.0, 0.0, 0.0))
-        gathered, all_reduced, scattered = ctx._coll_times[coll]
-        base = comp_b + tp_b
-        cb_min, blocks, root = comp_b.min(), [blk[0].params] * k, sum(x.params for x in ends)
-        tied = emb and head and ctx.model.tie_embeddings
-        if tied:  # the end of the backward can hold more
-            tied_bytes, tied_end = tied_matrix_grad_bytes(ctx.model, cfg.tp, ctx.gb, cfg.micro_batches)
-        scalars, pieces = [], []  # per ZeRO level: its scalar rows; (backward, options) or (shift, None)
-        for z in self.zeros:
-            state, copies, step_per_param = self._per_param(z)
-            ag = gathered if z == 3 else 0.0
-            sync = all_reduced if z == 0 else scattered
-            # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
-            beside = ag + sync if (z >= 2 and dp > 1 and cfg.micro_batches > 1) else ag
-            # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
-            copy_f, copy_b, copy_s = (x * P for x in copies)
-            f = comp_f + tp_f + max(0.0, ag - comp_f) + copy_f
-            if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
-                pieces.append((2 * ag + max(0.0, sync - comp_w) + copy_b, None))
-            elif beside > cb_min and not split:  # exposed beside some options' backward: reorders them
-                b = base + np.maximum(0.0, beside - comp_b) + copy_b
-                pieces.append((b, _pareto(b, act, replay)))
-            else:  # the same shift for every option
-                pieces.append((copy_b, None))
-            opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
-            gather = (gathered if z in (1, 2) else 0.0) + copy_s
-            extra = (z, dp, cfg.micro_batches > 1, split, blk[0].params, k, root)  # all FSDP2's buffers depend on
-            if extra not in ctx._fsdp_extra:
-                ctx._fsdp_extra[extra] = fsdp_extra_parts(z, dp, cfg.micro_batches, blocks, root, ctx.pb, ctx.gb,
-                                                          ctx.spb, split, ctx.cluster.backend == "gloo")
-            held, transient = ctx._fsdp_extra[extra]
-            transient += accum
-            fixed = P * state + held
-            if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
-                fixed += P * ctx.pb
-            step = P * step_per_param  # the optimizer step's moment
-            if tied:
-                step = max(step, fixed + self.act_grad + tied_end)
-                fixed += tied_bytes
-            fixed += self.head_logits if head else 0.0
-            scalars.append((f, sync, opt, gather, fixed, z, transient, step))
-        if all(keep is None for _, keep in pieces):  # the common case: the same options at every level
-            n, nz = len(plain), len(pieces)
-            keep = np.broadcast_to(plain, (nz, n)).ravel()
-            b = (base[plain][None, :] + np.array([sh for sh, _ in pieces])[:, None]).ravel()
-            sc = np.repeat(np.array(scalars).T, n, axis=1)
-        else:
-            keeps = [plain if kp is None else kp for _, kp in pieces]
-            keep = np.concatenate(keeps)
-            b = np.concatenate([base[plain] + x if kp is None else x[kp] for x, kp in pieces])
-            sc = np.repeat(np.array(scalars).T, [len(x) for x in keeps], axis=1)
-        menu = dict(zip(("f", "sync", "opt", "gather", "fixed", "zero", "transient", "step"), sc))
-        menu.update(b=b, act=act[keep], replay=replay[keep], combo=keep, held_iw=held_iw[keep], cb=cb)
-        menu["c"] = cfg.micro_batches * (menu["f"] + b) + menu["sync"] + menu["opt"] + menu["gather"]
-        nbytes = sc.nbytes + sum(menu[x].nbytes for x in ("b", "act", "replay", "combo", "held_iw", "c"))
-        self.ctx._menus.put(key, menu, nbytes)
-        local[(k, emb, head)] = menu
-        return menu
 
     def _state(self, z):
         """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z."""
@@ -290,64 +194,59 @@ class StageCosts(Bounds):
     def flags(self, s):
         return s == 0, s == self.S - 1
 
+    def _row(self, mn, i):
+        """(f, f + b, optimizer + gather, sync, fixed, act, held_iw, replay + transient, step) of
+        option i of menu mn, as floats; read once per configuration (its menus live as long as it)."""
+        rows = self.__dict__.setdefault("_rows", {})
+        key = (id(mn), i)
+        if key not in rows:
+            f = mn["f"][i]
+            rows[key] = (float(f), float(f + mn["b"][i]), float(mn["opt"][i] + mn["gather"][i]), float(mn["sync"][i]),
+                         float(mn["fixed"][i]), float(mn["act"][i]), float(mn["held_iw"][i]),
+                         float(mn["replay"][i] + mn["transient"][i]), float(mn["step"][i]))
+        return rows[key]
+
     def evaluate(self, assign):
         """Exact LB and memory check of an assignment [(k, menu, option index) per stage]."""
         p, mbs = self.cfg.pp, self.cfg.micro_batches
         zbv = self.cfg.schedule == "zbv"
+        rows = [self._row(mn, i) for _, mn, i in assign]
         W = [0.0] * p
         tail = [0.0] * p
         pre, pref = [], 0.0
-        for s, (k, mn, i) in enumerate(assign):
+        for s, row in enumerate(rows):
             r = self.rank_of[s]
-            fb = mn["f"][i] + mn["b"][i]
+            fb = row[1]
             W[r] += fb + self.sends[s]
-            tail[r] += mn["opt"][i] + mn["gather"][i]
+            tail[r] += row[2]
             if s < p:
                 pre.append(pref)
                 # the chain to rank r: the earlier stages' forwards, and (1F1B, interleaved) their
                 # backwards after r's last; under zbv their weight gradients need not wait: forwards only
-                pref += mn["f"][i] + self.fwd_lag[s] if zbv else fb + self.lag[s]
-        first = [self.stages_of[r][0] for r in range(p)]
-        sync = [assign[s][1]["sync"][assign[s][2]] for s in first]
+                pref += row[0] + self.fwd_lag[s] if zbv else fb + self.lag[s]
+        sync = [rows[self.stages_of[r][0]][3] for r in range(p)]
         lb2 = max(mbs * W[r] + sync[r] + tail[r] for r in range(p))
         if zbv:
             lb1 = max(pre[r] + mbs * W[r] + sync[r] + tail[r] for r in range(p))
         else:
             lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
         if self.share:  # every F and B of every stage, done by its tp x dp processes, at most that fast
-            lb1 = max(lb1, mbs * sum(mn["f"][i] + mn["b"][i] for _, mn, i in assign) / self.share)
+            lb1 = max(lb1, mbs * sum(row[1] for row in rows) / self.share)
         if self.cfg.v > 1 and not zbv:  # micro-batch 0's forward through every stage and backward back
-            lb1 = max(lb1, sum(mn["f"][i] + mn["b"][i] for _, mn, i in assign))
+            lb1 = max(lb1, sum(row[1] for row in rows))
         for r in range(p):
-            mine = [assign[s] for s in self.stages_of[r]]
+            mine = [rows[s] for s in self.stages_of[r]]
             recv = sum(self.recv[s] for s in self.stages_of[r])
-            fixed = sum(mn["fixed"][i] for _, mn, i in mine) + recv
-            acts = [mn["act"][i] for _, mn, i in mine]
+            fixed = sum(row[4] for row in mine) + recv
+            acts = [row[5] for row in mine]
             if self.flight[r].shape[1] > len(acts):  # v > 1: and what each chunk holds from I to W
-                acts += [mn["held_iw"][i] for _, mn, i in mine]
+                acts += [row[6] for row in mine]
             peak = float((self.flight[r] @ np.array(acts)).max())
-            rep = max(mn["replay"][i] + mn["transient"][i] for _, mn, i in mine)  # one stage computes at a time
-            step = sum(mn["step"][i] for _, mn, i in mine) + recv
+            rep = max(row[7] for row in mine)  # one stage computes at a time
+            step = sum(row[8] for row in mine) + recv
             if max(fixed + peak + rep + self.act_grad, step) > self.ctx.lim_eff * (1 + TOL):
                 return None
         return max(lb1, lb2)
-
-
-def _pareto(b, act, replay):
-    """Indices not dominated in (b, act) within their replay class."""
-    n = len(b)
-    if n == 1:
-        return np.zeros(1, dtype=int)
-    order = np.lexsort((act, b, replay))  # by class, then b, then act
-    r, a = replay[order], act[order]
-    # one running minimum over all classes: each earlier class lifted above every later one
-    cls = np.concatenate(([0], np.cumsum(r[1:] != r[:-1])))
-    span = float(a.max() - a.min()) + 1.0
-    lifted = a + (cls[-1] - cls) * span
-    prev = np.empty(n)
-    prev[0] = np.inf
-    np.minimum.accumulate(lifted[:-1], out=prev[1:])
-    return np.sort(order[lifted < prev])
 
 
 def _rank(mesh, pp, dp, tp):

@@ -286,6 +286,39 @@ def test_the_menu_cache_keeps_under_its_byte_budget(monkeypatch):
     assert cache.nbytes <= 10_000 and list(cache) == [8, 9]
 
 
+def test_menus_built_together_are_those_built_one_block_count_at_a_time():
+    """The search builds a stage kind's menus for many block counts at once (planner.menus): each
+    must be the menu of its own block count, option for option and in c order, for every ZeRO
+    level, with the embedding and the head, under a split backward (zbv) and where ZeRO-3's
+    communication is exposed beside some options' backward."""
+    import numpy as np
+
+    from planner.partition import Inner
+    from planner.plan import Training
+    from planner.search import Ctx, _configs
+
+    model, cluster = ZOO["gpt3-175b"], A100.with_nodes(16)
+    train = Training(global_batch=256, micro_batch=1, seq_len=model.seq_len, dtype="bf16", master_weights=True)
+    checked, exposed = 0, 0
+    for cfg in _configs(Ctx(model, cluster, train, cluster.device.memory_bytes, SearchSpace()), 256):
+        if not (cfg.tp == 8 and cfg.micro_batch == 1 and cfg.pp in (2, 4) and cfg.schedule in ("1f1b", "zbv")):
+            continue
+        together = Inner(Ctx(model, cluster, train, cluster.device.memory_bytes, SearchSpace()), cfg).setup()
+        for flags in ((True, False), (False, False), (False, True), (True, True)):
+            ks = [0, 1, 2, 5, 9, 13] if flags != (False, False) else [1, 2, 5, 9, 13]
+            got = together.menus(ks[::-1], *flags)
+            for k in ks:
+                alone = Inner(Ctx(model, cluster, train, cluster.device.memory_bytes, SearchSpace()), cfg).setup()
+                one = alone.menu(k, *flags)
+                for name in ("f", "b", "c", "sync", "opt", "gather", "fixed", "zero", "transient", "step", "act",
+                             "replay", "combo", "held_iw", "cb", "order"):
+                    assert np.array_equal(got[k][name], one[name]), (cfg, flags, k, name)
+                assert set(got[k]["zero"]) == set(together.zeros)
+                checked += 1
+                exposed += bool(len(one["b"]) != sum(len(alone.blocks(k)[5]) for _ in together.zeros))
+    assert checked >= 100 and exposed > 0  # some menus re-sorted beside exposed communication
+
+
 def test_cli_search_keeps_to_the_constraints_given(tmp_path, capsys):
     """--tp, --pp, --dp, --micro-batch, --schedule, --zero, --recompute, --sequence-parallel and
     --even-stages narrow what the search may choose; every plan it shows keeps to them."""

@@ -1,0 +1,223 @@
+"""Stage option menus of one configuration (mixed into planner.stages.StageCosts).
+
+A stage's menu lists its options, a ZeRO level and a recompute combination (how many of its k
+blocks run with no, selective or full recomputation), as arrays over the options: forward f,
+backward b, gradient sync, optimizer, ZeRO-1/2 gather, its per-micro-batch cost c, and its memory
+parts (model state and buffers, activations per micro-batch in flight, replay, transients, what
+is held from I to W under a split backward). Options dominated within their ZeRO level (no faster
+backward for no fewer activations, same replay) are dropped.
+
+`menus` builds the menus of several block counts of one stage kind (with or without the
+embedding and the head) together: the options of every k are rows of one set of arrays, so that
+the search pays numpy's per-call cost once per stage kind rather than once per block count.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner.cost import tied_head
+from planner.memory import accumulation_bytes, fsdp_extra_parts, held_i_to_w_bytes, tied_matrix_grad_bytes
+from planner.model import RECOMPUTE_MODES
+
+SCALARS = ("f", "sync", "opt", "gather", "fixed", "zero", "transient", "step")  # one value per (k, ZeRO level)
+
+
+class Menus:
+    """Needs StageCosts' cfg, ctx, lc, split, zeros, dp_shape, ag/ar/rs (setup), blocks and _per_param."""
+
+    def menu(self, k, emb, head):
+        """The menu of a stage with k blocks (+ embedding / head)."""
+        return self.menus((k,), emb, head)[k]
+
+    def _menu_key(self, k, emb, head):
+        """What a menu depends on: the data-parallel group by its shape, not by the mesh order that made it."""
+        cfg, ctx = self.cfg, self.ctx
+        return (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
+                self.zeros, self.modes, ctx.space.recompute_granularity, k, emb, head, self.split)
+
+    def menus(self, ks, emb, head):
+        """{k: menu} for the block counts `ks`, from this configuration's or the search's cache, the
+        missing ones built together."""
+        local = self.__dict__.setdefault("_local_menus", {})
+        out, todo = {}, []
+        for k in ks:
+            mn = local.get((k, emb, head))
+            if mn is None:
+                mn = self.ctx._menus.get(self._menu_key(k, emb, head))
+                if mn is not None:
+                    local[(k, emb, head)] = mn
+            if mn is None:
+                todo.append(k)
+            else:
+                out[k] = mn
+        if todo:
+            for k, (mn, nbytes) in self._build_menus(todo, emb, head).items():
+                self.ctx._menus.put(self._menu_key(k, emb, head), mn, nbytes)
+                local[(k, emb, head)] = out[k] = mn
+        return out
+
+    def _build_menus(self, ks, emb, head):
+        """{k: (menu, its bytes)} for the block counts ks (distinct)."""
+        ctx, lc, cfg = self.ctx, self.lc, self.cfg
+        split, model = self.split, ctx.model
+        ends = ([lc["emb"]] if emb else []) + ([lc["head"]] if head else [])
+        if emb and head and model.tie_embeddings:
+            ends[-1] = tied_head(model, ends[-1], cfg.tp)
+        blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
+        e_sum = lambda a: sum(getattr(x, a) for x in ends)  # noqa: E731
+        mbs = cfg.micro_batches
+
+        # every k's recompute combinations as rows of one set of arrays
+        parts = [self.blocks(k) for k in ks]
+        sizes = np.array([len(p[0]) for p in parts])
+        start = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        kid = np.repeat(np.arange(len(ks)), sizes)  # each row's position in ks
+        karr = np.array(ks, dtype=float)
+        comp_b = np.concatenate([p[1] for p in parts]) + e_sum("bwd_compute_s")
+        tp_b = np.concatenate([p[2] for p in parts]) + e_sum("bwd_tp_s")
+        act = np.concatenate([p[3] for p in parts]) + e_sum("activation_bytes")
+        replay = np.concatenate([p[4] for p in parts])
+        plain = np.concatenate([p[5] + s0 for p, s0 in zip(parts, start)])
+        base = comp_b + tp_b
+        cb_min = np.minimum.reduceat(comp_b, start)
+        # held from each I to its W under a split backward (planner.memory.held_i_to_w_bytes): every
+        # layer's weight-gradient inputs, and each fully recomputed block's replay
+        held_iw = np.zeros(len(kid))
+        if split:
+            tokens = cfg.micro_batch * ctx.train.seq_len
+            held = lambda j: held_i_to_w_bytes(model, j, cfg.tp, tokens, ctx.e, 0.0, "none")  # noqa: E731
+            cb2 = np.concatenate([p[0][:, 2] for p in parts])
+            held_iw += karr[kid] * held(1) + emb * held(0) + head * held(self.L + 1) + cb2 * blk[2].replay_bytes
+
+        nz, nk = len(self.zeros), len(ks)
+        sc, shift, beside_k, copy_bk = self._menu_scalars(ks, emb, head, ends, cb_min)
+
+        # per ZeRO level: the options kept and their backward
+        rows, tags, bs = [], [], []
+        for zi in range(nz):
+            exposed = ~np.isnan(beside_k[zi])
+            b = base + shift[zi][kid]
+            keep = plain[~exposed[kid[plain]]]
+            if exposed.any():  # those k re-sorted by their shifted backward, per k and replay class
+                on = np.flatnonzero(exposed[kid])
+                bx = base[on] + np.maximum(0.0, beside_k[zi][kid[on]] - comp_b[on]) + copy_bk[zi][kid[on]]
+                b[on] = bx
+                _, rid = np.unique(replay[on], return_inverse=True)
+                cls = kid[on] * (rid.max() + 1) + rid
+                keep = np.sort(np.concatenate((keep, on[_pareto(bx, act[on], cls)])))
+            rows.append(keep)
+            tags.append(np.full(len(keep), zi))
+            bs.append(b)
+        rows, tags = np.concatenate(rows), np.concatenate(tags)
+        order = np.lexsort((tags, kid[rows]))  # by k, then ZeRO level, rows in order
+        rows, tags = rows[order], tags[order]
+        kr = kid[rows]
+        b = np.stack(bs)[tags, rows]
+        # the scalars of each (k, ZeRO level), repeated over its rows (contiguous, in that order)
+        runs = np.bincount(kr * nz + tags, minlength=nk * nz)
+        scal = np.repeat(sc.transpose(0, 2, 1).reshape(len(SCALARS), nk * nz), runs, axis=1)
+        c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
+        cols = dict(zip(SCALARS, scal))
+        cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
+        bounds = np.searchsorted(kr, np.arange(nk + 1))
+        # each k's options by c (stable), and their memory parts in that order (planner.partition.options)
+        by_k = [np.argsort(c[i:j], kind="stable") for i, j in zip(bounds[:-1], bounds[1:])]
+        by_c = np.concatenate([o + i for o, i in zip(by_k, bounds)])
+        mem = (cols["fixed"] + cols["replay"] + cols["transient"])[by_c]
+        act_c = cols["act"][by_c]
+        row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + act_c.itemsize
+        out = {}
+        for j, k in enumerate(ks):
+            sl = slice(bounds[j], bounds[j + 1])
+            mn = {name: col[sl] for name, col in cols.items()}
+            mn["cb"] = parts[j][0]
+            mn["order"], mn["mem_sorted"] = by_k[j], (mem[sl], act_c[sl])
+            out[k] = (mn, row_bytes * (sl.stop - sl.start))
+        return out
+
+    def _menu_scalars(self, ks, emb, head, ends, cb_min):
+        """Per (ZeRO level, k), arrays (levels, len(ks)): the SCALARS (sc, their names first), the
+        shift of every option's backward, what runs beside the backward where it is exposed beside
+        some options' (NaN elsewhere: those options re-sort) and FSDP2's backward copies."""
+        ctx, lc, cfg = self.ctx, self.lc, self.cfg
+        split, model = self.split, ctx.model
+        blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
+        e_sum = lambda a: sum(getattr(x, a) for x in ends)  # noqa: E731
+        root = sum(x.params for x in ends)
+        dp, e, mbs = cfg.dp, ctx.e, cfg.micro_batches
+        tied = emb and head and model.tie_embeddings
+        if tied:
+            tied_bytes, tied_end = tied_matrix_grad_bytes(model, cfg.tp, ctx.gb, cfg.micro_batches)
+        nz, nk = len(self.zeros), len(ks)
+        karr = np.array(ks, dtype=float)
+        comp_f = karr * blk[0].fwd_compute_s + e_sum("fwd_compute_s")
+        tp_f = karr * blk[0].fwd_tp_s + e_sum("fwd_tp_s")
+        comp_w = karr * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
+        Ps = [k * blk[0].params + root for k in ks]
+        P = np.array(Ps, dtype=float)
+        # one of each kind of layer the stage holds
+        accum = np.array([accumulation_bytes(model, [1] * (k > 0) + [0] * emb + [model.layers + 1] * head,
+                                             cfg.tp, dp, mbs, ctx.gb) for k in ks])
+        for x in Ps:  # the same for every micro-batch size and sequence-parallel setting
+            if (self.dp_shape, x) not in ctx._coll_times:
+                ctx._coll_times[(self.dp_shape, x)] = ((self.ag(x * e), self.ar(x * ctx.gb), self.rs(x * ctx.gb))
+                                                       if dp > 1 else (0.0, 0.0, 0.0))
+        gathered, all_reduced, scattered = np.array([ctx._coll_times[(self.dp_shape, x)] for x in Ps]).T
+        sc = np.zeros((len(SCALARS), nz, nk))
+        shift = np.zeros((nz, nk))
+        beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
+        copy_bk = np.zeros((nz, nk))
+        for zi, z in enumerate(self.zeros):
+            state, copies, step_per_param = self._per_param(z)
+            ag = gathered if z == 3 else np.zeros(nk)
+            sync = all_reduced if z == 0 else scattered
+            # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
+            beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
+            # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
+            copy_f, copy_b, copy_s = (x * P for x in copies)
+            f = comp_f + tp_f + np.maximum(0.0, ag - comp_f) + copy_f
+            copy_bk[zi] = copy_b
+            if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
+                shift[zi] = 2 * ag + np.maximum(0.0, sync - comp_w) + copy_b
+            else:  # the same shift for every option, or where exposed beside some options' backward
+                exposed = (beside > cb_min) & (not split)
+                shift[zi] = copy_b
+                beside_k[zi] = np.where(exposed, beside, np.nan)
+            opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
+            gather = (gathered if z in (1, 2) else 0.0) + copy_s
+            parts_z = []
+            for k in ks:
+                extra = (z, dp, mbs > 1, split, blk[0].params, k, root)  # all FSDP2's buffers depend on
+                if extra not in ctx._fsdp_extra:
+                    ctx._fsdp_extra[extra] = fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, root, ctx.pb, ctx.gb,
+                                                              ctx.spb, split, ctx.cluster.backend == "gloo")
+                parts_z.append(ctx._fsdp_extra[extra])
+            held_b, transient = np.array(parts_z).T
+            transient = transient + accum
+            fixed = P * state + held_b
+            if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
+                fixed = fixed + P * ctx.pb
+            step = P * step_per_param  # the optimizer step's moment
+            if tied:
+                step = np.maximum(step, fixed + self.act_grad + tied_end)
+                fixed = fixed + tied_bytes
+            fixed = fixed + (self.head_logits if head else 0.0)
+            sc[:, zi] = (f, sync, opt, gather, fixed, np.full(nk, z), transient, step)
+        return sc, shift, beside_k, copy_bk
+
+
+def _pareto(b, act, replay):
+    """Indices not dominated in (b, act) within their replay class."""
+    n = len(b)
+    if n == 1:
+        return np.zeros(1, dtype=int)
+    order = np.lexsort((act, b, replay))  # by class, then b, then act
+    r, a = replay[order], act[order]
+    # one running minimum over all classes: each earlier class lifted above every later one
+    cls = np.concatenate(([0], np.cumsum(r[1:] != r[:-1])))
+    span = float(a.max() - a.min()) + 1.0
+    lifted = a + (cls[-1] - cls) * span
+    prev = np.empty(n)
+    prev[0] = np.inf
+    np.minimum.accumulate(lifted[:-1], out=prev[1:])
+    return np.sort(order[lifted < prev])
