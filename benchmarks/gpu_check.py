@@ -190,16 +190,19 @@ def replay(d: Path) -> int:
     shipped_dict = json.loads((REPO / "profiles" / "hardware" / f"{name}.json").read_text())
     shipped = load_cluster(name).shaped_as(1, 1)
     measured = cluster_from_dict(measured_cluster(shipped_dict, dev), "measured").shaped_as(1, 1)
-    print(f"{d.name}: predicted / measured - 1 (kernels: the traced step's time in GPU kernels)")
-    print(f"{'plan':14s} {'measured s':>10s} {'kernels s':>9s} {'shipped':>8s} {'device':>8s} {'device/kernels':>14s}")
+    print(f"{d.name}: predicted / measured - 1 (kernels: the traced step's time in GPU kernels; memory: "
+          f"the peak, torch.cuda.max_memory_allocated)")
+    print(f"{'plan':14s} {'measured s':>10s} {'kernels s':>9s} {'shipped':>8s} {'device':>8s} {'device/kernels':>14s} "
+          f"{'peak GiB':>8s} {'memory':>7s}")
     for path in sorted((d / "plans").glob("*.json")):
         plan = Plan.read(str(path))
         run = json.loads((d / "runs" / path.name).read_text())
         step = compare(plan, run, plan.prediction)["measured_step_time_s"]
         kernels = run["trace"][0]["device_kernel_s"] if run.get("trace") else float("nan")
-        a, b = (estimate(plan, c).step_time_s for c in (shipped, measured))
+        est_a, est_b = (estimate(plan, c) for c in (shipped, measured))
+        a, b, peak = est_a.step_time_s, est_b.step_time_s, run["peak_memory_bytes"]
         print(f"{path.stem:14s} {step:10.4f} {kernels:9.4f} {a / step - 1:+8.1%} {b / step - 1:+8.1%} "
-              f"{b / kernels - 1:+14.1%}")
+              f"{b / kernels - 1:+14.1%} {peak / 2**30:8.2f} {est_b.peak_memory_bytes / peak - 1:+7.1%}")
     return 0
 
 

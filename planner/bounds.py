@@ -159,7 +159,8 @@ class Bounds:
             end_p[r] += x.params
             held = held_i_to_w_bytes(ctx.model, j, cfg.tp, tokens, ctx.e, 0.0, "none") if self.split else 0.0
             end_mem[:, r] += F[:, r, c] * x.activation_bytes + W[:, r, c] * held
-        end_mem[:, self.rank_of[-1]] += self.head_logits
+        # the loss's forward holds its logits where a backward holds the activation gradients (M)
+        end_mem[:, self.rank_of[-1]] += max(0.0, self.head_logits - self.act_grad)
         pairs = [(i, j) for i in range(len(t0)) for j in range(i + 1, len(t0))]
         levels = []
         for c, g, state in terms:

@@ -29,9 +29,8 @@ Memory per device follows what the runtime holds: parameters, gradients and opti
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
 with Adam; gradients in the dtype they add up in, float32 in the runtime's and Megatron-LM's bf16
 runs; planner.precision), activations of the micro-batches in flight (planner.schedule.peak_in_
-flight) by recompute mode (planner.model, planner.precision.autocast_held_bytes), the replay of
-one block, activation gradients, communication and receive buffers, and FSDP2's (planner.memory).
-"""
+flight) by recompute mode (planner.model; planner.precision: autocast's, the CPU runtime's norms),
+the replay of one block, activation gradients, communication and receive buffers, FSDP2's (planner.memory)."""
 from __future__ import annotations
 
 import math
@@ -44,7 +43,7 @@ from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
 from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, autocast_held_bytes, casts_weights,
-                               fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes)
+                               decomposed_norm_bytes, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes)
 from planner.schedule import Sharing, StageTimes, simulate
 
 
@@ -183,7 +182,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
               dropout=dropout, attention=t.attention)
-    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats) for r in (rec, "none")]
+    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats) + (decomposed_norm_bytes(  # on CPU
+        m, t, dp, index, r, b, s, tp, sp) if cluster.backend == "gloo" else 0.0) for r in (rec, "none")]
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0]
     replay = m.activation_bytes(index, recompute="none", **kw) + held[1] - act if rec != "none" else 0.0
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad)

@@ -187,9 +187,11 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     micro-batches in flight as the schedule holds them; and, as other, what FSDP2 holds beyond
     that (fsdp_extra_parts), replicate's compute-dtype gradients, the transient of the stage
     computing (replay, FSDP2 buffers), activation and logits gradients and the pipeline's receive
-    buffers: the backward's peak. A rank holding a tied embedding and head can peak at the end of
-    the backward instead (tied_matrix_grad_bytes), and any rank in the optimizer step where that
-    holds more (step_bytes). `stage_info`: per stage, its "params" and per-layer "costs"
+    buffers: the backward's peak, or on the head's rank the loss's forward where that holds more
+    (its logits and float32 work beside FSDP2's buffers: the loss computes its gradient in the
+    forward, runtime/loss.py, so a backward's replay never meets them). A rank holding a tied
+    embedding and head can peak at the end of the backward instead (tied_matrix_grad_bytes), and
+    any rank in the optimizer step where that holds more (step_bytes). `stage_info`: per stage, its "params" and per-layer "costs"
     (planner.cost.LayerCost)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
@@ -212,7 +214,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split)
         p_bytes = g_bytes = o_bytes = other = held_other = 0.0
         step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
-        transient_bytes = 0.0  # of the stage computing: one at a time on a rank
+        transient_bytes = 0.0  # of the stage computing in its backward: one at a time on a rank
+        fsdp_transient = 0.0  # FSDP2's part of it alone, which its forward may hold too
         for i in ids:
             si, st = stage_info[i], pipe.stages[i]
             P = si["params"]
@@ -235,6 +238,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                                 if not (two and r == "full")), default=0.0)
             transient_bytes = max(transient_bytes, stage_replay + transient
                                   + accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb))
+            fsdp_transient = max(fsdp_transient, transient)
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
@@ -247,7 +251,11 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]
             if m.tie_embeddings and 0 in ids:
                 tied, tied_end = tied_matrix_grad_bytes(m, tp, gb, mbs)
-        other = held_other + transient_bytes + act_grad + head_logits + tied
+        # the loss's logits and float32 work run in the head's forward (runtime/loss.py), a block's
+        # replay, a new accumulated gradient and the activation gradients in a backward: one
+        # operation at a time on a rank, so the two never add up
+        forward = head_logits + fsdp_transient if head_logits else 0.0
+        other = held_other + tied + max(forward, transient_bytes + act_grad)
         peak = dict(parameters_bytes=p_bytes, gradients_bytes=g_bytes, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
         end = held_other + act_grad + tied_end  # a tied matrix's two gradients meet

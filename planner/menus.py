@@ -19,7 +19,9 @@ from planner.cost import tied_head
 from planner.memory import accumulation_bytes, fsdp_extra_parts, held_i_to_w_bytes, tied_matrix_grad_bytes
 from planner.model import RECOMPUTE_MODES
 
-SCALARS = ("f", "sync", "opt", "gather", "fixed", "zero", "transient", "step")  # one value per (k, ZeRO level)
+# one value per (k, ZeRO level); "transient" is the backward's (FSDP2's buffers and a new accumulated
+# gradient), "fsdp" FSDP2's alone and "logits" the loss's transient (the head's forward: planner.memory)
+SCALARS = ("f", "sync", "opt", "gather", "fixed", "zero", "transient", "step", "fsdp", "logits")
 
 
 class Menus:
@@ -123,7 +125,10 @@ class Menus:
         # each k's options by c (stable), and their memory parts in that order (planner.partition.options)
         by_k = [np.argsort(c[i:j], kind="stable") for i, j in zip(bounds[:-1], bounds[1:])]
         by_c = np.concatenate([o + i for o, i in zip(by_k, bounds)])
-        mem = (cols["fixed"] + cols["replay"] + cols["transient"])[by_c]
+        # what an option holds beside its activations, with the activation gradients (options' extra):
+        # the backward's replay and transients, or the loss's forward where that holds more
+        mem = (cols["fixed"] + np.maximum(cols["replay"] + cols["transient"],
+                                          cols["logits"] + cols["fsdp"] - self.act_grad))[by_c]
         act_c = cols["act"][by_c]
         row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + act_c.itemsize
         out = {}
@@ -193,6 +198,7 @@ class Menus:
                                                               ctx.spb, split, ctx.cluster.backend == "gloo")
                 parts_z.append(ctx._fsdp_extra[extra])
             held_b, transient = np.array(parts_z).T
+            fsdp = transient
             transient = transient + accum
             fixed = P * state + held_b
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
@@ -201,8 +207,8 @@ class Menus:
             if tied:
                 step = np.maximum(step, fixed + self.act_grad + tied_end)
                 fixed = fixed + tied_bytes
-            fixed = fixed + (self.head_logits if head else 0.0)
-            sc[:, zi] = (f, sync, opt, gather, fixed, np.full(nk, z), transient, step)
+            logits = np.full(nk, self.head_logits if head else 0.0)
+            sc[:, zi] = (f, sync, opt, gather, fixed, np.full(nk, z), transient, step, fsdp, logits)
         return sc, shift, beside_k, copy_bk
 
 

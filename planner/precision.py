@@ -166,3 +166,21 @@ def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s
         return (4 - e) * stream  # the block's float32 input alone
     casts = 3 + (2 if model.arch == "llama" else 1)  # linears reading a norm's output
     return 2 * (4 - e) * stream + (casts - 2) * e * stream + e * matmul_params
+
+
+def decomposed_norm_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int,
+                          sp: bool) -> float:
+    """Bytes a layer of the runtime on CPU (gloo clusters: runtime/device.py) holds from forward to
+    backward for its RMSNorms beyond ModelConfig.activation_bytes, which counts a norm's input as
+    the fused kernel keeps it (aten::_fused_rms_norm, CUDA only in torch 2.13). On CPU F.rms_norm
+    runs as its composite and keeps x in float32 (a float32 copy where the stream is 16-bit) and
+    the float32 x * rstd for the weight's gradient; traced with saved-tensor hooks: fp32 x, rstd,
+    x * rstd; bf16 x, float32 x, rstd, x * rstd. Two norms a block (none kept under full
+    recomputation, which keeps the block's input alone), the final norm in the head."""
+    kind = model.layer_kind(index)
+    if model.arch != "llama" or t.elementwise_kernels != "eager" or kind == "embedding" \
+            or (kind == "block" and recompute == "full"):
+        return 0.0
+    e = 4 if casts_weights(t, dp) else DTYPES[t.dtype]  # the stream's bytes (autocast: float32, counted there)
+    stream = s * b * model.hidden / (tp if sp else 1)
+    return (2 if kind == "block" else 1) * (4 + 4 - e) * stream

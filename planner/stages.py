@@ -195,15 +195,17 @@ class StageCosts(Menus, Bounds):
         return s == 0, s == self.S - 1
 
     def _row(self, mn, i):
-        """(f, f + b, optimizer + gather, sync, fixed, act, held_iw, replay + transient, step) of
-        option i of menu mn, as floats; read once per configuration (its menus live as long as it)."""
+        """(f, f + b, optimizer + gather, sync, fixed, act, held_iw, replay + transient, step, FSDP2's
+        transient, the loss's) of option i of menu mn, as floats; read once per configuration (its
+        menus live as long as it)."""
         rows = self.__dict__.setdefault("_rows", {})
         key = (id(mn), i)
         if key not in rows:
             f = mn["f"][i]
             rows[key] = (float(f), float(f + mn["b"][i]), float(mn["opt"][i] + mn["gather"][i]), float(mn["sync"][i]),
                          float(mn["fixed"][i]), float(mn["act"][i]), float(mn["held_iw"][i]),
-                         float(mn["replay"][i] + mn["transient"][i]), float(mn["step"][i]))
+                         float(mn["replay"][i] + mn["transient"][i]), float(mn["step"][i]), float(mn["fsdp"][i]),
+                         float(mn["logits"][i]))
         return rows[key]
 
     def evaluate(self, assign):
@@ -242,9 +244,12 @@ class StageCosts(Menus, Bounds):
             if self.flight[r].shape[1] > len(acts):  # v > 1: and what each chunk holds from I to W
                 acts += [row[6] for row in mine]
             peak = float((self.flight[r] @ np.array(acts)).max())
-            rep = max(row[7] for row in mine)  # one stage computes at a time
+            rep = max(row[7] for row in mine) + self.act_grad  # one stage computes at a time
+            logits = max(row[10] for row in mine)  # the loss's forward, on the head's rank
+            if logits:
+                rep = max(rep, logits + max(row[9] for row in mine))
             step = sum(row[8] for row in mine) + recv
-            if max(fixed + peak + rep + self.act_grad, step) > self.ctx.lim_eff * (1 + TOL):
+            if max(fixed + peak + rep, step) > self.ctx.lim_eff * (1 + TOL):
                 return None
         return max(lb1, lb2)
 
