@@ -32,9 +32,7 @@ def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
             # a chunk holds a micro-batch from its F to its B (a split backward: its W), and
             # under a split backward what W needs from its I to its W (the last v columns)
             if schedule == "interleaved-1f1b":
-                forward, k = interleaved_sequence(pp, v, micro_batches, r)
-                chunk = (k % (pp * v)) // pp
-                chunk = np.where(forward, chunk, v - 1 - chunk)
+                forward, chunk, _ = interleaved_sequence(pp, v, micro_batches, r)
                 kind = np.where(forward, "F", "B")
             else:
                 ops = rank_order(schedule, pp, v, micro_batches, r)

@@ -149,18 +149,15 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
         return order + [("B", rank, j) for j in range(m - warm, m)]
     if schedule != "interleaved-1f1b":
         raise ValueError(f"schedule {schedule!r} with {v} virtual stages")
-    forward, k = interleaved_sequence(p, v, m, rank)
-    chunk = (k % (p * v)) // p
-    chunk = np.where(forward, chunk, v - 1 - chunk)
-    mb = (k // (p * v)) * p + k % p
-    return [("F" if f else "B", int(c) * p + rank, int(j)) for f, c, j in zip(forward.tolist(), chunk.tolist(), mb.tolist())]
+    forward, chunk, mb = interleaved_sequence(p, v, m, rank)
+    return [("F" if f else "B", c * p + rank, j) for f, c, j in zip(forward.tolist(), chunk.tolist(), mb.tolist())]
 
 
 def interleaved_sequence(p: int, v: int, m: int, rank: int):
-    """Interleaved 1F1B on rank `rank`: (is forward, k) of its operations in order, where the k-th
-    forward runs chunk (k mod pv) div p of micro-batch (k div pv) p + k mod p and the k-th backward
-    the chunks in reverse order (Narayanan et al. 2021, section 2.2): `warm` forwards, then a
-    forward and a backward in turn, then the remaining backwards."""
+    """Interleaved 1F1B on rank `rank`: (is forward, chunk, micro-batch) arrays of its operations in
+    order. The k-th forward runs chunk (k mod pv) div p of micro-batch (k div pv) p + k mod p and
+    the k-th backward the chunks in reverse order (Narayanan et al. 2021, section 2.2): `warm`
+    forwards, then a forward and a backward in turn, then the remaining backwards."""
     if m % p:
         raise ValueError(f"interleaved 1F1B needs micro_batches ({m}) to be a multiple of pp ({p})")
     total = m * v
@@ -172,7 +169,8 @@ def interleaved_sequence(p: int, v: int, m: int, rank: int):
     forward[pos_f] = True
     order = np.empty(2 * total, dtype=int)
     order[pos_f], order[pos_b] = k, k
-    return forward, order
+    chunk = (order % (p * v)) // p
+    return forward, np.where(forward, chunk, v - 1 - chunk), (order // (p * v)) * p + order % p
 
 
 def _zbv_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
