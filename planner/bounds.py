@@ -123,6 +123,9 @@ class Bounds:
         p, v = cfg.pp, cfg.v
         _, _, moments = ctx.in_flight(cfg)
         F = moments[:, :, :v]  # (moments, ranks, chunks): micro-batches held from F to B (W)
+        if self.fb:  # a rank peaking in its first backward holds at least one micro-batch fewer
+            # beside every gradient (planner.memory.first_backward_bytes): one fewer counted here
+            F = np.maximum(F - np.array(self.first_b, dtype=float)[None, :, None], 0.0)
         W = moments[:, :, v:] if moments.shape[2] > v else np.zeros_like(F)  # from I to W
         blk = [lc["blk"][r] for r in self.modes]
         t0 = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])

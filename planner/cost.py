@@ -43,7 +43,7 @@ from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
 from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, autocast_held_bytes, casts_weights,
-                               decomposed_norm_bytes, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes)
+                               cpu_held_bytes, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes)
 from planner.schedule import Sharing, StageTimes, simulate
 
 
@@ -182,7 +182,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
               dropout=dropout, attention=t.attention)
-    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats) + (decomposed_norm_bytes(  # on CPU
+    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats) + (cpu_held_bytes(  # on CPU
         m, t, dp, index, r, b, s, tp, sp) if cluster.backend == "gloo" else 0.0) for r in (rec, "none")]
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0]
     replay = m.activation_bytes(index, recompute="none", **kw) + held[1] - act if rec != "none" else 0.0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import ADAM_STATE_BYTES, model_state_bytes, optimizer_temp_bytes, sharded_param_bytes
@@ -108,6 +110,38 @@ def _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shar
     return root_params * pb, (sum(ordered[:2]) + gather) * pb + (root_params + group) * gb
 
 
+def first_backward_binds(schedule: str, pp: int, v: int, micro_batches: int, rank: int) -> bool:
+    """Whether rank `rank` holds the most activations and gradients inside its stage's first
+    backward of the step. The runtime frees the gradients after every step (runtime/train.py:
+    zero_grad(set_to_none=True)), so a stage has none until its first backward, which creates them
+    layer by layer as it frees that micro-batch's activations. With one stage a rank that
+    moment is the peak where no forward follows it with as many micro-batches in flight: one
+    micro-batch without a pipeline, GPipe, 1F1B on a rank whose forwards all come first
+    (m <= p - rank). Elsewhere (more micro-batches; interleaved and ZB-V ranks, whose chunks
+    differ) a forward comes after every gradient exists, as the ZeRO paper counts them."""
+    if v > 1:
+        return False
+    if pp == 1:
+        return micro_batches == 1
+    return schedule == "gpipe" or (schedule == "1f1b" and micro_batches <= pp - rank)
+
+
+def first_backward_bytes(blocks, a_top, g_block, ends):
+    """Most activations and gradients of one micro-batch a stage holds during its first backward
+    (first_backward_binds), for any order of its layers: while layer l runs its backward, the
+    layers before it keep their activations and the layers from l on have their gradients, so
+    the worst order gives each other layer the larger of its two and layer l both: sum of
+    max(a, g) plus the largest min(a, g). `blocks` blocks of at most `a_top` activation bytes
+    (the largest mode the stage recomputes with) and `g_block` gradient bytes each, and `ends`
+    [(activation, gradient bytes)] of its embedding and head. At most what the ZeRO paper's
+    accounting gives only where a stage's blocks are alike: callers take the smaller. Scalars or
+    numpy arrays."""
+    most = np.where(np.asarray(blocks) > 0, np.minimum(a_top, g_block), 0.0)
+    for a, g in ends:
+        most = np.maximum(most, np.minimum(a, g))
+    return blocks * np.maximum(a_top, g_block) + sum(np.maximum(a, g) for a, g in ends) + most
+
+
 def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
     """Receive buffers the pipeline runtime holds for the whole step on the rank of `stage_ids`
     (pipeline.recv_buffers "preallocated": torch.distributed.pipelining's stage allocates, when
@@ -191,8 +225,11 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     (its logits and float32 work beside FSDP2's buffers: the loss computes its gradient in the
     forward, runtime/loss.py, so a backward's replay never meets them). A rank holding a tied
     embedding and head can peak at the end of the backward instead (tied_matrix_grad_bytes), and
-    any rank in the optimizer step where that holds more (step_bytes). `stage_info`: per stage, its "params" and per-layer "costs"
-    (planner.cost.LayerCost)."""
+    any rank in the optimizer step where that holds more (step_bytes). Where a rank peaks in its
+    stage's first backward (first_backward_binds) its gradients grow as that backward frees the
+    micro-batch's activations: the gradients shown are those beside every activation at the worst
+    moment (first_backward_bytes), not all of them. `stage_info`: per stage, its "params" and
+    per-layer "costs" (planner.cost.LayerCost)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
@@ -216,6 +253,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
         transient_bytes = 0.0  # of the stage computing in its backward: one at a time on a rank
         fsdp_transient = 0.0  # FSDP2's part of it alone, which its forward may hold too
+        first = first_backward_binds(pipe.schedule, pp, v, mbs, rr)  # then one stage: ids == [rr]
+        first_bytes = 0.0
         for i in ids:
             si, st = stage_info[i], pipe.stages[i]
             P = si["params"]
@@ -232,6 +271,11 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
                                                two, rs_temp)
+            if first:
+                block_acts = [c.activation_bytes for c, k in zip(si["costs"], kinds) if k == "block"]
+                first_bytes = float(first_backward_bytes(
+                    len(block_acts), max(block_acts, default=0.0), (block_params or [0.0])[0] * gs,
+                    [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"]))
             held_other += held
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)
@@ -256,12 +300,15 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         # operation at a time on a rank, so the two never add up
         forward = head_logits + fsdp_transient if head_logits else 0.0
         other = held_other + tied + max(forward, transient_bytes + act_grad)
-        peak = dict(parameters_bytes=p_bytes, gradients_bytes=g_bytes, optimizer_bytes=o_bytes,
+        grads = g_bytes
+        if first:  # the gradients beside every activation at the first backward's worst moment
+            grads = min(g_bytes, first_bytes - weights[ids[0]])
+        peak = dict(parameters_bytes=p_bytes, gradients_bytes=grads, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
         end = held_other + act_grad + tied_end  # a tied matrix's two gradients meet
-        if tied and end > acts + other:
-            peak.update(activations_bytes=0.0, other_bytes=end, peak_at="end of backward")
-        if sum(step) > p_bytes + g_bytes + o_bytes + peak["activations_bytes"] + peak["other_bytes"]:
+        if tied and g_bytes + end > grads + acts + other:
+            peak.update(gradients_bytes=g_bytes, activations_bytes=0.0, other_bytes=end, peak_at="end of backward")
+        if sum(step) > p_bytes + peak["gradients_bytes"] + o_bytes + peak["activations_bytes"] + peak["other_bytes"]:
             peak = dict(parameters_bytes=step[0], gradients_bytes=step[1], optimizer_bytes=step[2],
                         activations_bytes=0.0, other_bytes=step[3], peak_at="optimizer step")
         mem_by_rank.append(dict(pp_rank=rr, **peak, total_bytes=sum(v for k, v in peak.items() if k != "peak_at")))

@@ -4,8 +4,10 @@ A stage's menu lists its options, a ZeRO level and a recompute combination (how 
 blocks run with no, selective or full recomputation), as arrays over the options: forward f,
 backward b, gradient sync, optimizer, ZeRO-1/2 gather, its per-micro-batch cost c, and its memory
 parts (model state and buffers, activations per micro-batch in flight, replay, transients, what
-is held from I to W under a split backward). Options dominated within their ZeRO level (no faster
-backward for no fewer activations, same replay) are dropped.
+is held from I to W under a split backward; its gradients and the most its first backward holds,
+planner.memory.first_backward_bytes). Options dominated within their ZeRO level (no faster
+backward for no fewer activations, same replay; where a rank peaks in its first backward, also the
+same largest recompute mode) are dropped.
 
 `menus` builds the menus of several block counts of one stage kind (with or without the
 embedding and the head) together: the options of every k are rows of one set of arrays, so that
@@ -16,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from planner.cost import tied_head
-from planner.memory import accumulation_bytes, fsdp_extra_parts, held_i_to_w_bytes, tied_matrix_grad_bytes
+from planner.memory import (accumulation_bytes, first_backward_bytes, fsdp_extra_parts, held_i_to_w_bytes,
+                            tied_matrix_grad_bytes)
 from planner.model import RECOMPUTE_MODES
 
 # one value per (k, ZeRO level); "transient" is the backward's (FSDP2's buffers and a new accumulated
@@ -35,7 +38,7 @@ class Menus:
         """What a menu depends on: the data-parallel group by its shape, not by the mesh order that made it."""
         cfg, ctx = self.cfg, self.ctx
         return (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
-                self.zeros, self.modes, ctx.space.recompute_granularity, k, emb, head, self.split)
+                self.zeros, self.modes, ctx.space.recompute_granularity, k, emb, head, self.split, self.fb)
 
     def menus(self, ks, emb, head):
         """{k: menu} for the block counts `ks`, from this configuration's or the search's cache, the
@@ -82,6 +85,11 @@ class Menus:
         plain = np.concatenate([p[5] + s0 for p, s0 in zip(parts, start)])
         base = comp_b + tp_b
         cb_min = np.minimum.reduceat(comp_b, start)
+        # the largest activations of a block among the modes a combination uses (first_backward_bytes)
+        if self.fb:
+            cb_all = np.concatenate([p[0] for p in parts])
+            mode_act = np.array([x.activation_bytes for x in blk])
+            top = np.max(np.where(cb_all > 0, mode_act[None, :], 0.0), axis=1)
         # held from each I to its W under a split backward (planner.memory.held_i_to_w_bytes): every
         # layer's weight-gradient inputs, and each fully recomputed block's replay
         held_iw = np.zeros(len(kid))
@@ -104,7 +112,9 @@ class Menus:
                 on = np.flatnonzero(exposed[kid])
                 bx = base[on] + np.maximum(0.0, beside_k[zi][kid[on]] - comp_b[on]) + copy_bk[zi][kid[on]]
                 b[on] = bx
-                _, rid = np.unique(replay[on], return_inverse=True)
+                rid = np.unique(replay[on], return_inverse=True)[1]
+                if self.fb:  # and by the largest mode, as blocks() classes them
+                    rid = rid * 3 + top_mode(cb_all[on], mode_act)
                 cls = kid[on] * (rid.max() + 1) + rid
                 keep = np.sort(np.concatenate((keep, on[_pareto(bx, act[on], cls)])))
             rows.append(keep)
@@ -121,6 +131,14 @@ class Menus:
         c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
         cols = dict(zip(SCALARS, scal))
         cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
+        # gradients, and the most a first backward holds of one micro-batch (planner.memory): read
+        # only where a rank peaks there
+        cols["grads"] = cols["first"] = np.zeros(len(rows))
+        if self.fb:
+            g = np.array([self._state(z)[1] for z in self.zeros])[tags]
+            cols["grads"] = (karr[kr] * blk[0].params + sum(x.params for x in ends)) * g
+            cols["first"] = first_backward_bytes(karr[kr], top[rows], blk[0].params * g,
+                                                 [(x.activation_bytes, x.params * g) for x in ends])
         bounds = np.searchsorted(kr, np.arange(nk + 1))
         # each k's options by c (stable), and their memory parts in that order (planner.partition.options)
         by_k = [np.argsort(c[i:j], kind="stable") for i, j in zip(bounds[:-1], bounds[1:])]
@@ -130,13 +148,15 @@ class Menus:
         mem = (cols["fixed"] + np.maximum(cols["replay"] + cols["transient"],
                                           cols["logits"] + cols["fsdp"] - self.act_grad))[by_c]
         act_c = cols["act"][by_c]
-        row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + act_c.itemsize
+        grads_c, first_c = (cols["grads"][by_c], cols["first"][by_c]) if self.fb else (cols["grads"],) * 2
+        row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + act_c.itemsize + 2 * act_c.itemsize
         out = {}
         for j, k in enumerate(ks):
             sl = slice(bounds[j], bounds[j + 1])
             mn = {name: col[sl] for name, col in cols.items()}
             mn["cb"] = parts[j][0]
             mn["order"], mn["mem_sorted"] = by_k[j], (mem[sl], act_c[sl])
+            mn["first_sorted"] = (grads_c[sl], first_c[sl])
             out[k] = (mn, row_bytes * (sl.stop - sl.start))
         return out
 
@@ -227,3 +247,10 @@ def _pareto(b, act, replay):
     prev[0] = np.inf
     np.minimum.accumulate(lifted[:-1], out=prev[1:])
     return np.sort(order[lifted < prev])
+
+
+def top_mode(cb, mode_act):
+    """Per recompute combination (rows of counts per mode), the index among the modes present of
+    the one holding the most activations per block (0 for a stage without blocks)."""
+    present = np.where(cb > 0, np.asarray(mode_act)[None, :], -1.0)
+    return np.where((cb > 0).any(axis=1), np.argmax(present, axis=1), 0)

@@ -57,10 +57,15 @@ class Inner(StageCosts):
             kr = {s: set(self.k_range(s, kcap)) for s in ss}
             ks = sorted(set().union(*kr.values()))
             menus = self.menus(ks, *flags)
+            fb = np.array([self.first_b[self.rank_of[s]] for s in ss])[:, None] if self.fb else None
             for k in ks:
                 mn = menus[k]
                 order, (fixed_rep, act) = mn["order"], mn["mem_sorted"]  # options by c, their memory parts
-                fits = (fixed_rep + extra)[None, :] + cnt * act[None, :] <= lim
+                held = cnt * act[None, :]
+                if fb is not None:  # ranks whose first backward holds the most (StageCosts.evaluate)
+                    grads, first = mn["first_sorted"]
+                    held = np.where(fb, np.minimum(held, held - act[None, :] + first[None, :] - grads[None, :]), held)
+                fits = (fixed_rep + extra)[None, :] + held <= lim
                 anyfit = fits.any(axis=1)
                 for i, s in enumerate(ss):
                     if anyfit[i] and k in kr[s]:

@@ -184,3 +184,22 @@ def decomposed_norm_bytes(model, t, dp: int, index: int, recompute: str, b: int,
     e = 4 if casts_weights(t, dp) else DTYPES[t.dtype]  # the stream's bytes (autocast: float32, counted there)
     stream = s * b * model.hidden / (tp if sp else 1)
     return (2 if kind == "block" else 1) * (4 + 4 - e) * stream
+
+
+# Host bytes torch's autograd keeps per layer and micro-batch beside the tensors it saves: its
+# graph's nodes and saved-variable records, freed by the backward. On a GPU they are host memory;
+# on CPU (gloo clusters) they are the device's. Measured here (torch 2.13, CPU, runtime.model's
+# layers; heap growth of a forward less the bytes of its saved tensors and output, repeated: see
+# tests/test_runtime.py) independent of the layer's size: a Llama block 62-65 KiB without
+# recomputation, 65-69 selective, 48 full; a GPT block 41-48, 48-52, 33-35; an embedding 1-4; a
+# head 7-14. Kept here as the largest, rounded up, for either architecture.
+CPU_GRAPH_BYTES = {("block", "none"): 72 * 1024, ("block", "selective"): 76 * 1024, ("block", "full"): 52 * 1024,
+                   ("embedding", "none"): 4 * 1024, ("head", "none"): 16 * 1024}
+
+
+def cpu_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int, sp: bool) -> float:
+    """What a layer of the runtime on CPU holds from forward to backward beyond what it holds on a
+    GPU: decomposed_norm_bytes and its autograd graph's records (CPU_GRAPH_BYTES)."""
+    kind = model.layer_kind(index)
+    graph = CPU_GRAPH_BYTES[(kind, recompute if kind == "block" else "none")]
+    return decomposed_norm_bytes(model, t, dp, index, recompute, b, s, tp, sp) + graph

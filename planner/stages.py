@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import step_bytes, zero_state_bytes
-from planner.menus import Menus, _pareto
+from planner.memory import first_backward_binds, step_bytes, zero_state_bytes
+from planner.menus import Menus, _pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.plan import split_backward, stage_rank
@@ -75,6 +75,9 @@ class StageCosts(Menus, Bounds):
         self.stages_of = [[] for _ in range(cfg.pp)]
         for s, r in enumerate(self.rank_of):
             self.stages_of[r].append(s)
+        # ranks whose peak falls in their stage's first backward (planner.memory.first_backward_binds)
+        self.first_b = [first_backward_binds(cfg.schedule, cfg.pp, cfg.v, cfg.micro_batches, r) for r in range(cfg.pp)]
+        self.fb = any(self.first_b)  # then menus keep what that moment needs to stay exact
         t = ctx.train
         # processes sharing fewer compute units than there are of them (planner.schedule.Sharing):
         # the machine does at most max(slots, 1) process-seconds of the operations' work a second
@@ -158,7 +161,7 @@ class StageCosts(Menus, Bounds):
         split = self.split
         if "_blocks_key" not in self.__dict__:
             self._blocks_key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1, self.modes,
-                                self.ctx.space.recompute_granularity if not cfg.recompute else "plan")
+                                self.ctx.space.recompute_granularity if not cfg.recompute else "plan", self.fb)
         key = (*self._blocks_key, k, split)
         if key not in self.ctx._blocks:
             cb = self.combos(k)
@@ -170,6 +173,8 @@ class StageCosts(Menus, Bounds):
                 classes = cb[:, 2] + (k + 1) * (cb[:, 1] > 0)
             else:
                 replay = classes = np.max(np.where(cb > 0, col("replay_bytes")[None, :], 0.0), axis=1)
+                if self.fb:  # a stage's first backward also depends on its largest mode (menus' "top")
+                    classes = np.unique(replay, return_inverse=True)[1] * 3 + top_mode(cb, col("activation_bytes"))
             self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, _pareto(comp_b + tp_b, act, classes))
         return self.ctx._blocks[key]
 
@@ -196,8 +201,8 @@ class StageCosts(Menus, Bounds):
 
     def _row(self, mn, i):
         """(f, f + b, optimizer + gather, sync, fixed, act, held_iw, replay + transient, step, FSDP2's
-        transient, the loss's) of option i of menu mn, as floats; read once per configuration (its
-        menus live as long as it)."""
+        transient, the loss's, gradients, first backward's bytes) of option i of menu mn, as floats;
+        read once per configuration (its menus live as long as it)."""
         rows = self.__dict__.setdefault("_rows", {})
         key = (id(mn), i)
         if key not in rows:
@@ -205,7 +210,7 @@ class StageCosts(Menus, Bounds):
             rows[key] = (float(f), float(f + mn["b"][i]), float(mn["opt"][i] + mn["gather"][i]), float(mn["sync"][i]),
                          float(mn["fixed"][i]), float(mn["act"][i]), float(mn["held_iw"][i]),
                          float(mn["replay"][i] + mn["transient"][i]), float(mn["step"][i]), float(mn["fsdp"][i]),
-                         float(mn["logits"][i]))
+                         float(mn["logits"][i]), float(mn["grads"][i]), float(mn["first"][i]))
         return rows[key]
 
     def evaluate(self, assign):
@@ -244,6 +249,9 @@ class StageCosts(Menus, Bounds):
             if self.flight[r].shape[1] > len(acts):  # v > 1: and what each chunk holds from I to W
                 acts += [row[6] for row in mine]
             peak = float((self.flight[r] @ np.array(acts)).max())
+            if self.first_b[r]:  # one stage: its gradients grow as its first backward frees activations
+                row = mine[0]
+                fixed, peak = fixed - row[11], min(peak + row[11], peak - row[5] + row[12])
             rep = max(row[7] for row in mine) + self.act_grad  # one stage computes at a time
             logits = max(row[10] for row in mine)  # the loss's forward, on the head's rank
             if logits:

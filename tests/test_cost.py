@@ -32,7 +32,7 @@ def test_zero_levels_shard_what_they_promise():
     for mixed in (True, False):
         base = estimate(plan_for(zero=0, master_weights=mixed), A100).breakdown["memory"]
         z1 = estimate(plan_for(zero=1, master_weights=mixed), A100).breakdown["memory"]
-        z3 = estimate(plan_for(zero=3, global_batch=8, master_weights=mixed), A100).breakdown["memory"]
+        z3 = estimate(plan_for(zero=3, master_weights=mixed), A100).breakdown["memory"]
         assert z1["optimizer_bytes"] == pytest.approx(base["optimizer_bytes"] / dp)
         assert z1["parameters_bytes"] == base["parameters_bytes"]
         assert z3["gradients_bytes"] == pytest.approx(base["gradients_bytes"] / dp)
@@ -41,6 +41,24 @@ def test_zero_levels_shard_what_they_promise():
         P = ZOO["llama2-7b"].num_parameters()
         assert z3["parameters_bytes"] == pytest.approx((4 if mixed else 2) * P / dp, rel=0.01)
         assert z3["optimizer_bytes"] == pytest.approx(8 * P / dp, rel=0.01)
+
+
+def test_a_first_backward_holds_gradients_as_its_activations_go():
+    """The runtime frees gradients after every step, so with one micro-batch a step the backward
+    creates them as it frees the activations (planner.memory.first_backward_binds): the peak is
+    below the ZeRO paper's sum of every activation and every gradient, by at most the smaller of
+    the two, and never below either; with two micro-batches the second forward runs beside every
+    gradient, as the paper counts."""
+    for zero in (0, 1, 3):
+        one, two = (estimate(plan_for(zero=zero, global_batch=8 * m), A100) for m in (1, 2))
+        a, b = one.breakdown["memory"], two.breakdown["memory"]
+        full = two.breakdown["memory"]["gradients_bytes"]
+        assert a["activations_bytes"] == pytest.approx(b["activations_bytes"])  # one micro-batch in flight
+        assert a["gradients_bytes"] < full and b["gradients_bytes"] == full
+        total = lambda m: sum(v for k, v in m.items() if k.endswith("_bytes"))  # noqa: E731
+        saved = total(b) - total(a)
+        assert 0 < saved <= min(a["activations_bytes"], full) * (1 + 1e-9)
+        assert total(a) >= total(b) - a["activations_bytes"] - full + max(a["activations_bytes"], full)
 
 
 def test_recompute_trades_memory_for_time():
