@@ -36,7 +36,7 @@ from pathlib import Path
 import networkx as nx
 
 from planner.device import DeviceSpec, _curve, _interp, _num, device_from_dict  # noqa: F401 (DeviceSpec: re-exported)
-from planner.model import ConfigError, is_int
+from planner.model import ConfigError, is_int, is_real
 from planner.profile_checks import (PROFILE_KEYS, check_finite, check_keys, check_node_of_rank, check_segments,
                                     read_json)
 
@@ -244,6 +244,12 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
     for key in ("tiers", "sources", "sweep"):
         if key in d and not isinstance(d[key], dict):
             raise ConfigError(f"{source}: {key} must be an object")
+    for tier, info in d.get("tiers", {}).items():  # what each link is (the costs are the collectives')
+        bw = info.get("bandwidth_bytes_per_s", 1.0) if isinstance(info, dict) else None
+        if tier not in TIERS or not isinstance(info, dict) or not isinstance(info.get("link", ""), str) \
+                or not (is_real(bw) and bw > 0):
+            raise ConfigError(f"{source}: tiers.{tier}: a tier is {' or '.join(TIERS)}, an object with a 'link' "
+                              "string and a positive 'bandwidth_bytes_per_s'; fix it or leave it out")
     dpn = d["devices_per_node"]
     if not is_int(dpn) or dpn < 1:
         raise ConfigError(f"{source}: devices_per_node {dpn!r} must be a positive integer")

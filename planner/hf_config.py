@@ -32,7 +32,9 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
         return get(key, lambda v: is_int(v) and v > 0, "a positive integer", default)
 
     def eps(key):
-        return float(get(key, lambda v: is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", 1e-5))
+        # absent: the default of transformers' configuration_<model_type>.py (Phi-3's and GPT-2's 1e-5)
+        default = 1e-6 if mt in ("llama", "mistral", "qwen2", "qwen3") else 1e-5
+        return float(get(key, lambda v: is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", default))
 
     def flag(key, default):
         return get(key, lambda v: isinstance(v, bool), "true or false", default)

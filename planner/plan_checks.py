@@ -2,7 +2,7 @@
 names the field and says what to change."""
 from __future__ import annotations
 
-from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS
+from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS, is_real
 from planner.plan import (DTYPES, GRAD_ACCUMULATION, MESH_DIMS, RECV_BUFFERS, SCHEDULES, P2P_MODES, _is_int,
                           _need)
 from planner.pointwise import ELEMENTWISE_KERNELS
@@ -23,7 +23,8 @@ def check(plan) -> None:
     for name in ("global_batch", "micro_batch", "seq_len"):
         v = getattr(t, name)
         _need(_is_int(v) and v > 0, f"training.{name}", f"{v!r} must be a positive integer")
-    _need(_is_int(t.seed) and t.seed >= 0, "training.seed", f"{t.seed!r} must be a non-negative integer")
+    _need(_is_int(t.seed) and 0 <= t.seed < 2**63, "training.seed",
+          f"{t.seed!r} must be a non-negative integer below 2**63 (torch's seeds are 64-bit)")
     _one_of(t.dtype, DTYPES, "training.dtype")
     _need(t.optimizer == "adamw", "training.optimizer", f"{t.optimizer!r}; only adamw is supported")
     _one_of(t.attention, ATTENTION_KERNELS, "training.attention")
@@ -35,8 +36,7 @@ def check(plan) -> None:
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     for name in ("lr", "weight_decay", "grad_clip", "dropout"):
         v = getattr(t, name)
-        _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, f"training.{name}",
-              f"{v!r} must be a non-negative number")
+        _need(is_real(v) and v >= 0, f"training.{name}", f"{v!r} must be a finite non-negative number")
     _need(t.dropout < 1, "training.dropout", f"{t.dropout} must be below 1")
     _need(t.seq_len <= m.seq_len, "training.seq_len",
           f"{t.seq_len} exceeds the model's seq_len {m.seq_len}; lower it or raise model.seq_len")

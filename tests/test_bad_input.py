@@ -60,6 +60,8 @@ def plan_file(tmp_path, capsys):
     (lambda d: d["cluster"].update(profile_hash=5), "cluster.profile_hash"),
     (lambda d: d["pipeline"]["stages"][0].update(recompute=[["none"], "none"]), "pipeline.stages[0].recompute"),
     (lambda d: d["training"].update(seed=-1), "training.seed: -1 must be a non-negative integer"),
+    (lambda d: d["training"].update(seed=2**64), "training.seed: 18446744073709551616 must be a non-negative integer"),
+    (lambda d: d["training"].update(lr=float("inf")), "training.lr: inf must be a finite non-negative number"),
 ])
 def test_bad_plan_fields(capsys, plan_file, edit, needle):
     d = json.loads(plan_file.read_text())

@@ -82,6 +82,9 @@ PROFILE_CASES = [
     (("name",), 5, r"name 5 must be a string"),
     (("device", "name"), ["a"], r"device\.name: \['a'\] must be a string"),
     (("tiers",), [1], r"tiers must be an object"),
+    (("tiers", "inter_node"), -1, r"tiers\.inter_node: a tier is intra_node or inter_node, an object with a 'link'"),
+    (("tiers", "inter_node", "bandwidth_bytes_per_s"), 0, r"tiers\.inter_node: .* positive 'bandwidth_bytes_per_s'"),
+    (("tiers", "nvlink"), {"link": "NVLink"}, r"tiers\.nvlink: a tier is intra_node or inter_node"),
     (("device", "matmul_flops_by_size", "bf16"), [[1024, 1e12], [2048, INF]], r"matmul_flops_by_size\.bf16"),
 ]
 

@@ -104,6 +104,9 @@ def test_hf_config_mapping(tmp_path):
     gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
             "n_positions": 1024}
     assert from_hf_config(gpt2).num_parameters() == 124439808  # GPT-2 small
+    # a norm epsilon the file leaves out takes transformers' default for the model type
+    assert [from_hf_config(c).norm_eps for c in (llama, mistral, qwen, phi3, gpt2)] == [1e-6, 1e-6, 1e-6, 1e-5, 1e-5]
+    assert from_hf_config(dict(llama, rms_norm_eps=1e-5)).norm_eps == 1e-5
     path = tmp_path / "config.json"
     path.write_text(json.dumps(gpt2))
     assert load_model(str(path)).arch == "gpt"
