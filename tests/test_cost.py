@@ -43,24 +43,6 @@ def test_zero_levels_shard_what_they_promise():
         assert z3["optimizer_bytes"] == pytest.approx(8 * P / dp, rel=0.01)
 
 
-def test_a_first_backward_holds_gradients_as_its_activations_go():
-    """The runtime frees gradients after every step, so with one micro-batch a step the backward
-    creates them as it frees the activations (planner.memory.first_backward_binds): the peak is
-    below the ZeRO paper's sum of every activation and every gradient, by at most the smaller of
-    the two, and never below either; with two micro-batches the second forward runs beside every
-    gradient, as the paper counts."""
-    for zero in (0, 1, 3):
-        one, two = (estimate(plan_for(zero=zero, global_batch=8 * m), A100) for m in (1, 2))
-        a, b = one.breakdown["memory"], two.breakdown["memory"]
-        full = two.breakdown["memory"]["gradients_bytes"]
-        assert a["activations_bytes"] == pytest.approx(b["activations_bytes"])  # one micro-batch in flight
-        assert a["gradients_bytes"] < full and b["gradients_bytes"] == full
-        total = lambda m: sum(v for k, v in m.items() if k.endswith("_bytes"))  # noqa: E731
-        saved = total(b) - total(a)
-        assert 0 < saved <= min(a["activations_bytes"], full) * (1 + 1e-9)
-        assert total(a) >= total(b) - a["activations_bytes"] - full + max(a["activations_bytes"], full)
-
-
 def test_recompute_trades_memory_for_time():
     kw = dict(tp=8, global_batch=8, micro_batch=1)
     none, sel, full = (estimate(plan_for(recompute=r, **kw), A100) for r in ("none", "selective", "full"))

@@ -211,25 +211,6 @@ def test_shared_compute_keeps_the_search_exact(limit):
     check_same(shrunk(6, 512), shared, 16, 1024, limit * GiB, space, stage_level((1, 3), ("none",)))
 
 
-@pytest.mark.parametrize("limit", [1.21, 1.28, 1.33])
-def test_first_backward_peaks_keep_the_search_exact(limit):
-    """Where a rank peaks in its stage's first backward (one micro-batch without a pipeline,
-    GPipe, 1F1B whose forwards all come first: planner.memory.first_backward_binds) its memory
-    grows with gradients as activations go, and depends on the largest recompute mode its blocks
-    use, not only on their activations: the search keeps the options that moment needs and finds
-    what enumerating every partition finds (ZeRO and recomputation per layer; at 1.33 GiB it
-    trains without a pipeline and recomputes nothing, which the ZeRO paper's accounting would not
-    fit)."""
-    space = SearchSpace(pp=(1, 2), micro_batch=(1, 2), zero=(0, 1, 3), zero_per_stage=True,
-                        recompute_granularity="layer", schedules=("gpipe", "1f1b"), sequence_parallel=(False,),
-                        orders=(("pp", "dp", "tp"),))
-    best = check_same(shrunk(5, 512), A100.shaped_as(1, 4), 4, 1024, limit * GiB, space,
-                      layer_level((0, 1, 3), ("none", "selective", "full")))
-    if limit == 1.33:
-        assert best.plan.mesh.pp == 1 and best.plan.pipeline.micro_batches == 1
-        assert all(r == "none" for st in best.plan.pipeline.stages for r in st.recompute)
-
-
 @pytest.mark.parametrize("limit", [1.1, 1.2, 1.21, 80.0])
 def test_per_layer_recompute_equals_exhaustive_enumeration(limit):
     """Recompute chosen per layer (none / selective / full counts per stage), ZeRO per stage."""
