@@ -142,6 +142,15 @@ def first_backward_bytes(blocks, a_top, g_block, ends):
     return blocks * np.maximum(a_top, g_block) + sum(np.maximum(a, g) for a, g in ends) + most
 
 
+def first_backward_peak(held, act, grads, first):
+    """Activations and gradients a rank whose peak falls in its stage's first backward
+    (first_backward_binds) holds at that peak: `held` activations in flight, `act` of them the
+    micro-batch that backward runs, beside the stage's `grads`, or the others beside what that
+    backward holds at its worst (`first`, first_backward_bytes), whichever is less. Scalars or
+    numpy arrays."""
+    return np.minimum(held + grads, held - act + first)
+
+
 def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
     """Receive buffers the pipeline runtime holds for the whole step on the rank of `stage_ids`
     (pipeline.recv_buffers "preallocated": torch.distributed.pipelining's stage allocates, when
@@ -302,7 +311,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         other = held_other + tied + max(forward, transient_bytes + act_grad)
         grads = g_bytes
         if first:  # the gradients beside every activation at the first backward's worst moment
-            grads = min(g_bytes, first_bytes - weights[ids[0]])
+            grads = float(first_backward_peak(acts, weights[ids[0]], g_bytes, first_bytes)) - acts
         peak = dict(parameters_bytes=p_bytes, gradients_bytes=grads, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
         end = held_other + act_grad + tied_end  # a tied matrix's two gradients meet

@@ -149,7 +149,7 @@ class Menus:
                                           cols["logits"] + cols["fsdp"] - self.act_grad))[by_c]
         act_c = cols["act"][by_c]
         grads_c, first_c = (cols["grads"][by_c], cols["first"][by_c]) if self.fb else (cols["grads"],) * 2
-        row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + act_c.itemsize + 2 * act_c.itemsize
+        row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + 3 * act_c.itemsize
         out = {}
         for j, k in enumerate(ks):
             sl = slice(bounds[j], bounds[j + 1])

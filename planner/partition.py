@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from planner.memory import first_backward_peak
 from planner.model import RECOMPUTE_MODES
 from planner.plan import Plan, Stage
 from planner.build import even_stages
@@ -64,7 +65,7 @@ class Inner(StageCosts):
                 held = cnt * act[None, :]
                 if fb is not None:  # ranks whose first backward holds the most (StageCosts.evaluate)
                     grads, first = mn["first_sorted"]
-                    held = np.where(fb, np.minimum(held, held - act[None, :] + first[None, :] - grads[None, :]), held)
+                    held = np.where(fb, first_backward_peak(held, act, grads, first) - grads, held)
                 fits = (fixed_rep + extra)[None, :] + held <= lim
                 anyfit = fits.any(axis=1)
                 for i, s in enumerate(ss):

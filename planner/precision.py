@@ -190,7 +190,7 @@ def decomposed_norm_bytes(model, t, dp: int, index: int, recompute: str, b: int,
 # graph's nodes and saved-variable records, freed by the backward. On a GPU they are host memory;
 # on CPU (gloo clusters) they are the device's. Measured here (torch 2.13, CPU, runtime.model's
 # layers; heap growth of a forward less the bytes of its saved tensors and output, repeated: see
-# tests/test_runtime.py) independent of the layer's size: a Llama block 62-65 KiB without
+# tests/test_first_backward.py) independent of the layer's size: a Llama block 62-65 KiB without
 # recomputation, 65-69 selective, 48 full; a GPT block 41-48, 48-52, 33-35; an embedding 1-4; a
 # head 7-14. Kept here as the largest, rounded up, for either architecture.
 CPU_GRAPH_BYTES = {("block", "none"): 72 * 1024, ("block", "selective"): 76 * 1024, ("block", "full"): 52 * 1024,

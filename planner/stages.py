@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import first_backward_binds, step_bytes, zero_state_bytes
+from planner.memory import first_backward_binds, first_backward_peak, step_bytes, zero_state_bytes
 from planner.menus import Menus, _pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
@@ -251,7 +251,7 @@ class StageCosts(Menus, Bounds):
             peak = float((self.flight[r] @ np.array(acts)).max())
             if self.first_b[r]:  # one stage: its gradients grow as its first backward frees activations
                 row = mine[0]
-                fixed, peak = fixed - row[11], min(peak + row[11], peak - row[5] + row[12])
+                fixed, peak = fixed - row[11], float(first_backward_peak(peak, row[5], row[11], row[12]))
             rep = max(row[7] for row in mine) + self.act_grad  # one stage computes at a time
             logits = max(row[10] for row in mine)  # the loss's forward, on the head's rank
             if logits:

@@ -121,7 +121,7 @@ def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Te
     schedule.step(*args, return_outputs=False, **kwargs)
     # detached: each loss would keep its micro-batch's autograd graph (nodes and records, which the
     # backward leaves behind) alive through the optimizer step; on CPU that is the device's memory,
-    # 0.6 MiB at the optimizer step of tests/test_runtime.py's pp2 1F1B plan, the tiny model's head stage
+    # 0.6 MiB at the optimizer step of tests/test_first_backward.py's pp2 1F1B plan, the tiny model's head stage
     return [loss.detach() for loss in losses]
 
 
