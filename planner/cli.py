@@ -86,7 +86,8 @@ def cmd_plan(args) -> int:
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
         recv_buffers=args.recv_buffers, p2p=args.p2p, overlap_grad_reduce=not args.no_overlap_grad_reduce,
         async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation,
-        attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies)
+        attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
+        sp_saved_inputs=args.sp_saved_inputs)
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
         if asked:
@@ -297,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
+    p.add_argument("--sp-saved-inputs", choices=("shard", "gathered"), default="shard",
+                   help="under --sequence-parallel the column-parallel linears keep their input's sequence shard "
+                        "and all-gather it again in the backward (as Megatron-LM), or keep the gathered input "
+                        "whole: no second all-gather, more memory")
     p.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", help="write the plan file here")
     p.add_argument("--model-profile", default=None,

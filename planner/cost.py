@@ -37,13 +37,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from planner.cluster import ClusterSpec
-from planner.comm import ASYNC_TP_HIDDEN, clip_norm_comm, runtime_sync, tp_comm
+from planner.comm import ASYNC_TP_HIDDEN, clip_norm_comm, regathers, runtime_sync, tp_comm
 from planner.memory import memory_by_rank
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
-from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, autocast_held_bytes, casts_weights,
-                               cpu_held_bytes, fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes)
+from planner.precision import (GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, casts_weights, fsdp_copy_bytes,
+                               model_state_bytes, optimizer_step_bytes, runtime_held_bytes)
 from planner.schedule import Sharing, StageTimes, simulate
 
 
@@ -147,7 +147,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     dp = getattr(plan.mesh, "dp", 1)  # without it the runtime computes by autocast on float32 weights
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
                                    t.attention, autocast=casts_weights(t, dp))
-    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s)
+    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, regathers(t, rec))
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
         # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the
@@ -182,8 +182,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
               dropout=dropout, attention=t.attention)
-    held = [autocast_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats) + (cpu_held_bytes(  # on CPU
-        m, t, dp, index, r, b, s, tp, sp) if cluster.backend == "gloo" else 0.0) for r in (rec, "none")]
+    held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
+                               replay=rec == "full" and r != rec) for r in (rec, "none")]
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0]
     replay = m.activation_bytes(index, recompute="none", **kw) + held[1] - act if rec != "none" else 0.0
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad)

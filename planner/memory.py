@@ -8,7 +8,8 @@ import numpy as np
 
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, split_backward
-from planner.precision import ADAM_STATE_BYTES, model_state_bytes, optimizer_temp_bytes, sharded_param_bytes
+from planner.precision import (ADAM_STATE_BYTES, casts_weights, model_state_bytes, optimizer_temp_bytes,
+                               sharded_param_bytes)
 from planner.schedule import peak_in_flight
 
 
@@ -198,6 +199,19 @@ def tied_matrix_grad_bytes(model: ModelConfig, tp: int, gb: float, micro_batches
     return one, one * (3 if micro_batches > 1 else 2)
 
 
+def backward_flow_bytes(model: ModelConfig, t, tp: int, sp: bool, dp: int, micro_batch: int) -> float:
+    """Bytes a backward holds for the layer computing in it beyond the saved activations: the
+    activation gradients flowing back (the layer's output and input gradients), and under sequence
+    parallelism keeping shards (training.sp_saved_inputs "shard", runtime.sp_shard) one input
+    gathered again for its linears' weight gradients, in the stream's dtype and, under autocast
+    (float32 stream), its 16-bit cast beside it."""
+    e, elems = DTYPES[t.dtype], micro_batch * t.seq_len * model.hidden
+    flow = 2 * e * elems
+    if sp and tp > 1 and t.sp_saved_inputs == "shard":
+        flow += (4 + e if casts_weights(t, dp) else e) * elems
+    return flow
+
+
 def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
     """(parameters, gradients, optimizer state, other) bytes a stage of `params` parameters per
     device at ZeRO level `zero` holds while the runtime's optimizer steps (training options `t`):
@@ -297,8 +311,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
                 held_other += P * pb
         held_other += recv_buffer_bytes(plan, ids)
-        # gradients of the activation flowing back (output and input of the layer in backward)
-        act_grad = 2 * e * t.micro_batch * t.seq_len * m.hidden
+        act_grad = backward_flow_bytes(m, t, tp, any(pipe.stages[i].sequence_parallel for i in ids), dp, t.micro_batch)
         head_logits, tied, tied_end = 0.0, 0.0, 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
             head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]

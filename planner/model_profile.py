@@ -46,6 +46,7 @@ world size.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +170,9 @@ class ModelProfile:
     # the dtype of the parameters whose bytes were measured: the runtime keeps float32 weights and
     # computes in bf16 by autocast, so param_bytes count 4 bytes a parameter in bf16 profiles too
     param_dtype: str = "fp32"
+    # what its sequence-parallel entries kept of their gathered inputs (training.sp_saved_inputs):
+    # the runtime's default when measured; profiles written before runtime.sp_shard kept them whole
+    sp_saved_inputs: str = "gathered"
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -217,10 +221,10 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     the cluster profile's prediction at the plan's TP ranks and at the measured ones: the same
     figure as measured for a group on the measured tier, more for a group spanning nodes.
     Activation and parameter bytes are the measured ones."""
-    from planner.comm import tp_comm
+    from planner.comm import regathers, tp_comm
     from planner.cost import LayerCost, layer_cost
     from planner.plan import DTYPES
-    from planner.precision import grad_bytes
+    from planner.precision import grad_bytes, sp_gathered_bytes
     m, t = plan.model, plan.training
     b, s, sp = t.micro_batch, t.seq_len, stage.sequence_parallel
     e = DTYPES[t.dtype]
@@ -231,8 +235,9 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     msg = e * b * s * m.hidden
     # the profile measured TP on consecutive ranks 0..tp-1 (runtime.profile_model), inside a node
     # where the node is large enough; the plan's TP group may sit elsewhere (across nodes)
-    prof_f, prof_b = tp_comm(cluster, kind, msg, sp, list(range(len(tp_ranks))), b, s)
-    tp_f, tp_b = tp_comm(cluster, kind, msg, sp, tp_ranks, b, s)
+    measured_t = dataclasses.replace(t, sp_saved_inputs=profile.sp_saved_inputs)
+    prof_f, prof_b = tp_comm(cluster, kind, msg, sp, list(range(len(tp_ranks))), b, s, regathers(measured_t, rec))
+    tp_f, tp_b = tp_comm(cluster, kind, msg, sp, tp_ranks, b, s, regathers(t, rec))
     if rec == "full":
         prof_b += prof_f
         tp_b += tp_f
@@ -242,10 +247,14 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     # the plan's TP communication: the measured share, plus what the plan's tier costs beyond the
     # tier it was measured on (a TP group spanning nodes), or less where the plan's tier is faster
     tp_f, tp_b = max(0.0, in_f + tp_f - prof_f), max(0.0, in_b + tp_b - prof_b)
-    act = fit.activations(b)
+    # the plan's sequence parallelism may keep its gathered inputs otherwise than the measured one
+    gathered = [sp_gathered_bytes(m, tt, index, r, b, s, plan.mesh.tp, sp, replay=rec == "full" and r == "none")
+                for tt in (t, measured_t) for r in (rec, "none")]
+    act = fit.activations(b) + gathered[0] - gathered[2]
     replay = 0.0
     if rec != "none":
-        replay = max(0.0, profile.lookup(kind, plan.mesh.tp, sp, "none").activations(b) - act)
+        none = profile.lookup(kind, plan.mesh.tp, sp, "none").activations(b) + gathered[1] - gathered[3]
+        replay = max(0.0, none - act)
     dpm = None
     if plan.mesh.dp > 1:
         base = profile.lookup(kind, plan.mesh.tp, sp, "none")
@@ -307,6 +316,8 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
     need(d["dtype"] in ("fp32", "bf16", "fp16"), "dtype", f"{d['dtype']!r}; use fp32, bf16 or fp16")
     need(d.get("param_dtype", "fp32") in ("fp32", "bf16", "fp16"), "param_dtype",
          f"{d.get('param_dtype')!r}; use fp32, bf16 or fp16 (the dtype the measured parameters are held in)")
+    need(d.get("sp_saved_inputs", "gathered") in ("shard", "gathered"), "sp_saved_inputs",
+         f"{d.get('sp_saved_inputs')!r}; use shard or gathered (what sequence parallelism kept when measured)")
     procs = d.get("processes", 1)
     need(isinstance(procs, int) and procs > 0, "processes", f"{procs!r} must be a positive integer")
     cp = d["cluster_profile"]
@@ -357,7 +368,8 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
     return ModelProfile(name=str(d["name"]), model=model, seq_len=d["seq_len"], dtype=d["dtype"], processes=procs,
                         cluster_name=cp["name"], cluster_hash=cp.get("hash", ""),
                         micro_batches=list(d.get("micro_batches", [])), entries=entries, pipeline=pipe,
-                        param_dtype=d.get("param_dtype", "fp32"), raw=d)
+                        param_dtype=d.get("param_dtype", "fp32"), sp_saved_inputs=d.get("sp_saved_inputs", "gathered"),
+                        raw=d)
 
 
 def load_model_profile(spec) -> ModelProfile:

@@ -48,10 +48,11 @@ def stage_rank(schedule: str, pp: int, stage_index: int) -> int:
 RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
+SP_SAVED_INPUTS = ("gathered", "shard")  # see Training.sp_saved_inputs
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
-                              "fsdp_copies"),
+                              "fsdp_copies", "sp_saved_inputs"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p")}
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -115,6 +116,13 @@ class Training:
     # reduce buffers on the compute stream (FSDP2 and replicate, the runtime's; planner.precision
     # fsdp_copy_bytes); false: flat buffers with nothing to copy (Megatron-LM's DDP, FSDP1)
     fsdp_copies: bool = True
+    # what a column-parallel linear keeps for its weight gradient under sequence parallelism:
+    # "shard", this rank's sequence shard, all-gathered again in the backward (Megatron-LM's
+    # LinearWithGradAccumulationAndAsyncCommunication, Korthikanti et al. 2022's accounting; the
+    # runtime's runtime.sp_shard); "gathered", the all-gathered (whole) input, as DTensor's
+    # ColwiseParallel keeps it behind PrepareModuleInput: more memory
+    # (planner.precision.sp_gathered_bytes), no second all-gather (planner.comm.tp_comm)
+    sp_saved_inputs: str = "shard"
 
 
 @dataclass

@@ -3,8 +3,8 @@ names the field and says what to change."""
 from __future__ import annotations
 
 from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS, is_real
-from planner.plan import (DTYPES, GRAD_ACCUMULATION, MESH_DIMS, RECV_BUFFERS, SCHEDULES, P2P_MODES, _is_int,
-                          _need)
+from planner.plan import (DTYPES, GRAD_ACCUMULATION, MESH_DIMS, RECV_BUFFERS, SCHEDULES, SP_SAVED_INPUTS, P2P_MODES,
+                          _is_int, _need)
 from planner.pointwise import ELEMENTWISE_KERNELS
 
 
@@ -34,6 +34,7 @@ def check(plan) -> None:
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
+    _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")
     for name in ("lr", "weight_decay", "grad_clip", "dropout"):
         v = getattr(t, name)
         _need(is_real(v) and v >= 0, f"training.{name}", f"{v!r} must be a finite non-negative number")

@@ -165,7 +165,28 @@ def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s
     if recompute == "full":
         return (4 - e) * stream  # the block's float32 input alone
     casts = 3 + (2 if model.arch == "llama" else 1)  # linears reading a norm's output
-    return 2 * (4 - e) * stream + (casts - 2) * e * stream + e * matmul_params
+    # each cast is of the linear's input: the whole sequence where sequence parallelism gathers it
+    cast = s * b * model.hidden if sp and t.sp_saved_inputs == "gathered" else stream
+    return 2 * (4 - e) * stream + (casts - 2) * e * cast + e * matmul_params
+
+
+def sp_gathered_bytes(model, t, index: int, recompute: str, b: int, s: int, tp: int, sp: bool,
+                      replay: bool = False) -> float:
+    """Bytes a layer holds from forward to backward per micro-batch under sequence parallelism
+    beyond ModelConfig.activation_bytes, which counts the inputs of the column-parallel linears
+    (the block's two projection inputs, the head's input) as Korthikanti et al. 2022 (section
+    4.2.2) and Megatron-LM keep them: one sequence shard each, all-gathered again in the backward.
+    The runtime's DTensor tensor parallelism gathers the input before the linear (PrepareModuleInput
+    with Replicate, ColwiseParallel) and the matrix product keeps the gathered tensor
+    (training.sp_saved_inputs "gathered"): tp - 1 more shards each. Measured on the tiny model
+    (model profiles, CPU): a block kept 64 KB more at TP 2 and 93 KB at TP 4 than the shard
+    accounting counts, against 66 and 98 KB this adds. A fully recomputed block's replay
+    (`replay`) keeps them whole either way: runtime.sp_shard stays out of torch's checkpoint."""
+    if not sp or tp <= 1 or (t.sp_saved_inputs != "gathered" and not replay):
+        return 0.0
+    kind = model.layer_kind(index)
+    inputs = {"embedding": 0, "head": 1, "block": 0 if recompute == "full" else 2}[kind]
+    return inputs * DTYPES[t.dtype] * s * b * model.hidden * (1 - 1 / tp)
 
 
 def decomposed_norm_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int,
@@ -203,3 +224,14 @@ def cpu_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int
     kind = model.layer_kind(index)
     graph = CPU_GRAPH_BYTES[(kind, recompute if kind == "block" else "none")]
     return decomposed_norm_bytes(model, t, dp, index, recompute, b, s, tp, sp) + graph
+
+
+def runtime_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int, sp: bool,
+                       matmul_params: float, cpu: bool, replay: bool = False) -> float:
+    """What a layer of the runtime holds from forward to backward per micro-batch beyond
+    ModelConfig.activation_bytes: autocast's float32 inputs and casts, the inputs sequence
+    parallelism gathers, and on CPU (`cpu`: gloo clusters) cpu_held_bytes. `replay`: what a fully
+    recomputed block's replay holds (recompute "none")."""
+    return (autocast_held_bytes(model, t, dp, index, recompute, b, s, tp, sp, matmul_params)
+            + sp_gathered_bytes(model, t, index, recompute, b, s, tp, sp, replay)
+            + (cpu_held_bytes(model, t, dp, index, recompute, b, s, tp, sp) if cpu else 0.0))

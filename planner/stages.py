@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import first_backward_binds, first_backward_peak, step_bytes, zero_state_bytes
+from planner.memory import (backward_flow_bytes, first_backward_binds, first_backward_peak, step_bytes,
+                            zero_state_bytes)
 from planner.menus import Menus, _pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
@@ -83,7 +84,7 @@ class StageCosts(Menus, Bounds):
         # the machine does at most max(slots, 1) process-seconds of the operations' work a second
         slots, world = ctx.cluster.compute_slots, cfg.pp * cfg.dp * cfg.tp
         self.share = max(slots, 1.0) / (cfg.tp * cfg.dp) if (slots is not None and slots < world) else None
-        self.act_grad = 2 * ctx.e * cfg.micro_batch * t.seq_len * m.hidden
+        self.act_grad = backward_flow_bytes(m, t, cfg.tp, cfg.sp, cfg.dp, cfg.micro_batch)
         self.head_logits = m.loss_bytes(cfg.micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
 
     def setup(self):

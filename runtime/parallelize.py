@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from planner.model import ConfigError
 from runtime.model import Block, Embedding, Head, Transformer
+from runtime.sp_shard import keep_shards as keep_shards_of
 
 # FSDP2 warns when a wrapped chunk returns a view (under TP the head returns its local slice of the
 # logits, a view of the DTensor's): nothing here modifies a chunk's output in place.
@@ -120,11 +121,14 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, keep_shards: bool = True) -> None:
     """Shard the chunk's layers over `tp_mesh`. The embedding is split by vocabulary rows
     (RowShardedEmbedding), the head by vocabulary columns (ColwiseParallel): it returns this rank's
     vocabulary slice of the logits as a local tensor, for runtime.loss's vocab-parallel loss.
-    Between layers the hidden state is a local tensor, sequence-sharded under SP."""
+    Between layers the hidden state is a local tensor, sequence-sharded under SP. With
+    `keep_shards` (training.sp_saved_inputs "shard") the inputs SP gathers for the column-parallel
+    linears are kept as shards for the backward (runtime.sp_shard), except in fully recomputed
+    blocks."""
     cfg, tp = chunk.cfg, tp_mesh.size()
     if cfg.vocab % tp:
         raise ConfigError(f"model.vocab: {cfg.vocab} is not divisible by tp={tp}; the runtime splits the "
@@ -146,6 +150,12 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             if not layer.feed_forward.gated:
                 del plan["feed_forward.w3"]
         parallelize_module(layer, tp_mesh, plan)
+        if sequence_parallel and keep_shards:
+            if isinstance(layer, Head):
+                keep_shards_of(layer.output, tp_mesh, lambda: True)
+            elif isinstance(layer, Block):
+                for module in (layer.attention, layer.feed_forward):
+                    keep_shards_of(module, tp_mesh, lambda layer=layer: not layer.full_recompute)
     retie(chunk)
 
 

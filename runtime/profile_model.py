@@ -373,6 +373,7 @@ def profile_model(args) -> dict | None:
         # what param_bytes count: the runtime's weights, created in torch's default dtype (float32;
         # bf16 computes by autocast over them)
         "param_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[torch.get_default_dtype()],
+        "sp_saved_inputs": "shard",  # runtime.parallelize.apply_tp's default
         "processes": world,
         "cluster_profile": {"name": c.name, "hash": c.profile_hash},
         "micro_batches": args.mbs,

@@ -254,12 +254,14 @@ def test_scatter_gather_sends_a_tp_share_across_nodes_and_gathers_it_inside():
 
 def test_async_tp_allreduce_hides_backward_allreduces_behind_weight_gradients():
     from planner.cost import layer_cost
-    for sp, changes in ((False, True), (True, False)):
+    for sp in (False, True):
         plans = [plan_for(model="gpt3-175b", tp=8, sequence_parallel=sp, async_tp_allreduce=a) for a in (False, True)]
         sync, overlap = (layer_cost(p, A100, 1, p.pipeline.stages[0], list(range(8))) for p in plans)
         assert overlap.fwd_tp_s == sync.fwd_tp_s and overlap.fwd_compute_s == sync.fwd_compute_s
-        assert 0.0 <= overlap.bwd_tp_s <= sync.bwd_tp_s
-        assert (overlap.bwd_tp_s < sync.bwd_tp_s) == changes
+        assert 0.0 <= overlap.bwd_tp_s < sync.bwd_tp_s
+        if sp:  # Megatron-LM's second all-gathers of the kept shards (planner.comm.regathers), the rest exposed
+            again = A100.collective_time("all_gather", 2 * 2048 * 12288 * plans[0].training.micro_batch, list(range(8)))
+            assert sync.bwd_tp_s - overlap.bwd_tp_s == pytest.approx(2 * again, rel=1e-9)
     # a small hidden size: the all-reduce outlasts the weight-gradient GEMM, and only the excess shows
     p = plan_for(model="llama2-7b", tp=8, async_tp_allreduce=True, micro_batch=1, seq_len=256, global_batch=8)
     lc = layer_cost(p, A100, 1, p.pipeline.stages[0], list(range(8)))

@@ -68,6 +68,7 @@ def edit(plan, path, value):
     ("training.grad_accumulation", "fp8", "training.grad_accumulation"),
     ("training.elementwise_kernels", "triton", "training.elementwise_kernels"),
     ("training.fsdp_copies", "no", "training.fsdp_copies"),
+    ("training.sp_saved_inputs", "sharded", "training.sp_saved_inputs"),
     ("training.attention", "xformers", "training.attention"),
 ])
 def test_validation_names_the_field(path, value, field):

@@ -16,36 +16,7 @@ from planner.cost import estimate
 from planner.model import ZOO, ConfigError
 from planner.model_profile import fit_alpha_beta, fit_linear, fit_segments, load_model_profile, model_profile_from_dict
 from planner.build import build_plan
-from tests.test_runtime import REPO, env, free_port
-
-import subprocess
-import sys
-
-
-def torchrun(nproc, *args, timeout=120):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "-m", "runtime.profile", *map(str, args)]
-    e = env()
-    e["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def cluster_profile(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prof") / "cpu-gloo-2.json"
-    proc = torchrun(2, "cluster", "--quick", "-o", out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def model_profile(cluster_profile):
-    out = cluster_profile.parent / "tiny.json"
-    proc = torchrun(2, "model", "--model", "tiny", "--cluster-profile", cluster_profile, "--seq-len", 32,
-                    "--micro-batches", "1,2", "--tp", "1,2", "--repeats", 3, "-o", out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
+from tests.test_runtime import REPO, profile_torchrun as torchrun
 
 # ------------------------------------------------------------------ fits
 def test_alpha_beta_fit_recovers_a_line():

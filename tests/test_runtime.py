@@ -51,6 +51,13 @@ def env() -> dict:
     return e
 
 
+def profile_torchrun(nproc: int, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m runtime.profile ARGS` under torchrun with `nproc` gloo processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "-m", "runtime.profile", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
 def train(nproc: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
     """runtime.train with these arguments: in one plain process when nproc == 1, else torchrun."""
     if nproc == 1:

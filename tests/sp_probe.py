@@ -1,0 +1,72 @@
+"""Run by tests/test_sequence_parallel.py under torchrun (2 gloo processes): the tiny model under
+TP 2 with sequence parallelism, keeping shards (runtime.sp_shard) and keeping the gathered inputs.
+Prints one JSON line from rank 0: the C heap a forward grows by and keeps until its backward
+(median of 5, each mode in turn, the collector off), and whether both modes give the same loss
+and gradients bit for bit."""
+import gc
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from planner.model import ZOO
+from runtime.loss import cross_entropy
+from runtime.metrics import HEAP_READER
+from runtime.model import Transformer, init_weights
+from runtime.parallelize import apply_tp
+
+MICRO_BATCH, SEQ = 4, 64
+
+
+def build(keep: bool, mesh):
+    cfg = ZOO["tiny"]
+    with torch.device("meta"):
+        chunk = Transformer(cfg)
+    apply_tp(chunk, mesh, True, keep_shards=keep)
+    chunk.to_empty(device="cpu")
+    chunk.init_buffers("cpu")
+    init_weights(chunk, 0)
+    return chunk
+
+
+def step(chunk, ids, group, rank):
+    logits = chunk(ids[:, :-1])
+    loss = cross_entropy(logits, ids[:, 1:], group, rank)
+    loss.backward()
+    return float(loss), [p.grad.to_local().clone() for p in chunk.parameters()]
+
+
+def main():
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ids = torch.randint(0, ZOO["tiny"].vocab, (MICRO_BATCH, SEQ + 1))
+    chunks = {keep: build(keep, mesh) for keep in (True, False)}
+    results = {keep: step(c, ids, mesh.get_group(), rank) for keep, c in chunks.items()}  # warm-up, and the values
+    same = results[True][0] == results[False][0] and all(
+        torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
+    kept = {True: [], False: []}
+    for _ in range(5):
+        for keep, chunk in chunks.items():
+            gc.collect()
+            gc.disable()
+            dist.barrier()
+            before = HEAP_READER()
+            out = chunk(ids[:, :-1]).sum()
+            kept[keep].append(HEAP_READER() - before)
+            gc.enable()
+            out.backward()
+            del out
+            for p in chunk.parameters():
+                p.grad = None
+    if rank == 0:
+        print(json.dumps({"kept_shards": statistics.median(kept[True]),
+                          "kept_gathered": statistics.median(kept[False]), "same": same}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Sequence parallelism's saved inputs (training.sp_saved_inputs): the runtime keeps the sequence
+shard of what its column-parallel linears gather and gathers it again in the backward, as
+Megatron-LM does (runtime.sp_shard, the default), or keeps the gathered input whole, as DTensor's
+ColwiseParallel alone does (planner.precision.sp_gathered_bytes, planner.comm.regathers)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.build import build_plan
+from planner.cluster import load_cluster
+from planner.cost import estimate, layer_cost
+from planner.model import ZOO, ConfigError
+from planner.plan import Plan, Training
+from planner.precision import runtime_held_bytes, sp_gathered_bytes
+from runtime.metrics import HEAP_READER
+from test_runtime import REPO, env, free_port
+
+
+def _plan(sp=True, saved="shard", recompute="none", model="llama3-70b"):
+    return build_plan(ZOO[model], cluster_name="dgx-h100-80gb", device="H100", nodes=8, devices_per_node=8,
+                      global_batch=64, micro_batch=1, seq_len=8192, tp=8, pp=4, schedule="1f1b",
+                      recompute=recompute, sequence_parallel=sp, dtype="bf16", sp_saved_inputs=saved)
+
+
+def test_gathered_inputs_add_what_the_shards_leave_out():
+    cfg, t = ZOO["llama3-70b"], Training(global_batch=64, micro_batch=1, seq_len=8192, sp_saved_inputs="gathered")
+    whole = 2 * 8192 * cfg.hidden  # one bf16 input of the residual stream's shape, whole
+    for index, kind, inputs in ((1, "block", 2), (cfg.num_layers_total - 1, "head", 1), (0, "embedding", 0)):
+        assert cfg.layer_kind(index) == kind
+        assert sp_gathered_bytes(cfg, t, index, "none", 1, 8192, 8, True) == inputs * whole * 7 / 8
+        assert sp_gathered_bytes(cfg, t, index, "selective", 1, 8192, 8, True) == inputs * whole * 7 / 8
+    assert sp_gathered_bytes(cfg, t, 1, "full", 1, 8192, 8, True) == 0  # only the block's input is kept
+    assert sp_gathered_bytes(cfg, t, 1, "none", 1, 8192, 8, False) == 0  # without SP every rank holds them whole
+    assert sp_gathered_bytes(cfg, t, 1, "none", 1, 8192, 1, True) == 0
+    shard = Training(global_batch=64, micro_batch=1, seq_len=8192)
+    assert shard.sp_saved_inputs == "shard" and sp_gathered_bytes(cfg, shard, 1, "none", 1, 8192, 8, True) == 0
+
+
+def test_the_estimate_counts_gathered_inputs_per_micro_batch_in_flight():
+    cluster = load_cluster("dgx-h100-80gb", nodes=8)
+    gathered, shard = estimate(_plan(saved="gathered"), cluster), estimate(_plan(), cluster)
+    rank0 = lambda e: e.breakdown["memory"]["activations_bytes"]  # noqa: E731
+    cfg = ZOO["llama3-70b"]
+    assert gathered.breakdown["memory"]["pp_rank"] == shard.breakdown["memory"]["pp_rank"] == 0
+    # rank 0 of pp 4 under 1F1B: 4 micro-batches in flight, 20 blocks (and the embedding) each
+    blocks = sum(1 for i in range(*_plan().pipeline.stages[0].layers) if cfg.layer_kind(i) == "block")
+    extra = 4 * blocks * 2 * (2 * 8192 * cfg.hidden) * 7 / 8
+    assert rank0(gathered) - rank0(shard) == pytest.approx(extra, rel=1e-9)
+    # keeping shards gathers again in the backward: two all-gathers a block, one in the head
+    again = cluster.collective_time("all_gather", 2 * 8192 * cfg.hidden, list(range(8)))
+    for index, gathers in ((1, 2), (cfg.num_layers_total - 1, 1), (0, 0)):
+        costs = [layer_cost(p, cluster, index, next(st for st in p.pipeline.stages if st.start <= index < st.end),
+                            list(range(8))) for p in (_plan(), _plan(saved="gathered"))]
+        assert costs[0].bwd_tp_s - costs[1].bwd_tp_s == pytest.approx(gathers * again, rel=1e-9)
+        assert costs[0].fwd_tp_s == costs[1].fwd_tp_s
+    assert shard.step_time_s > gathered.step_time_s
+    # a fully recomputed block keeps its input alone and gathers as its forward replays: the same
+    full = [layer_cost(p, cluster, 1, p.pipeline.stages[0], list(range(8)))
+            for p in (_plan(recompute="full"), _plan(saved="gathered", recompute="full"))]
+    assert full[0] == full[1]
+    # without sequence parallelism the option changes nothing
+    a, b = estimate(_plan(sp=False), cluster), estimate(_plan(saved="gathered", sp=False), cluster)
+    assert (a.peak_memory_bytes, a.step_time_s) == (b.peak_memory_bytes, b.step_time_s)
+
+
+def test_the_option_round_trips_from_the_command_line(tmp_path, capsys):
+    from planner.cli import main
+    assert "sp_saved_inputs" not in _plan().to_dict()["training"]  # format 1 plans stay as they were
+    out = tmp_path / "p.json"
+    base = ["plan", "--model", "llama3-70b", "--cluster", "dgx-h100-80gb", "--gpus", "64", "--global-batch", "64",
+            "--micro-batch", "1", "--tp", "8", "--pp", "4", "--sequence-parallel", "--json", "-o", str(out)]
+    assert main(base) == 0  # keeping shards fits an 80 GB H100 ...
+    assert json.loads(capsys.readouterr().out)["fits"]
+    assert main(base + ["--sp-saved-inputs", "gathered"]) != 0  # ... keeping the gathered inputs does not
+    assert "the plan needs" in capsys.readouterr().err
+    assert json.loads(out.read_text())["training"]["sp_saved_inputs"] == "gathered"
+    assert Plan.read(out).training.sp_saved_inputs == "gathered"
+
+
+def test_the_runtime_keeps_shards_and_computes_the_same():
+    """Two processes, the tiny model under TP 2 with SP (tests/sp_probe.py): a forward keeps
+    what the planner counts in either mode (6.09 and 6.70 MB measured against 6.30 and 6.89
+    counted, at micro-batch 4 of 64 tokens), the gathered inputs' shards spare what
+    sp_gathered_bytes counts (605 KB measured, 590 KB counted), and both modes give the same loss
+    and gradients bit for bit."""
+    if HEAP_READER is None:
+        pytest.skip("the C library does not report its heap here")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(REPO / "tests" / "sp_probe.py")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert got["same"]
+    cfg, b, s = ZOO["tiny"], 4, 64
+    counted = {}
+    for saved in ("shard", "gathered"):
+        t = Training(global_batch=8, micro_batch=b, seq_len=s, dtype="fp32", sp_saved_inputs=saved)
+        counted[saved] = sum(cfg.activation_bytes(i, b, s, tp=2, sequence_parallel=True, bytes_per_element=4)
+                             + runtime_held_bytes(cfg, t, 1, i, "none", b, s, 2, True, 0.0, cpu=True)
+                             for i in range(cfg.num_layers_total))
+        assert 1.0 <= counted[saved] / got[f"kept_{'shards' if saved == 'shard' else 'gathered'}"] <= 1.08, saved
+    spared = got["kept_gathered"] - got["kept_shards"]
+    assert 0.9 <= (counted["gathered"] - counted["shard"]) / spared <= 1.1
