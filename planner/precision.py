@@ -158,15 +158,20 @@ def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s
     e = DTYPES[t.dtype]
     kind = model.layer_kind(index)
     stream = s * b * model.hidden / (tp if sp else 1)  # residual-stream elements on this device
+    # under sequence parallelism keeping shards (runtime.sp_shard) a module's linears keep none of
+    # their casts but the float32 shard they came from, which ModelConfig counts at e bytes
+    shards = sp and tp > 1 and t.sp_saved_inputs == "shard"
     if kind == "embedding":
         return 0.0
     if kind == "head":
-        return (4 - e) * stream + e * matmul_params
+        return (2 if shards else 1) * (4 - e) * stream + e * matmul_params
     if recompute == "full":
         return (4 - e) * stream  # the block's float32 input alone
+    if shards:
+        return 4 * (4 - e) * stream + e * matmul_params
     casts = 3 + (2 if model.arch == "llama" else 1)  # linears reading a norm's output
     # each cast is of the linear's input: the whole sequence where sequence parallelism gathers it
-    cast = s * b * model.hidden if sp and t.sp_saved_inputs == "gathered" else stream
+    cast = s * b * model.hidden if sp and tp > 1 else stream
     return 2 * (4 - e) * stream + (casts - 2) * e * cast + e * matmul_params
 
 

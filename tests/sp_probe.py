@@ -1,8 +1,10 @@
 """Run by tests/test_sequence_parallel.py under torchrun (2 gloo processes): the tiny model under
 TP 2 with sequence parallelism, keeping shards (runtime.sp_shard) and keeping the gathered inputs.
 Prints one JSON line from rank 0: the C heap a forward grows by and keeps until its backward
-(median of 5, each mode in turn, the collector off), and whether both modes give the same loss
-and gradients bit for bit."""
+(median of 5, each mode in turn, the collector off), in float32 and under bf16 autocast over the
+float32 weights (the runtime's mixed precision without data parallelism), and whether both modes
+give the same loss and gradients bit for bit."""
+import contextlib
 import gc
 import json
 import statistics
@@ -32,7 +34,8 @@ def build(keep: bool, mesh):
 
 
 def step(chunk, ids, group, rank):
-    logits = chunk(ids[:, :-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        logits = chunk(ids[:, :-1])
     loss = cross_entropy(logits, ids[:, 1:], group, rank)
     loss.backward()
     return float(loss), [p.grad.to_local().clone() for p in chunk.parameters()]
@@ -48,23 +51,25 @@ def main():
     results = {keep: step(c, ids, mesh.get_group(), rank) for keep, c in chunks.items()}  # warm-up, and the values
     same = results[True][0] == results[False][0] and all(
         torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
-    kept = {True: [], False: []}
+    kept = {(keep, amp): [] for keep in (True, False) for amp in (False, True)}
     for _ in range(5):
-        for keep, chunk in chunks.items():
+        for (keep, amp), samples in kept.items():
+            chunk = chunks[keep]
             gc.collect()
             gc.disable()
             dist.barrier()
             before = HEAP_READER()
-            out = chunk(ids[:, :-1]).sum()
-            kept[keep].append(HEAP_READER() - before)
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if amp else contextlib.nullcontext():
+                out = chunk(ids[:, :-1]).float().sum()
+            samples.append(HEAP_READER() - before)
             gc.enable()
             out.backward()
             del out
             for p in chunk.parameters():
                 p.grad = None
     if rank == 0:
-        print(json.dumps({"kept_shards": statistics.median(kept[True]),
-                          "kept_gathered": statistics.median(kept[False]), "same": same}))
+        print(json.dumps({f"{'shard' if keep else 'gathered'}{'-bf16' if amp else ''}": statistics.median(v)
+                          for (keep, amp), v in kept.items()} | {"same": same}))
     dist.destroy_process_group()
 
 

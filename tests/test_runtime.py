@@ -112,8 +112,8 @@ TIED_GPT = dataclasses.replace(ZOO["tiny-gpt"], name="tiny-gpt-tied", tie_embedd
 def plans(tmp_path_factory):
     d = tmp_path_factory.mktemp("plans")
     uneven = [Stage(layers=[0, 2], recompute=["none", "none"]), Stage(layers=[2, 6], recompute=["none"] * 4)]
-    mixed = [Stage(layers=[0, 2], zero=0, recompute=["none", "full"]),
-             Stage(layers=[2, 6], zero=3, recompute=["selective", "none", "full", "none"])]
+    mixed = [Stage(layers=[0, 2], zero=0, recompute=["none", "full"], sequence_parallel=True),
+             Stage(layers=[2, 6], zero=3, recompute=["selective", "none", "full", "none"], sequence_parallel=True)]
     # zbv's four stages, recomputed per layer (runtime.recompute: a full block replays once for I and W)
     zbv_recompute = [Stage(layers=[0, 2], recompute=["none", "full"]), Stage(layers=[2, 3], recompute=["selective"]),
                      Stage(layers=[3, 4], recompute=["full"]), Stage(layers=[4, 6], recompute=["full", "none"])]
@@ -137,11 +137,13 @@ def plans(tmp_path_factory):
         # world 8: pp2 x dp2 x tp2, plain data parallel (ZeRO 0) over tensor-parallel DTensors
         "pp2-dp2-tp2": write_plan(d, "pp2-dp2-tp2", world=8, pp=2, tp=2, schedule="1f1b", zero=0,
                                   micro_batch=2),
-        # what the search writes: an uneven split, ZeRO and recompute chosen per stage and per layer
+        # what the search writes: an uneven split, ZeRO and recompute chosen per stage and per layer;
+        # sequence parallelism keeping shards (runtime.sp_shard) under FSDP2 and beside full recompute
         "pp2-dp2-tp2-mixed": write_plan(d, "pp2-dp2-tp2-mixed", world=8, pp=2, tp=2, schedule="1f1b",
                                         micro_batch=2, stages=mixed),
+        # a split backward (I, then W) reads the kept shards twice
         "pp2-dp2-tp2-zbv": write_plan(d, "pp2-dp2-tp2-zbv", world=8, pp=2, tp=2, schedule="zbv", zero=3,
-                                      recompute="full", micro_batch=2),
+                                      recompute="selective", micro_batch=2, sequence_parallel=True),
     }
 
 
