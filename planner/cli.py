@@ -194,7 +194,7 @@ def cmd_search(args) -> int:
 
     mp = _model_profile(args)
     kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
-              top=args.top, progress=progress, space=_search_space(args))
+              top=args.top, progress=progress, space=_search_space(args), sp_saved_inputs=args.sp_saved_inputs)
     # with a model profile, the analytic finalists are ranked by the measured layer times
     res = search_profiled(model, cluster, mp, **kw) if mp is not None else search(model, cluster, **kw)
     if shown[0]:
@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
     s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    s.add_argument("--sp-saved-inputs", choices=("shard", "gathered"), default="shard",
+                   help="what sequence-parallel plans keep of the inputs their column-parallel linears gather: "
+                        "the shard, all-gathered again in the backward, or the gathered input (faster, more memory)")
     s.add_argument("-o", "--output", help="write the best plan here")
     s.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")

@@ -45,8 +45,9 @@ def stages_of(model, sizes, per_stage):
     return out
 
 
-def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options):
-    """The fastest fitting plan over every configuration and partition of the restricted space."""
+def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options, **training):
+    """The fastest fitting plan over every configuration and partition of the restricted space
+    (`training`: Training fields every plan sets)."""
     world, dpn, best = cluster.world_size, cluster.devices_per_node, None
     for tp, pp in itertools.product(divisors(dpn), divisors(world)):
         if world % (tp * pp) or any(x % tp for x in (model.heads, model.kv_heads, model.ffn_hidden)):
@@ -77,7 +78,8 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options):
                         plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name,
                                           nodes=cluster.nodes, devices_per_node=dpn, global_batch=gbs, micro_batch=b,
                                           seq_len=seq, tp=tp, pp=pp, dp=dp, schedule=sched, virtual_stages=v,
-                                          order=list(order), stages=stages_of(model, sizes, [(*x, sp) for x in per]))
+                                          order=list(order), stages=stages_of(model, sizes, [(*x, sp) for x in per]),
+                                          **training)
                         est = estimate(plan, cluster, memory_limit_bytes=limit)
                         if est.fits and (best is None or est.step_time_s < best.step_time_s):
                             best = est
@@ -113,9 +115,9 @@ def shrunk(layers, hidden=1024):
                                heads=8, kv_heads=8, vocab=8000, seq_len=1024)
 
 
-def check_same(model, cluster, gbs, seq, limit, space, options):
-    found = search(model, cluster, global_batch=gbs, seq_len=seq, memory_limit_bytes=limit, space=space)
-    want = brute_force(model, cluster, gbs, seq, limit, space, options)
+def check_same(model, cluster, gbs, seq, limit, space, options, **training):
+    found = search(model, cluster, global_batch=gbs, seq_len=seq, memory_limit_bytes=limit, space=space, **training)
+    want = brute_force(model, cluster, gbs, seq, limit, space, options, **training)
     if want is None:
         assert found.best is None
     else:

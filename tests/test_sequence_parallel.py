@@ -77,6 +77,11 @@ def test_the_option_round_trips_from_the_command_line(tmp_path, capsys):
     assert "the plan needs" in capsys.readouterr().err
     assert json.loads(out.read_text())["training"]["sp_saved_inputs"] == "gathered"
     assert Plan.read(out).training.sp_saved_inputs == "gathered"
+    # the search takes the mode too (here with ZeRO 1 the gathered inputs fit)
+    assert main(["search", "--model", "llama3-70b", "--cluster", "dgx-h100-80gb", "--gpus", "64", "--global-batch",
+                 "64", "--tp", "8", "--pp", "4", "--sequence-parallel", "on", "--micro-batch", "1", "--schedule",
+                 "1f1b", "--zero", "1", "--sp-saved-inputs", "gathered", "--top", "1", "-o", str(out)]) == 0
+    assert Plan.read(out).training.sp_saved_inputs == "gathered"
 
 
 def test_the_runtime_keeps_shards_and_computes_the_same():
@@ -109,3 +114,19 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
             assert band[0] <= counted[key] / got[key] <= band[1], (key, counted[key] / got[key])
     spared = got["gathered"] - got["shard"]
     assert 0.9 <= (counted["gathered"] - counted["shard"]) / spared <= 1.1
+
+
+@pytest.mark.parametrize("limit", [3.0, 4.0])
+def test_the_search_prices_either_mode_as_the_estimate_does(limit):
+    """`trident search --sp-saved-inputs gathered`: the search, with every plan keeping its gathered
+    inputs, returns the fastest such plan that fits (exhaustive enumeration agrees), slower than
+    keeping shards where memory binds (3 GiB) and faster where it does not (4 GiB)."""
+    from test_search import A100, GiB, SearchSpace, check_same, plan_level, shrunk
+    space = SearchSpace(tp=(2, 4), sequence_parallel=(True,), zero=(0,), zero_per_stage=False,
+                        recompute=("none", "full"), recompute_granularity="plan", schedules=("1f1b", "gpipe"))
+    model, cluster = shrunk(4, hidden=2048), A100.shaped_as(1, 4)
+    found = {saved: check_same(model, cluster, 8, 1024, limit * GiB, space, plan_level((0,), ("none", "full")),
+                               sp_saved_inputs=saved) for saved in ("shard", "gathered")}
+    assert all(f.plan.training.sp_saved_inputs == saved for saved, f in found.items())
+    faster = found["gathered"].estimate.step_time_s < found["shard"].estimate.step_time_s
+    assert faster == (limit == 4.0)
