@@ -1,6 +1,7 @@
 """The profiler and the closed loop: measured cluster and model profiles, pricing with them, compare.
 
-Two short torchrun launches (2 gloo processes): a quick cluster sweep and a model profile at tp 1, 2.
+Two short torchrun launches (2 gloo processes, the fixtures of tests/conftest.py): a quick cluster
+sweep and a model profile at tp 1, 2.
 """
 from __future__ import annotations
 
