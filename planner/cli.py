@@ -10,7 +10,7 @@ from planner.cluster import load_cluster
 from planner.args import OneLineParser, choice_list, int_list, positive_int, positive_number
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
-from planner.plan import SCHEDULES, Plan
+from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.report import describe_plan, estimate_table
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
-    p.add_argument("--sp-saved-inputs", choices=("shard", "gathered"), default="shard",
+    p.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS, default="shard",
                    help="under --sequence-parallel the column-parallel linears keep their input's sequence shard "
                         "and all-gather it again in the backward (as Megatron-LM), or keep the gathered input "
                         "whole: no second all-gather, more memory")
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
     s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    s.add_argument("--sp-saved-inputs", choices=("shard", "gathered"), default="shard",
+    s.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS, default="shard",
                    help="what sequence-parallel plans keep of the inputs their column-parallel linears gather: "
                         "the shard, all-gathered again in the backward, or the gathered input (faster, more memory)")
     s.add_argument("-o", "--output", help="write the best plan here")

@@ -8,8 +8,8 @@ import numpy as np
 
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, split_backward
-from planner.precision import (ADAM_STATE_BYTES, casts_weights, model_state_bytes, optimizer_temp_bytes,
-                               sharded_param_bytes)
+from planner.precision import (ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes,
+                               optimizer_temp_bytes, sharded_param_bytes)
 from planner.schedule import peak_in_flight
 
 
@@ -207,7 +207,7 @@ def backward_flow_bytes(model: ModelConfig, t, tp: int, sp: bool, dp: int, micro
     (float32 stream), its 16-bit cast beside it."""
     e, elems = DTYPES[t.dtype], micro_batch * t.seq_len * model.hidden
     flow = 2 * e * elems
-    if sp and tp > 1 and t.sp_saved_inputs == "shard":
+    if keeps_shards(t, tp, sp):
         flow += (4 + e if casts_weights(t, dp) else e) * elems
     return flow
 

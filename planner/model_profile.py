@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
+from planner.plan import SP_SAVED_INPUTS
 
 if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this module's users
     from planner.cluster import ClusterSpec
@@ -316,7 +317,7 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
     need(d["dtype"] in ("fp32", "bf16", "fp16"), "dtype", f"{d['dtype']!r}; use fp32, bf16 or fp16")
     need(d.get("param_dtype", "fp32") in ("fp32", "bf16", "fp16"), "param_dtype",
          f"{d.get('param_dtype')!r}; use fp32, bf16 or fp16 (the dtype the measured parameters are held in)")
-    need(d.get("sp_saved_inputs", "gathered") in ("shard", "gathered"), "sp_saved_inputs",
+    need(d.get("sp_saved_inputs", "gathered") in SP_SAVED_INPUTS, "sp_saved_inputs",
          f"{d.get('sp_saved_inputs')!r}; use shard or gathered (what sequence parallelism kept when measured)")
     procs = d.get("processes", 1)
     need(isinstance(procs, int) and procs > 0, "processes", f"{procs!r} must be a positive integer")

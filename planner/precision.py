@@ -141,6 +141,12 @@ def autocast_cast_bytes(t, dp: int) -> tuple[int, int]:
     return (4 + e, e + 4) if casts_weights(t, dp) else (0, 0)
 
 
+def keeps_shards(t, tp: int, sp: bool) -> bool:
+    """Whether sequence parallelism keeps the shards of what it gathers for the column-parallel
+    linears (training.sp_saved_inputs "shard", runtime.sp_shard) rather than the gathered inputs."""
+    return sp and tp > 1 and t.sp_saved_inputs == "shard"
+
+
 def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int, sp: bool,
                         matmul_params: float) -> float:
     """Bytes a layer holds from forward to backward per micro-batch in the runtime without data
@@ -160,7 +166,7 @@ def autocast_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s
     stream = s * b * model.hidden / (tp if sp else 1)  # residual-stream elements on this device
     # under sequence parallelism keeping shards (runtime.sp_shard) a module's linears keep none of
     # their casts but the float32 shard they came from, which ModelConfig counts at e bytes
-    shards = sp and tp > 1 and t.sp_saved_inputs == "shard"
+    shards = keeps_shards(t, tp, sp)
     if kind == "embedding":
         return 0.0
     if kind == "head":
@@ -187,7 +193,7 @@ def sp_gathered_bytes(model, t, index: int, recompute: str, b: int, s: int, tp: 
     (model profiles, CPU): a block kept 64 KB more at TP 2 and 93 KB at TP 4 than the shard
     accounting counts, against 66 and 98 KB this adds. A fully recomputed block's replay
     (`replay`) keeps them whole either way: runtime.sp_shard stays out of torch's checkpoint."""
-    if not sp or tp <= 1 or (t.sp_saved_inputs != "gathered" and not replay):
+    if not sp or tp <= 1 or (keeps_shards(t, tp, sp) and not replay):
         return 0.0
     kind = model.layer_kind(index)
     inputs = {"embedding": 0, "head": 1, "block": 0 if recompute == "full" else 2}[kind]

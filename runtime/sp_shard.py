@@ -97,8 +97,10 @@ def keep_shards(module: nn.Module, mesh, active: Callable[[], bool]) -> None:
 
     def enter(mod, args):
         shard, x = state.pop("shard", None), args[0]
-        if shard is None or not isinstance(x, DTensor) or not _local(x).is_contiguous() \
-                or _local(x).storage_offset():  # the layout an all-gather returns, rebuilt in _unpack
+        if shard is None or not isinstance(x, DTensor):
+            return
+        local = _local(x)
+        if not local.is_contiguous() or local.storage_offset():  # the layout an all-gather returns, as _unpack rebuilds
             return
         if not isinstance(shard, DTensor):  # a local tensor: this rank's sequence shard
             shard = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False)
