@@ -2,8 +2,10 @@
 TP 2 with sequence parallelism, keeping shards (runtime.sp_shard) and keeping the gathered inputs.
 Prints one JSON line from rank 0: the C heap a forward grows by and keeps until its backward
 (median of 5, each mode in turn, the collector off), in float32 and under bf16 autocast over the
-float32 weights (the runtime's mixed precision without data parallelism), and whether both modes
-give the same loss and gradients bit for bit."""
+float32 weights (the runtime's mixed precision without data parallelism), whether both modes
+give the same loss and gradients bit for bit, and how many all-gathers of kept shards a split
+backward (zbv's I, then W: torch.distributed.pipelining's stage_backward_input and _weight) of
+two blocks runs in each part."""
 import contextlib
 import gc
 import json
@@ -12,20 +14,22 @@ import statistics
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from planner.model import ZOO
 from runtime.loss import cross_entropy
 from runtime.metrics import HEAP_READER
 from runtime.model import Transformer, init_weights
 from runtime.parallelize import apply_tp
+from runtime.sp_shard import _Gathered
 
 MICRO_BATCH, SEQ = 4, 64
 
 
-def build(keep: bool, mesh):
+def build(keep: bool, mesh, layers=None):
     cfg = ZOO["tiny"]
     with torch.device("meta"):
-        chunk = Transformer(cfg)
+        chunk = Transformer(cfg, *(layers or ()))
     apply_tp(chunk, mesh, True, keep_shards=keep)
     chunk.to_empty(device="cpu")
     chunk.init_buffers("cpu")
@@ -38,13 +42,11 @@ def step(chunk, ids, group, rank):
         logits = chunk(ids[:, :-1])
     loss = cross_entropy(logits, ids[:, 1:], group, rank)
     loss.backward()
-    return float(loss), [p.grad.to_local().clone() for p in chunk.parameters()]
+    return loss.item(), [p.grad.to_local().clone() for p in chunk.parameters()]
 
 
-def main():
-    dist.init_process_group("gloo")
+def measure(rank: int) -> dict:
     mesh = init_device_mesh("cpu", (2,))
-    rank = dist.get_rank()
     torch.manual_seed(0)
     ids = torch.randint(0, ZOO["tiny"].vocab, (MICRO_BATCH, SEQ + 1))
     chunks = {keep: build(keep, mesh) for keep in (True, False)}
@@ -67,9 +69,42 @@ def main():
             del out
             for p in chunk.parameters():
                 p.grad = None
+    return {f"{'shard' if keep else 'gathered'}{'-bf16' if amp else ''}": statistics.median(v)
+            for (keep, amp), v in kept.items()} | {"same": same, "split_gathers": split_gathers(mesh)}
+
+
+def split_gathers(mesh) -> dict:
+    """All-gathers of kept shards in I and in W of two blocks' split backward."""
+    gathers, read = [0], _Gathered.read
+
+    def counting(self, dtype):
+        gathers[0] += dtype not in self.whole
+        return read(self, dtype)
+    _Gathered.read = counting
+    try:
+        blocks = build(True, mesh, (1, 3))
+        x = torch.randn(2, SEQ // 2, ZOO["tiny"].hidden, requires_grad=True)  # this rank's sequence shard
+        out = blocks(x)
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], blocks.parameters())
+        i_pass = gathers[0]
+        stage_backward_weight(blocks.parameters(), groups)
+        return {"I": i_pass, "W": gathers[0] - i_pass}
+    finally:
+        _Gathered.read = read
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    got = measure(rank)
     if rank == 0:
-        print(json.dumps({f"{'shard' if keep else 'gathered'}{'-bf16' if amp else ''}": statistics.median(v)
-                          for (keep, amp), v in kept.items()} | {"same": same}))
+        print(json.dumps(got), flush=True)
+    # Free the models and meet before the process group goes. Without this (rank 0 printing while
+    # rank 1 destroyed the group, the models freed after it), 3 of 63 runs on a loaded host aborted
+    # at exit with "terminate called without an active exception" (rank 1, no Python frame left);
+    # with it, none of 104.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
