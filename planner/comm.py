@@ -21,17 +21,17 @@ SCALAR_BYTES = 8.0  # one float64 partial sum or loss
 
 
 def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_ranks: list, b: int, s: int,
-            regather: bool = False) -> tuple[float, float]:
+            regather: int = 0) -> tuple[float, float]:
     """(forward, backward) seconds of TP communication for one layer and micro-batch. `regather`:
-    under sequence parallelism the backward all-gathers again each input its column-parallel
-    linears kept as a shard (training.sp_saved_inputs "shard", runtime.sp_shard), two a block,
-    one in the head, before their weight gradients."""
+    how many times, under sequence parallelism, the backward all-gathers again each input its
+    column-parallel linears kept as a shard (training.sp_saved_inputs "shard", runtime.sp_shard;
+    regathers), two inputs a block, one in the head."""
     if len(tp_ranks) <= 1:
         return 0.0, 0.0
     ar = cluster.collective_time("all_reduce", act_bytes, tp_ranks)
     ag = cluster.collective_time("all_gather", act_bytes, tp_ranks)
     rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
-    again = ag if sp and regather else 0.0
+    again = ag * regather if sp else 0.0
     if kind == "embedding":  # vocab-parallel lookup: partial sums combined
         return (rs, ag) if sp else (ar, 0.0)
     if kind == "head":  # column-parallel head: gather input (SP), combine input grads; the loss's reductions
@@ -45,13 +45,18 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
     return 2 * ar, 2 * ar
 
 
-def regathers(training, recompute: str) -> bool:
-    """Whether a layer's backward all-gathers its kept shards again (tp_comm's `regather`): the
-    runtime's default (training.sp_saved_inputs "shard") unless the layer is fully recomputed (the
-    replayed forward gathers and keeps what the weight gradients read). Megatron-LM issues that
-    all-gather before the input-gradient GEMM and overlaps the two (megatron/core/tensor_parallel/
-    layers.py), which training.async_tp_allreduce stands for here: not priced then."""
-    return training.sp_saved_inputs == "shard" and recompute != "full" and not training.async_tp_allreduce
+def regathers(training, recompute: str, split: bool = False) -> int:
+    """How many times a layer's backward all-gathers its kept shards again (tp_comm's `regather`):
+    once, the runtime's default (training.sp_saved_inputs "shard"), unless the layer is fully
+    recomputed (the replayed forward gathers and keeps what the weight gradients read); twice
+    under a split backward (`split`: zbv's I and W, planner.plan.split_backward), whose I unpacks
+    every tensor its nodes saved, the kept input too, and whose W reads it again after I dropped
+    it (runtime.sp_shard keeps no whole input between them). Megatron-LM issues that all-gather
+    before the input-gradient GEMM and overlaps the two (megatron/core/tensor_parallel/layers.py),
+    which training.async_tp_allreduce stands for here: not priced then."""
+    if training.sp_saved_inputs != "shard" or recompute == "full" or training.async_tp_allreduce:
+        return 0
+    return 2 if split else 1
 
 
 def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool) -> float:

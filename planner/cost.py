@@ -81,9 +81,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         return {
-            "parameters": self.parameters,
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
+            "parameters": self.parameters, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "mfu": self.mfu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
@@ -147,7 +145,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     dp = getattr(plan.mesh, "dp", 1)  # without it the runtime computes by autocast on float32 weights
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
                                    t.attention, autocast=casts_weights(t, dp))
-    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, regathers(t, rec))
+    again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
+    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, again)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
         # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the

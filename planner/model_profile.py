@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
-from planner.plan import SP_SAVED_INPUTS
+from planner.plan import SP_SAVED_INPUTS, split_backward
 
 if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this module's users
     from planner.cluster import ClusterSpec
@@ -238,7 +238,8 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     # where the node is large enough; the plan's TP group may sit elsewhere (across nodes)
     measured_t = dataclasses.replace(t, sp_saved_inputs=profile.sp_saved_inputs)
     prof_f, prof_b = tp_comm(cluster, kind, msg, sp, list(range(len(tp_ranks))), b, s, regathers(measured_t, rec))
-    tp_f, tp_b = tp_comm(cluster, kind, msg, sp, tp_ranks, b, s, regathers(t, rec))
+    split = split_backward(plan.pipeline.schedule, plan.mesh.pp)  # measured without a pipeline
+    tp_f, tp_b = tp_comm(cluster, kind, msg, sp, tp_ranks, b, s, regathers(t, rec, split))
     if rec == "full":
         prof_b += prof_f
         tp_b += tp_f

@@ -173,15 +173,17 @@ class Ctx:
                 + (self.cluster.group_shape(ranks),)
         return self._coll[key]
 
-    def layers(self, tp, b, sp, multi, dp1):
+    def layers(self, tp, b, sp, multi, dp1, split=False):
         """LayerCost of the embedding, the head and a block per recompute mode (`dp1`: without data
-        parallelism, where the runtime casts its weights at each use: precision.autocast_cast_bytes)."""
-        key = (tp, b, sp, multi, dp1)
+        parallelism, where the runtime casts its weights at each use: precision.autocast_cast_bytes;
+        `split`: under a split backward, planner.plan.split_backward)."""
+        key = (tp, b, sp, multi, dp1, split)
         if key not in self._layers:
             m = self.model
             fake = SimpleNamespace(model=m, training=dataclasses.replace(self.train, micro_batch=b),
-                                   mesh=SimpleNamespace(tp=tp, dp=1 if dp1 else 2),
-                                   pipeline=SimpleNamespace(micro_batches=2 if multi else 1))
+                                   mesh=SimpleNamespace(tp=tp, dp=1 if dp1 else 2, pp=2 if split else 1),
+                                   pipeline=SimpleNamespace(micro_batches=2 if multi else 1,
+                                                            schedule="zbv" if split else "1f1b"))
             ranks = list(range(tp))
 
             def lc(i, rec):

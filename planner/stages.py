@@ -67,11 +67,11 @@ class StageCosts(Menus, Bounds):
         m = ctx.model
         self.L = m.layers
         self.S = cfg.pp * cfg.v
-        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1)
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
         self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
         self.split = split_backward(cfg.schedule, cfg.pp)  # I and W apart (zbv)
+        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1, self.split)
         self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
         self.stages_of = [[] for _ in range(cfg.pp)]
         for s, r in enumerate(self.rank_of):

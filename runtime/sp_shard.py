@@ -13,7 +13,8 @@ receives; one after it notes the gathered DTensor and, for the module's forward,
 tensor autograd saves that is the gathered input, a view of it, or a cast of it (autocast casts
 the input once per linear) for a reference to the shard (torch.autograd.graph.saved_tensors_hooks).
 The first read in the backward all-gathers the shard once for all the linears that read it; the
-whole tensor is dropped when the last of them has read it. Values are exact: an all-gather moves
+whole tensor is dropped when the last of them has read it. A split backward (zbv) reads every
+saved tensor in I and again in W, and so gathers each kept input twice, once in each. Values are exact: an all-gather moves
 bits, and a cast of the gathered input equals the gathered input cast.
 The planner prices the extra all-gather in the backward (planner.comm.tp_comm).
 """
@@ -29,21 +30,26 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 class _Gathered:
-    """One forward's gathered input: the shard it came from and, while the backward reads it, the
-    gathered tensor again (one per dtype it was saved in)."""
+    """One forward's gathered input: the shard it came from and, while a backward pass reads it,
+    the gathered tensor again (one per dtype it was saved in). Each pass over the graph reads
+    every saved reference once: a backward once, a split backward (zbv) in I and again in W."""
 
     def __init__(self, shard: DTensor, mesh, numel: int):
         self.shard, self.mesh, self.numel = shard.detach(), mesh, numel
-        self.reads = 0
+        self.saved = self.left = 0  # references autograd keeps; those the pass reading has yet to read
         self.whole: dict = {}
+
+    def save(self) -> None:
+        self.saved += 1
+        self.left += 1
 
     def read(self, dtype) -> torch.Tensor:
         if dtype not in self.whole:
             self.whole[dtype] = self.shard.full_tensor().to(dtype)
         out = self.whole[dtype]
-        self.reads -= 1
-        if self.reads <= 0:  # the last reader: drop it (a split backward reads again, and gathers again)
-            self.whole = {}
+        self.left -= 1
+        if self.left <= 0:  # the pass's last reader: drop it; a next pass (W after I) gathers it once more
+            self.whole, self.left = {}, self.saved
         return out
 
 
@@ -71,7 +77,7 @@ def _pack_for(src: _Gathered, x: DTensor):
         if isinstance(t, DTensor) and t.placements == (Replicate(),) and t.numel() == src.numel:
             local = _local(t)
             if local.untyped_storage().data_ptr() == ptr or (t.dtype != dtype and local.is_contiguous()):
-                src.reads += 1  # the gathered input, a view of it, or a cast of it
+                src.save()  # the gathered input, a view of it, or a cast of it
                 return _Ref(src, t)
         return t
     return pack

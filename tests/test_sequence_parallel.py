@@ -18,9 +18,9 @@ from runtime.metrics import HEAP_READER
 from test_runtime import REPO, env, free_port
 
 
-def _plan(sp=True, saved="shard", recompute="none", model="llama3-70b"):
+def _plan(sp=True, saved="shard", recompute="none", model="llama3-70b", schedule="1f1b"):
     return build_plan(ZOO[model], cluster_name="dgx-h100-80gb", device="H100", nodes=8, devices_per_node=8,
-                      global_batch=64, micro_batch=1, seq_len=8192, tp=8, pp=4, schedule="1f1b",
+                      global_batch=64, micro_batch=1, seq_len=8192, tp=8, pp=4, schedule=schedule,
                       recompute=recompute, sequence_parallel=sp, dtype="bf16", sp_saved_inputs=saved)
 
 
@@ -55,6 +55,11 @@ def test_the_estimate_counts_gathered_inputs_per_micro_batch_in_flight():
                             list(range(8))) for p in (_plan(), _plan(saved="gathered"))]
         assert costs[0].bwd_tp_s - costs[1].bwd_tp_s == pytest.approx(gathers * again, rel=1e-9)
         assert costs[0].fwd_tp_s == costs[1].fwd_tp_s
+        # ZB-V's split backward gathers them twice: in I (which unpacks them) and in W
+        zbv = [_plan(saved=saved, schedule="zbv") for saved in ("shard", "gathered")]
+        costs = [layer_cost(p, cluster, index, next(st for st in p.pipeline.stages if st.start <= index < st.end),
+                            list(range(8))) for p in zbv]
+        assert costs[0].bwd_tp_s - costs[1].bwd_tp_s == pytest.approx(2 * gathers * again, rel=1e-9)
     assert shard.step_time_s > gathered.step_time_s
     # a fully recomputed block keeps its input alone and gathers as its forward replays: the same
     full = [layer_cost(p, cluster, 1, p.pipeline.stages[0], list(range(8)))
@@ -90,7 +95,8 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     measured against 6.30 and 6.89 counted: on CPU the planner rounds autograd's records up) and
     under bf16 autocast over float32 weights (5.03 and 5.85 MB against 5.05 and 5.84: the float32
     shard kept for the casts, not the casts); the shards spare what sp_gathered_bytes counts (605
-    KB measured, 590 KB counted); both modes give the same loss and gradients bit for bit."""
+    KB measured, 590 KB counted); both modes give the same loss and gradients bit for bit; a split
+    backward (zbv) gathers each kept input once in I and once in W."""
     from planner.cost import layer_params_on_device, replicated_params
     if HEAP_READER is None:
         pytest.skip("the C library does not report its heap here")
@@ -100,6 +106,9 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert got["same"]
+    # a split backward gathers each kept input (two a block) once in I and once in W, as
+    # planner.comm.regathers prices it (W gathered once per reading linear before: 5 a block)
+    assert got["split_gathers"] == {"I": 4, "W": 4}
     cfg, b, s = ZOO["tiny"], 4, 64
     counted = {}
     for dtype, band in (("fp32", (1.0, 1.06)), ("bf16", (0.98, 1.02))):
