@@ -81,6 +81,7 @@ def device_worker(path: str) -> int:
         Path(path).write_text(json.dumps({"device": device, "sources": sources, "overlap_slowdown": slow,
                                           "compute_slots": slots, "host_dispatch_s": host_dispatch(),
                                           "eager_bandwidth": eager_bandwidth()}, indent=1) + "\n")
+    dist.barrier()  # rank 0 has written before any rank destroys the group (tests/sp_probe.py says why)
     dist.destroy_process_group()
     return 0
 

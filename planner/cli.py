@@ -14,6 +14,7 @@ from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.report import describe_plan, estimate_table
+from planner.sp_modes import EITHER, search_either
 
 GiB = 2**30
 
@@ -138,7 +139,8 @@ def _search_row(i, found) -> dict:
             "schedule": p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
             "micro-batch": f"{plan.training.micro_batch}x{p.micro_batches}",
             "zero": ",".join(str(z) for z in sorted({st.zero for st in p.stages})),
-            "sp": "on" if any(st.sequence_parallel for st in p.stages) else "off", "recompute": rec,
+            "sp": plan.training.sp_saved_inputs if any(st.sequence_parallel for st in p.stages) else "off",
+            "recompute": rec,
             "step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}", "MFU": f"{est.mfu:.1%}",
             "peak GiB": f"{est.peak_memory_bytes / GiB:.1f}", "needs GiB": f"{est.required_bytes / GiB:.1f}"}
 
@@ -177,6 +179,8 @@ def _constraints_given(args) -> str:
 def cmd_search(args) -> int:
     import time
     _check_plot(args)
+    from functools import partial
+
     from planner.search import search, search_profiled
 
     model = load_model(args.model)
@@ -194,9 +198,11 @@ def cmd_search(args) -> int:
 
     mp = _model_profile(args)
     kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
-              top=args.top, progress=progress, space=_search_space(args), sp_saved_inputs=args.sp_saved_inputs)
+              top=args.top, progress=progress, space=_search_space(args))
     # with a model profile, the analytic finalists are ranked by the measured layer times
-    res = search_profiled(model, cluster, mp, **kw) if mp is not None else search(model, cluster, **kw)
+    run = partial(search_profiled, model, cluster, mp) if mp is not None else partial(search, model, cluster)
+    res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER
+           else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
     if shown[0]:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     if res.best is None:
@@ -326,9 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
     s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    s.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS, default="shard",
+    s.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS + (EITHER,), default="shard",
                    help="what sequence-parallel plans keep of the inputs their column-parallel linears gather: "
-                        "the shard, all-gathered again in the backward, or the gathered input (faster, more memory)")
+                        "the shard, all-gathered again in the backward, the gathered input (faster, more memory), "
+                        "or either (searched in both, the faster plan kept)")
     s.add_argument("-o", "--output", help="write the best plan here")
     s.add_argument("--model-profile", default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")

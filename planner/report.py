@@ -29,7 +29,7 @@ def describe_plan(plan: Plan) -> str:
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
-            f"sequence parallel {'on' if sp else 'off'}; stages (layers): {split}")
+            f"sequence parallel {f'on (keeps {t.sp_saved_inputs} inputs)' if sp else 'off'}; stages (layers): {split}")
 
 
 def estimate_table(est: Estimate) -> str:

@@ -106,6 +106,7 @@ class SearchResult:
     priced: int = 0
     elapsed_s: float = 0.0
     min_required_bytes: float | None = None  # when nothing fits: the least a tried plan needs
+    cutoff_s: float = math.inf  # the analytic step time of the K-th best plan found (planner.sp_modes)
 
     @property
     def best(self) -> Found | None:
@@ -262,9 +263,10 @@ def _no_configuration(ctx: Ctx, global_batch: int) -> str:
 
 def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
            memory_limit_bytes: float | None = None, dtype: str = "bf16", top: int = 1,
-           space: SearchSpace | None = None, progress=None, **training) -> SearchResult:
+           space: SearchSpace | None = None, progress=None, cutoff_s: float = math.inf, **training) -> SearchResult:
     """The `top` fastest plans (distinct configurations) that fit; see the module doc.
-    `progress(done, total, best_step_s)` is called now and then; `training` overrides Training fields."""
+    `progress(done, total, best_step_s)` is called now and then; `training` overrides Training fields;
+    `cutoff_s`: only plans faster than this are wanted (another search's K-th best, planner.sp_modes)."""
     t0 = time.perf_counter()
     space = space or SearchSpace()
     seq_len = seq_len or model.seq_len
@@ -297,8 +299,8 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
 
     def kth():
         if len(best) < top:
-            return math.inf
-        return sorted(f.estimate.step_time_s for f in best.values())[top - 1]
+            return cutoff_s
+        return min(cutoff_s, sorted(f.estimate.step_time_s for f in best.values())[top - 1])
 
     def price(cfg, inner, assign):
         """Estimate an assignment's plan; keep it as the configuration's best if it fits and is faster."""
@@ -346,7 +348,8 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             price(cfg, inner, assign)
             priced += 1
     res.results = sorted(best.values(), key=lambda f: f.estimate.step_time_s)[:top]
-    if not res.results:
+    res.cutoff_s = kth()
+    if not res.results and cutoff_s == math.inf:
         res.min_required_bytes = _least_memory(ctx, [c for _, _, c in sorted(mem_lbs)], build)
     res.elapsed_s = time.perf_counter() - t0
     return res

@@ -2,9 +2,11 @@
 shard of what its column-parallel linears gather and gathers it again in the backward, as
 Megatron-LM does (runtime.sp_shard, the default), or keeps the gathered input whole, as DTensor's
 ColwiseParallel alone does (planner.precision.sp_gathered_bytes, planner.comm.regathers)."""
+import dataclasses
 import json
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
@@ -14,6 +16,8 @@ from planner.cost import estimate, layer_cost
 from planner.model import ZOO, ConfigError
 from planner.plan import Plan, Training
 from planner.precision import runtime_held_bytes, sp_gathered_bytes
+from planner.search import search
+from planner.sp_modes import search_either
 from runtime.metrics import HEAP_READER
 from test_runtime import REPO, env, free_port
 
@@ -87,6 +91,12 @@ def test_the_option_round_trips_from_the_command_line(tmp_path, capsys):
                  "64", "--tp", "8", "--pp", "4", "--sequence-parallel", "on", "--micro-batch", "1", "--schedule",
                  "1f1b", "--zero", "1", "--sp-saved-inputs", "gathered", "--top", "1", "-o", str(out)]) == 0
     assert Plan.read(out).training.sp_saved_inputs == "gathered"
+    # either mode: here keeping the gathered inputs fits, and is faster
+    assert main(["search", "--model", "llama3-70b", "--cluster", "dgx-h100-80gb", "--gpus", "64", "--global-batch",
+                 "64", "--tp", "8", "--pp", "4", "--sequence-parallel", "on", "--micro-batch", "1",
+                 "--sp-saved-inputs", "either", "--top", "3", "-o", str(out)]) == 0
+    assert Plan.read(out).training.sp_saved_inputs == "gathered"
+    assert "gathered" in capsys.readouterr().out
 
 
 def test_the_runtime_keeps_shards_and_computes_the_same():
@@ -129,7 +139,8 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
 def test_the_search_prices_either_mode_as_the_estimate_does(limit):
     """`trident search --sp-saved-inputs gathered`: the search, with every plan keeping its gathered
     inputs, returns the fastest such plan that fits (exhaustive enumeration agrees), slower than
-    keeping shards where memory binds (3 GiB) and faster where it does not (4 GiB)."""
+    keeping shards where memory binds (3 GiB) and faster where it does not (4 GiB); `either`
+    returns the fastest plans of both modes and of no SP."""
     from test_search import A100, GiB, SearchSpace, check_same, plan_level, shrunk
     space = SearchSpace(tp=(2, 4), sequence_parallel=(True,), zero=(0,), zero_per_stage=False,
                         recompute=("none", "full"), recompute_granularity="plan", schedules=("1f1b", "gpipe"))
@@ -139,3 +150,14 @@ def test_the_search_prices_either_mode_as_the_estimate_does(limit):
     assert all(f.plan.training.sp_saved_inputs == saved for saved, f in found.items())
     faster = found["gathered"].estimate.step_time_s < found["shard"].estimate.step_time_s
     assert faster == (limit == 4.0)
+    # --sp-saved-inputs either (planner.sp_modes): the faster of the two, with SP off searched too
+    with_off = dataclasses.replace(space, sequence_parallel=(False, True))
+    both = search_either(partial(search, model, cluster), space=with_off, top=2, global_batch=8, seq_len=1024,
+                         memory_limit_bytes=limit * GiB)
+    alone = {saved: search(model, cluster, 8, 1024, limit * GiB, space=space, top=2, sp_saved_inputs=saved)
+             for saved in ("shard", "gathered")}
+    off = search(model, cluster, 8, 1024, limit * GiB, top=2,
+                 space=dataclasses.replace(space, sequence_parallel=(False,)))
+    times = sorted(f.estimate.step_time_s for r in (*alone.values(), off) for f in r.results)
+    assert [f.estimate.step_time_s for f in both.results] == times[:2]
+    assert both.best.plan.training.sp_saved_inputs == ("gathered" if faster else "shard")
