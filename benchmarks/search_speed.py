@@ -1,6 +1,6 @@
 """How fast `trident search` is, and how good its plans are against published configurations.
 
-    python benchmarks/search_speed.py [--repeat N] [--case NAME] [--profile]
+    python benchmarks/search_speed.py [--repeat N] [--case NAME] [--profile] [--sp-saved-inputs MODE]
     python benchmarks/search_speed.py --quality [--csv PATH]
 
 Speed: each case runs in a fresh process (so that caches and peak RSS are its own) `--repeat`
@@ -40,11 +40,15 @@ CASES = {
 }
 
 
-def run_case(name: str, repeat: int, top: int, profile: bool) -> dict:
-    """In this process: search `repeat` times, return the timings, the best plan and peak RSS."""
+def run_case(name: str, repeat: int, top: int, profile: bool, saved: str = "shard") -> dict:
+    """In this process: search `repeat` times, return the timings, the best plan and peak RSS.
+    `saved`: the search's --sp-saved-inputs (either: planner.sp_modes, both modes searched)."""
+    from functools import partial
+
     from planner.cluster import load_cluster
     from planner.model import load_model
-    from planner.search import search
+    from planner.search import SearchSpace, search
+    from planner.sp_modes import EITHER, search_either
 
     c = CASES[name]
     cluster = load_cluster(c["cluster"])
@@ -53,6 +57,10 @@ def run_case(name: str, repeat: int, top: int, profile: bool) -> dict:
     model = load_model(c["model"])
     limit = c["memory_limit"] * GiB if c.get("memory_limit") else None
     kw = dict(global_batch=c["global_batch"], seq_len=c.get("seq_len"), memory_limit_bytes=limit, top=top)
+    if saved == EITHER:
+        run = partial(search_either, partial(search, model, cluster), space=SearchSpace(), **kw)
+    else:
+        run = partial(search, model, cluster, sp_saved_inputs=saved, **kw)
     times, res = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -60,10 +68,10 @@ def run_case(name: str, repeat: int, top: int, profile: bool) -> dict:
             import cProfile
             import pstats
             prof = cProfile.Profile()
-            res = prof.runcall(search, model, cluster, **kw)
+            res = prof.runcall(run)
             pstats.Stats(prof, stream=sys.stderr).sort_stats("cumtime").print_stats(25)
         else:
-            res = search(model, cluster, **kw)
+            res = run()
         times.append(time.perf_counter() - t0)
     best = res.best
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
@@ -71,8 +79,9 @@ def run_case(name: str, repeat: int, top: int, profile: bool) -> dict:
                peak_rss_gib=rss / GiB, configs=res.configs, partitioned=res.expanded, priced=res.priced)
     if best:
         p, e = best.plan, best.estimate
+        sp = p.training.sp_saved_inputs if any(st.sequence_parallel for st in p.pipeline.stages) else "off"
         out.update(plan=f"tp{p.mesh.tp} pp{p.mesh.pp} dp{p.mesh.dp} {p.pipeline.schedule} v{p.pipeline.virtual_stages} "
-                        f"mb{p.training.micro_batch}x{p.pipeline.micro_batches}",
+                        f"mb{p.training.micro_batch}x{p.pipeline.micro_batches} sp {sp}",
                    step_s=e.step_time_s, mfu=e.mfu)
     return out
 
@@ -80,7 +89,8 @@ def run_case(name: str, repeat: int, top: int, profile: bool) -> dict:
 def speed(args) -> int:
     rows = []
     for name in ([args.case] if args.case else CASES):
-        cmd = [sys.executable, __file__, "--child", name, "--repeat", str(args.repeat), "--top", str(args.top)]
+        cmd = [sys.executable, __file__, "--child", name, "--repeat", str(args.repeat), "--top", str(args.top),
+               "--sp-saved-inputs", args.sp_saved_inputs]
         if args.profile:
             cmd.append("--profile")
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -140,12 +150,14 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=1, help="alternatives kept (the CLI's --top; default 1)")
     ap.add_argument("--case", choices=list(CASES))
     ap.add_argument("--profile", action="store_true", help="cProfile the search (to stderr)")
+    ap.add_argument("--sp-saved-inputs", choices=("shard", "gathered", "either"), default="shard",
+                    help="the search's --sp-saved-inputs (either: both modes searched)")
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--csv", default=str(ROOT.parent / "shared" / "reference" / "published_runs.csv"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run_case(args.child, args.repeat, args.top, args.profile)))
+        print(json.dumps(run_case(args.child, args.repeat, args.top, args.profile, args.sp_saved_inputs)))
         return 0
     return quality(args) if args.quality else speed(args)
 
