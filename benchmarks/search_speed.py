@@ -47,6 +47,7 @@ def run_case(name: str, repeat: int, top: int, profile: bool, saved: str = "shar
 
     from planner.cluster import load_cluster
     from planner.model import load_model
+    from planner.report import sp_mode
     from planner.search import SearchSpace, search
     from planner.sp_modes import EITHER, search_either
 
@@ -79,9 +80,8 @@ def run_case(name: str, repeat: int, top: int, profile: bool, saved: str = "shar
                peak_rss_gib=rss / GiB, configs=res.configs, partitioned=res.expanded, priced=res.priced)
     if best:
         p, e = best.plan, best.estimate
-        sp = p.training.sp_saved_inputs if any(st.sequence_parallel for st in p.pipeline.stages) else "off"
         out.update(plan=f"tp{p.mesh.tp} pp{p.mesh.pp} dp{p.mesh.dp} {p.pipeline.schedule} v{p.pipeline.virtual_stages} "
-                        f"mb{p.training.micro_batch}x{p.pipeline.micro_batches} sp {sp}",
+                        f"mb{p.training.micro_batch}x{p.pipeline.micro_batches} sp {sp_mode(p)}",
                    step_s=e.step_time_s, mfu=e.mfu)
     return out
 

@@ -13,7 +13,7 @@ from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
-from planner.report import describe_plan, estimate_table
+from planner.report import describe_plan, estimate_table, sp_mode
 from planner.sp_modes import EITHER, search_either
 
 GiB = 2**30
@@ -139,8 +139,7 @@ def _search_row(i, found) -> dict:
             "schedule": p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
             "micro-batch": f"{plan.training.micro_batch}x{p.micro_batches}",
             "zero": ",".join(str(z) for z in sorted({st.zero for st in p.stages})),
-            "sp": plan.training.sp_saved_inputs if any(st.sequence_parallel for st in p.stages) else "off",
-            "recompute": rec,
+            "sp": sp_mode(plan), "recompute": rec,
             "step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}", "MFU": f"{est.mfu:.1%}",
             "peak GiB": f"{est.peak_memory_bytes / GiB:.1f}", "needs GiB": f"{est.required_bytes / GiB:.1f}"}
 

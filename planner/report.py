@@ -16,12 +16,18 @@ def _fmt_bytes(x: float) -> str:
     return f"{x:,.0f} B"
 
 
+def sp_mode(plan: Plan) -> str:
+    """A plan's sequence parallelism in a word: off, or what it keeps of the gathered inputs
+    (training.sp_saved_inputs: shard or gathered)."""
+    return plan.training.sp_saved_inputs if any(st.sequence_parallel for st in plan.pipeline.stages) else "off"
+
+
 def describe_plan(plan: Plan) -> str:
     m, t, mesh, p = plan.model, plan.training, plan.mesh, plan.pipeline
     recs = sorted({r for st in p.stages for r, l in zip(st.recompute, range(st.start, st.end))
                    if m.layer_kind(l) == "block"})
     zeros = sorted({st.zero for st in p.stages})
-    sp = any(st.sequence_parallel for st in p.stages)
+    sp = sp_mode(plan)
     split = " | ".join(f"{st.start}-{st.end - 1}" for st in p.stages)
     return (f"{m.name} ({m.num_parameters() / 1e9:,.2f} B params) on {plan.cluster.nodes} x "
             f"{plan.cluster.devices_per_node} {plan.cluster.device} ({plan.cluster.name})\n"
@@ -29,7 +35,7 @@ def describe_plan(plan: Plan) -> str:
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
-            f"sequence parallel {f'on (keeps {t.sp_saved_inputs} inputs)' if sp else 'off'}; stages (layers): {split}")
+            f"sequence parallel {'off' if sp == 'off' else f'on (keeps {sp} inputs)'}; stages (layers): {split}")
 
 
 def estimate_table(est: Estimate) -> str:

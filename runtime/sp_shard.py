@@ -14,8 +14,8 @@ tensor autograd saves that is the gathered input, a view of it, or a cast of it 
 the input once per linear) for a reference to the shard (torch.autograd.graph.saved_tensors_hooks).
 The first read in the backward all-gathers the shard once for all the linears that read it; the
 whole tensor is dropped when the last of them has read it. A split backward (zbv) reads every
-saved tensor in I and again in W, and so gathers each kept input twice, once in each. Values are exact: an all-gather moves
-bits, and a cast of the gathered input equals the gathered input cast.
+saved tensor in I and again in W, and so gathers each kept input twice, once in each. Values are
+exact: an all-gather moves bits, and a cast of the gathered input equals the gathered input cast.
 The planner prices the extra all-gather in the backward (planner.comm.tp_comm).
 """
 from __future__ import annotations
@@ -57,8 +57,7 @@ class _Ref:
     """What autograd keeps instead of a saved tensor taken from the gathered input: its view."""
     __slots__ = ("src", "dtype", "size", "stride", "offset", "shape", "gstride")
 
-    def __init__(self, src: _Gathered, t: DTensor):
-        local = _local(t)
+    def __init__(self, src: _Gathered, t: DTensor, local: torch.Tensor):
         self.src, self.dtype = src, local.dtype
         self.size, self.stride, self.offset = local.size(), local.stride(), local.storage_offset()
         self.shape, self.gstride = t.shape, t.stride()
@@ -78,7 +77,7 @@ def _pack_for(src: _Gathered, x: DTensor):
             local = _local(t)
             if local.untyped_storage().data_ptr() == ptr or (t.dtype != dtype and local.is_contiguous()):
                 src.save()  # the gathered input, a view of it, or a cast of it
-                return _Ref(src, t)
+                return _Ref(src, t, local)
         return t
     return pack
 
