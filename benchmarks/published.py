@@ -142,13 +142,17 @@ RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=
 # and p2p.py at tag v0.5.8, 2021-11-30).
 # Its engine partitions the tensors it sends between stages over the TP group (is_pipe_partitioned
 # and is_grad_partitioned whenever model parallel, deepspeed/runtime/pipe/engine.py at v0.5.8).
-# Its fp16 parameters' gradients add up in their fp16 .grad.
+# It trained "with mixed precision using 16-bit bfloat" (Smith et al. 2022, arXiv 2201.11990,
+# "Hardware System"), where the CSV says fp16: DeepSpeed v0.5.8 runs bf16 only under ZeRO, whose
+# stage 1 with a pipeline lets each micro-batch's gradients add up in the bf16 .grad until
+# ReduceGrads (deepspeed/runtime/zero/stage2.py, reduce_gradients), as fp16 ones would, without a
+# loss scale; the A100 runs both at the same rate: the three predictions move by under 0.01%.
 RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, lockstep=True, p2p="scatter-gather",
-                                                     grad_accumulation="separate-16bit")
+                                                     grad_accumulation="separate-16bit", dtype="bf16")
 # BLOOM's runs (BLOOM_CSV): the same engine; fp16 gradients add up in fp16, the BF16 optimizer's in fp32
 for _m, _acc in (("tr11-fp16", "separate-16bit"), ("tr11-bf16", "separate-fp32")):
     RUN_SETTINGS[("bigscience-tr11-2022", _m)] = dict(RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")],
-                                                       grad_accumulation=_acc)
+                                                       grad_accumulation=_acc, dtype=None)
 # Korthikanti et al. 2022, section 6: "three interleaving stages (m = 3) for the 175B and 530B
 # models" (the 1T model without interleaving), and section 6.3: "we do not use any overlapping of
 # gradient all-reduces with back-propagation". Megatron-LM then (main at 2022-05-15, commit 35a3fa8)
@@ -209,8 +213,9 @@ def predict_row(row, framework: bool = True):
     best = None
     for c in candidates(row, model, gpus, framework):
         try:
+            dtype = RUN_SETTINGS.get((row["source"], row["model"]), {}).get("dtype") or row["dtype"]
             plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=gpus // 8,
-                              devices_per_node=8, seq_len=int(row["seq_len"]), dtype=row["dtype"],
+                              devices_per_node=8, seq_len=int(row["seq_len"]), dtype=dtype,
                               sequence_parallel=row["sequence_parallel"] == "true", **c)
         except ConfigError:
             continue

@@ -7,7 +7,13 @@ way planner.cost.estimate adds them up: forward f, backward b (recomputation, ex
 gathers), gradient sync, optimizer, ZeRO-1/2 gather, and memory (model state by ZeRO level,
 activations x micro-batches in flight, replay, buffers; under zbv's split backward also what is
 held from each I to its W). Options dominated within their ZeRO level (no faster backward for no
-fewer activations, same replay) are dropped.
+fewer activations, same replay) are dropped. A stage mixes at most two of the three modes
+(MIXED_MODES): with its block count and its memory as the two constraints, choosing how many
+blocks run each mode at the least time is a linear programme whose optimum has at most two modes
+non-zero (a vertex of two constraints); a third only adds steps finer than one block's change of
+mode. It also keeps the menus small: (k + 1)(k + 2) / 2 combinations of k blocks become 3k. Megatron-LM
+(one --recompute-granularity, --recompute-num-layers of them full) and Galvatron (each layer
+checkpointed or not) mix at most two as well.
 
 The bounds are those of planner.search's docstring: `config_bound` and `balance_bound` for a whole
 configuration (planner.bounds), `evaluate` (exact memory check and LB) for one assignment.
@@ -27,6 +33,8 @@ from planner.model import RECOMPUTE_MODES
 from planner.plan import split_backward, stage_rank
 from planner.bounds import TOL, Bounds
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
+
+MIXED_MODES = 2  # recompute modes a stage mixes at most (module doc)
 
 
 class MenuCache(dict):
@@ -144,12 +152,14 @@ class StageCosts(Menus, Bounds):
                 out = [(0, 0, 0)]
             elif g in ("plan", "stage"):
                 out = [tuple(k if j == i else 0 for j in range(3)) for i in idx]
-            else:  # (a, b, k - a - b) for a in 0..k, b in 0..k - a, only the allowed modes non-zero
+            else:  # (a, b, k - a - b) for a in 0..k, b in 0..k - a, only the allowed modes non-zero,
+                # and at most two of them (MIXED_MODES)
                 runs = np.arange(k + 1, 0, -1)
                 a = np.repeat(np.arange(k + 1), runs)
                 b = np.arange(len(a)) - np.repeat(np.cumsum(runs) - runs, runs)
                 out = np.stack([a, b, k - a - b], axis=1)
-                out = out[(out[:, [j for j in range(3) if j not in idx]] == 0).all(axis=1)]
+                out = out[(out[:, [j for j in range(3) if j not in idx]] == 0).all(axis=1)
+                          & ((out > 0).sum(axis=1) <= MIXED_MODES)]
             self.ctx._combos[key] = np.array(out, dtype=float)
         return self.ctx._combos[key]
 
