@@ -27,6 +27,23 @@ def test_plan_writes_a_file_that_estimate_reproduces(tmp_path, capsys):
     assert planned["step_time_s"] > 0 and planned["tokens_per_s"] == pytest.approx(32 * 2048 / planned["step_time_s"])
 
 
+def test_estimate_on_another_cluster_says_which_it_priced(tmp_path, capsys):
+    """`estimate --cluster` prices a plan on another profile: the header names the device priced
+    and a note the plan's own; the plan's own profile prices it without a note."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--cluster", "dgx-a100-80gb", "--gpus", "2", "--global-batch", "4",
+                 "--micro-batch", "1", "--pp", "2", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["estimate", str(out)]) == 0
+    own = capsys.readouterr()
+    assert "A100" in own.out.splitlines()[0] and own.err == ""
+    assert main(["estimate", str(out), "--cluster", "dgx-h100-80gb"]) == 0
+    other = capsys.readouterr()
+    assert "NVIDIA H100" in other.out.splitlines()[0] and "(dgx-h100-80gb)" in other.out.splitlines()[0]
+    assert other.err.strip() == ("note: priced on dgx-h100-80gb (NVIDIA H100-SXM5-80GB), not the plan's "
+                                 "dgx-a100-80gb (NVIDIA A100-SXM4-80GB)")
+
+
 def test_human_table(capsys):
     assert main(["plan", "--model", "tiny", "--cluster", "dgx-h100-80gb", "--gpus", "2", "--global-batch", "4",
                  "--micro-batch", "1", "--pp", "2", "--schedule", "gpipe"]) == 0
