@@ -18,10 +18,13 @@ TOL = 1e-9
 def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
     """Per pipeline rank of `schedule`: the micro-batch count vectors after each forward (and I)
     with v > 1, one entry per chunk of its micro-batches from F to B (W), then one per chunk of
-    those from I to W (none but under zbv); their maxima; and moments[e, r] (E, pp, 2 v): rank r's
-    count vector at E <= 4 of those moments (where the smallest F-to-W count of a chunk is largest,
-    where the smallest I-to-W count is, where a chunk holds the most from F to W, and where all
-    chunks together hold the most), from which balance_bound bounds the peak activation memory."""
+    those from I to W (none but under zbv), then one per chunk that is 1 once the chunk's first
+    backward (W) has begun and its gradients exist (planner.schedule.peak_with_gradients; also
+    the counts just before each first backward); their maxima; and moments[e, r] (E, pp, 3 v):
+    rank r's vector at E <= 6 of those moments (where the smallest F-to-W count of a chunk is
+    largest, where the smallest I-to-W count is, where a chunk holds the most from F to W, where
+    all chunks together hold the most, and the first and last of these among the moments with
+    every gradient), from which balance_bound bounds the peak memory."""
     flight, maxcnt = [], []
     for r in range(pp):
         if v == 1:
@@ -38,20 +41,31 @@ def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
                 ops = rank_order(schedule, pp, v, micro_batches, r)
                 kind = np.array([k for k, _, _ in ops])
                 chunk = np.array([s // pp for _, s, _ in ops])
-            steps = np.zeros((len(kind), 2 * v))
+            steps = np.zeros((len(kind), 3 * v))
             at = np.arange(len(kind))
             steps[at, chunk] = np.select([kind == "F", kind == "I"], [1.0, 0.0], -1.0)  # B, W: -1
             steps[at, v + chunk] = np.select([kind == "I", kind == "W"], [1.0, -1.0], 0.0)
-            counts = np.cumsum(steps, axis=0)[(kind == "F") | (kind == "I")]
+            # a chunk's gradients from its first backward on (W under a split backward)
+            back = np.flatnonzero((kind == "B") | (kind == "W"))
+            firsts = back[np.unique(chunk[back], return_index=True)[1]]
+            steps[firsts, 2 * v + chunk[firsts]] = 1.0
+            after = np.cumsum(steps, axis=0)
+            before = after.copy()  # a first backward still holds its micro-batch
+            before[:, :2 * v] -= steps[:, :2 * v]
+            counts = np.concatenate((after[(kind == "F") | (kind == "I")], before[firsts]))
             flight.append(_unique_rows(counts))
         maxcnt.append(flight[-1].max(axis=0))
     width = flight[0].shape[1]
-    moments = np.zeros((4, pp, width))
+    moments = np.zeros((6, pp, width))
     for r, f in enumerate(flight):
         lo_f = f[:, :v].min(axis=1)
-        lo_w = f[:, v:].min(axis=1) if f.shape[1] > v else np.zeros(len(f))
-        for e, i in enumerate((np.lexsort((lo_w, lo_f))[-1], np.lexsort((lo_f, lo_w))[-1],
-                               int(np.argmax(f[:, :v].max(axis=1))), int(np.argmax(f.sum(axis=1))))):
+        lo_w = f[:, v:2 * v].min(axis=1) if f.shape[1] > v else np.zeros(len(f))
+        # and the same two where the rank has all its gradients (v > 1; every row for v = 1)
+        full = np.flatnonzero((f[:, 2 * v:] > 0).all(axis=1))
+        picks = (np.lexsort((lo_w, lo_f))[-1], np.lexsort((lo_f, lo_w))[-1], int(np.argmax(f[:, :v].max(axis=1))),
+                 int(np.argmax(f[:, :2 * v].sum(axis=1))), full[np.lexsort((lo_w[full], lo_f[full]))[-1]],
+                 full[int(np.argmax(f[full, :2 * v].sum(axis=1)))])
+        for e, i in enumerate(picks):
             moments[e, r] = f[i]
     return flight, maxcnt, _unique_rows(moments)  # without repeats (one moment for v = 1)
 
@@ -108,8 +122,9 @@ class Bounds:
         take any recompute mode. At each moment of in_flight_counts a rank's block is held at
         least as long as the rank's least held chunk holds it (kappa), and every chunk but the
         first and last stage has a block held as long as its own chunk holds it; a rank holds its
-        blocks' ZeRO state, the embedding or head where its chunks have them, and its receive
-        buffers. At ZeRO level z a block costs per micro-batch at least its compute and TP time
+        blocks' ZeRO state (with v > 1 chunks, without the gradients at moments before every
+        chunk's first backward), the embedding or head where its chunks have them, and its
+        receive buffers. At ZeRO level z a block costs per micro-batch at least its compute and TP time
         t_i plus c_z, and at least g_z (_zero_terms: FSDP2's copies, the step's terms over the m
         micro-batches, the ZeRO-3 gathers and ZeRO-2/3 reduce-scatters a block waits for). For a
         per-rank work budget U, rank r can take at most max n0 + n1 + n2 s.t. sum n_i (t_i + c_z)
@@ -126,7 +141,11 @@ class Bounds:
         if self.fb:  # a rank peaking in its first backward holds at least one micro-batch fewer
             # beside every gradient (planner.memory.first_backward_bytes): one fewer counted here
             F = np.maximum(F - np.array(self.first_b, dtype=float)[None, :, None], 0.0)
-        W = moments[:, :, v:] if moments.shape[2] > v else np.zeros_like(F)  # from I to W
+        W = moments[:, :, v:2 * v] if moments.shape[2] > v else np.zeros_like(F)  # from I to W
+        # with v > 1 chunks a rank has all its gradients only once every chunk's first backward has
+        # begun (planner.schedule.peak_with_gradients): before, a block's state is counted without
+        # them (a lower bound: a chunk with gradients holds more)
+        all_grads = (moments[:, :, 2 * v:] > 0).all(axis=2) if v > 1 else np.ones(F.shape[:2], dtype=bool)
         blk = [lc["blk"][r] for r in self.modes]
         t0 = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
@@ -140,7 +159,7 @@ class Bounds:
         tp_min = min(x.fwd_tp_s + x.bwd_tp_s for x in blk)
         terms = self._zero_terms()
         if v > 1:  # a rank's chunks may differ in ZeRO level: each term at its least
-            terms = [tuple(min(x[j] for x in terms) for j in range(3))]
+            terms = [tuple(min(x[j] for x in terms) for j in range(4))]
         # a block is held at least as long as the rank's least held chunk holds it (kappa); every
         # chunk but the first and last stage has a block (k_range), held as long as its chunk
         # holds it: n_first blocks a rank must take, and at least what they hold beyond kappa
@@ -164,11 +183,12 @@ class Bounds:
         end_mem[:, self.rank_of[-1]] += max(0.0, self.head_logits - self.act_grad)
         pairs = [(i, j) for i in range(len(t0)) for j in range(i + 1, len(t0))]
         levels = []
-        for c, g, state in terms:
+        for c, g, full_state, bare_state in terms:
+            state = np.where(all_grads, full_state, bare_state)  # (moments, ranks)
             t, gb = t0 + c * blk[0].params, (g + c) * blk[0].params + tp_min
             # (moments, ranks, modes): each moment's memory is a constraint; a rank takes at most
             # the least any of them allows
-            mem = state * blk[0].params + kap_f[..., None] * a + kap_w[..., None] * h
+            mem = state[..., None] * blk[0].params + kap_f[..., None] * a + kap_w[..., None] * h
             room = M[None, :] - state * end_p[None, :] - end_mem  # (moments, ranks)
             levels.append((t, gb, mem, end_t + c * end_p, end_tp + (g + c) * end_p, room))
         if not np.any([(lv[5] >= 0).all(axis=0) for lv in levels], axis=0).all():
@@ -216,13 +236,14 @@ class Bounds:
         return mbs * lo
 
     def _zero_terms(self):
-        """Per allowed ZeRO level and per parameter: (c, g, state) of
+        """Per allowed ZeRO level and per parameter: (c, g, state, state without gradients) of
         balance_bound: seconds per micro-batch every block adds (FSDP2's copies; the step's
         optimizer, ZeRO-1/2 gather and, for v = 1, gradient sync, over m micro-batches; under zbv's
         split backward the two ZeRO-3 gathers, exposed), the communication a block's forward and
         backward wait for (the menus' max(compute, gather) and max(compute, what runs beside the
-        backward), planner.stages.menu), and the ZeRO state bytes. Collectives at their
-        latency-free slope (ClusterSpec.seconds_per_byte), a lower bound of their time."""
+        backward), planner.stages.menu), and the ZeRO state bytes with and without the gradients'.
+        Collectives at their latency-free slope (ClusterSpec.seconds_per_byte), a lower bound of
+        their time."""
         ctx, cfg = self.ctx, self.cfg
         dp, mbs, e = cfg.dp, cfg.micro_batches, ctx.e
         shape = ctx.collectives(cfg)[3]
@@ -237,8 +258,9 @@ class Bounds:
             step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) else 0.0)
             step += sync if cfg.v == 1 else 0.0  # evaluate counts the sync of a rank's first stage
             c = copy_f + copy_b + step / mbs
+            bare = state - self._state(z)[1]
             if self.split and z >= 2 and dp > 1:  # planner.cost: I and W each gather, exposed
-                out.append((c + 2 * ag, 0.0, state))
+                out.append((c + 2 * ag, 0.0, state, bare))
             else:
-                out.append((c, ag + beside, state))
+                out.append((c, ag + beside, state, bare))
         return out

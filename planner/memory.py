@@ -10,7 +10,7 @@ from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import (ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes,
                                optimizer_temp_bytes, sharded_param_bytes)
-from planner.schedule import peak_in_flight
+from planner.schedule import peak_with_gradients
 
 
 def grads_sharded(zero: int, micro_batches: int) -> bool:
@@ -118,8 +118,10 @@ def first_backward_binds(schedule: str, pp: int, v: int, micro_batches: int, ran
     layer by layer as it frees that micro-batch's activations. With one stage a rank that
     moment is the peak where no forward follows it with as many micro-batches in flight: one
     micro-batch without a pipeline, GPipe, 1F1B on a rank whose forwards all come first
-    (m <= p - rank). Elsewhere (more micro-batches; interleaved and ZB-V ranks, whose chunks
-    differ) a forward comes after every gradient exists, as the ZeRO paper counts them."""
+    (m <= p - rank). With more micro-batches a forward comes after every gradient exists, as the
+    ZeRO paper counts them. A rank of several chunks (interleaved, ZB-V) is priced over its
+    schedule instead (planner.schedule.peak_with_gradients: a chunk's gradients from its first
+    backward on)."""
     if v > 1:
         return False
     if pp == 1:
@@ -251,7 +253,9 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     any rank in the optimizer step where that holds more (step_bytes). Where a rank peaks in its
     stage's first backward (first_backward_binds) its gradients grow as that backward frees the
     micro-batch's activations: the gradients shown are those beside every activation at the worst
-    moment (first_backward_bytes), not all of them. `stage_info`: per stage, its "params" and
+    moment (first_backward_bytes), not all of them. A rank of several chunks holds a chunk's
+    gradients from that chunk's first backward on: its activations and gradients are those of the
+    moment where they add up to the most (planner.schedule.peak_with_gradients). `stage_info`: per stage, its "params" and
     per-layer "costs" (planner.cost.LayerCost)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
@@ -271,7 +275,10 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                                        for j, c, r in zip(range(pipe.stages[i].start, pipe.stages[i].end),
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}
-        acts = peak_in_flight(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split)
+        grads_of = {**zero, **{i: si["params"] * zero_state_bytes(pipe.stages[i].zero, dp, mbs, pb, gb, ob, spb)[1]
+                               for i, si in ((i, stage_info[i]) for i in ids)}}
+        acts, grads_held = peak_with_gradients(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split,
+                                               grads_of if v > 1 else None)
         p_bytes = g_bytes = o_bytes = other = held_other = 0.0
         step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
         transient_bytes = 0.0  # of the stage computing in its backward: one at a time on a rank
@@ -325,6 +332,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         grads = g_bytes
         if first:  # the gradients beside every activation at the first backward's worst moment
             grads = float(first_backward_peak(acts, weights[ids[0]], g_bytes, first_bytes)) - acts
+        elif v > 1:  # a rank's chunks: those whose first backward has begun, at the worst moment
+            grads = grads_held
         peak = dict(parameters_bytes=p_bytes, gradients_bytes=grads, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
         end = held_other + act_grad + tied_end  # a tied matrix's two gradients meet

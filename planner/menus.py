@@ -131,12 +131,13 @@ class Menus:
         c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
         cols = dict(zip(SCALARS, scal))
         cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
-        # gradients, and the most a first backward holds of one micro-batch (planner.memory): read
-        # only where a rank peaks there
-        cols["grads"] = cols["first"] = np.zeros(len(rows))
+        # gradients (a rank of v > 1 chunks has a chunk's only from its first backward on), and the
+        # most a first backward holds of one micro-batch (planner.memory): read only where a rank
+        # of one stage peaks there
+        g = np.array([self._state(z)[1] for z in self.zeros])[tags]
+        cols["grads"] = (karr[kr] * blk[0].params + sum(x.params for x in ends)) * g
+        cols["first"] = np.zeros(len(rows))
         if self.fb:
-            g = np.array([self._state(z)[1] for z in self.zeros])[tags]
-            cols["grads"] = (karr[kr] * blk[0].params + sum(x.params for x in ends)) * g
             cols["first"] = first_backward_bytes(karr[kr], top[rows], blk[0].params * g,
                                                  [(x.activation_bytes, x.params * g) for x in ends])
         bounds = np.searchsorted(kr, np.arange(nk + 1))
@@ -148,7 +149,7 @@ class Menus:
         mem = (cols["fixed"] + np.maximum(cols["replay"] + cols["transient"],
                                           cols["logits"] + cols["fsdp"] - self.act_grad))[by_c]
         act_c = cols["act"][by_c]
-        grads_c, first_c = (cols["grads"][by_c], cols["first"][by_c]) if self.fb else (cols["grads"],) * 2
+        grads_c, first_c = cols["grads"][by_c], (cols["first"][by_c] if self.fb else cols["first"])
         row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + 3 * act_c.itemsize
         out = {}
         for j, k in enumerate(ks):

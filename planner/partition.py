@@ -66,6 +66,8 @@ class Inner(StageCosts):
                 if fb is not None:  # ranks whose first backward holds the most (StageCosts.evaluate)
                     grads, first = mn["first_sorted"]
                     held = np.where(fb, first_backward_peak(held, act, grads, first) - grads, held)
+                elif cfg.v > 1 and not share:  # at its most in flight a chunk may have no gradients yet
+                    held = np.maximum(held - mn["first_sorted"][0][None, :], 0.0)
                 fits = (fixed_rep + extra)[None, :] + held <= lim
                 anyfit = fits.any(axis=1)
                 for i, s in enumerate(ss):

@@ -355,10 +355,28 @@ def peak_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: i
     whose backward has not run yet, or under a split backward whose W has not (a weight of 1 per
     stage counts micro-batches); plus, under a split backward, split_weights[stage] over the I
     whose W has not run (what the weight gradients start from)."""
-    held = peak = 0.0
+    return peak_with_gradients(schedule, pp, virtual_stages, micro_batches, rank, weights, split_weights)[0]
+
+
+def peak_with_gradients(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int,
+                        weights: dict | None = None, split_weights: dict | None = None,
+                        grads: dict | None = None) -> tuple[float, float]:
+    """(activation weight, gradient weight) rank `rank` holds at the moment the two add up to the
+    most: the activations as peak_in_flight counts them, beside grads[stage] of every stage whose
+    first backward (under a split backward its first W, which computes the weight gradients) has
+    begun: the runtime sets the gradients to None after every step (runtime/train.py), so a stage
+    has none until then. A first backward is counted before it frees its micro-batch, with all
+    the stage's gradients (at most what it holds then: planner.memory.first_backward_bytes)."""
+    held = have = 0.0
+    best = (0.0, 0.0)
+    seen = set()
     for kind, s, _ in rank_order(schedule, pp, virtual_stages, micro_batches, rank):
         w = 1.0 if weights is None else weights[s]
         g = split_weights[s] if split_weights is not None else 0.0
+        if grads is not None and kind in ("B", "W") and s not in seen:
+            seen.add(s)
+            have += grads[s]
+            best = max(best, (held, have), key=sum)
         if kind == "F":
             held += w
         elif kind == "I":
@@ -367,5 +385,5 @@ def peak_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: i
             held -= w + g
         else:
             held -= w
-        peak = max(peak, held)
-    return peak
+        best = max(best, (held, have), key=sum)
+    return best

@@ -257,8 +257,9 @@ class StageCosts(Menus, Bounds):
             recv = sum(self.recv[s] for s in self.stages_of[r])
             fixed = sum(row[4] for row in mine) + recv
             acts = [row[5] for row in mine]
-            if self.flight[r].shape[1] > len(acts):  # v > 1: and what each chunk holds from I to W
-                acts += [row[6] for row in mine]
+            if self.cfg.v > 1:  # what each chunk holds from I to W, and its gradients once they exist
+                acts += [row[6] for row in mine] + [row[11] for row in mine]
+                fixed -= sum(row[11] for row in mine)
             peak = float((self.flight[r] @ np.array(acts)).max())
             if self.first_b[r]:  # one stage: its gradients grow as its first backward frees activations
                 row = mine[0]

@@ -1,7 +1,7 @@
 """The schedule simulator against hand-computed timelines."""
 import pytest
 
-from planner.schedule import Sharing, StageTimes, peak_in_flight, rank_order, simulate
+from planner.schedule import Sharing, StageTimes, peak_in_flight, peak_with_gradients, rank_order, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -185,3 +185,27 @@ def _held(order, acts, grads):
         held += {"F": acts[s], "I": grads[s], "W": -acts[s] - grads[s]}[kind]
         out.append(held)
     return out
+
+
+def test_a_chunk_has_gradients_from_its_first_backward_on():
+    """Interleaved 1F1B, p = 2, v = 2, m = 2, rank 0 (stages 0 and 2): four forwards (chunk 0's
+    two micro-batches, then chunk 1's), then the backwards, chunk 1's first. Chunk 1's gradients
+    appear with 4 micro-batches in flight, chunk 0's with 2: large gradients peak at chunk 0's
+    first backward (2 in flight beside both chunks'), small ones at chunk 1's (4 beside its own),
+    where counting every gradient beside the most in flight would give 4 + both."""
+    acts = {0: 1.0, 2: 1.0}
+    assert [(k, s) for k, s, _ in rank_order("interleaved-1f1b", 2, 2, 2, 0)] == [
+        ("F", 0), ("F", 0), ("F", 2), ("F", 2), ("B", 2), ("B", 2), ("B", 0), ("B", 0)]
+    assert peak_with_gradients("interleaved-1f1b", 2, 2, 2, 0, acts, None, {0: 10.0, 2: 10.0}) == (2.0, 20.0)
+    assert peak_with_gradients("interleaved-1f1b", 2, 2, 2, 0, acts, None, {0: 0.5, 2: 0.5}) == (4.0, 0.5)
+    # with many micro-batches every chunk has its gradients before the most are in flight again
+    p, m = 2, 8
+    most = peak_in_flight("interleaved-1f1b", p, 2, m, 0, acts)
+    assert peak_with_gradients("interleaved-1f1b", p, 2, m, 0, acts, None, {0: 0.5, 2: 0.5}) == (most, 1.0)
+    # under ZB-V's split backward a chunk's gradients come with its first W: rank 0 runs F0 F0 F3
+    # I3 W3 F3 I3 W3 I0 W0 I0 W0 (stages 0 and 3), so stage 3's appear with 3 forwards held and
+    # stage 0's with its own 2
+    assert [k + str(s) for k, s, _ in rank_order("zbv", 2, 2, 2, 0)] == "F0 F0 F3 I3 W3 F3 I3 W3 I0 W0 I0 W0".split()
+    acts4 = {s: 1.0 for s in range(4)}
+    assert peak_with_gradients("zbv", 2, 2, 2, 0, acts4, None, {s: 100.0 for s in range(4)}) == (2.0, 200.0)
+    assert peak_with_gradients("zbv", 2, 2, 2, 0, acts4, None, {s: 0.1 for s in range(4)}) == (3.0, 0.1)
