@@ -10,7 +10,7 @@ from planner.cluster import load_cluster
 from planner.args import OneLineParser, choice_list, int_list, positive_int, positive_number
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
-from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan
+from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.report import describe_plan, estimate_table, sp_mode
@@ -113,27 +113,12 @@ def _fits_or_say(est, fix: str) -> int:
     return 3
 
 
-def _priced_on(plan: Plan, cluster) -> tuple[Plan, str]:
-    """The plan with its cluster reference naming the profile that prices it, and a note where
-    that is not the one the plan names (another profile, given with --cluster; the same name with
-    another device; the same profile changed since the plan was priced), else ""."""
-    ref, dev = plan.cluster, cluster.device.name
-    if (ref.name, ref.device) != (cluster.name, dev):
-        note = f"priced on {cluster.name} ({dev}), not the plan's {ref.name} ({ref.device})"
-    elif ref.profile_hash and ref.profile_hash != cluster.profile_hash:
-        note = (f"cluster profile {cluster.name} changed since this plan was priced "
-                f"({ref.profile_hash[:19]} -> {cluster.profile_hash[:19]})")
-    else:
-        return plan, ""
-    return replace(plan, cluster=replace(ref, name=cluster.name, device=dev, profile_hash=cluster.profile_hash)), note
-
-
 def cmd_estimate(args) -> int:
     _check_plot(args)
     plan = Plan.read(args.plan)
     cluster = load_cluster(args.cluster or plan.cluster.name).shaped_as(plan.cluster.nodes,
                                                                          plan.cluster.devices_per_node)
-    plan, note = _priced_on(plan, cluster)
+    plan, note = priced_on(plan, cluster)
     if note and not args.json:
         print(f"note: {note}", file=sys.stderr)
     limit = args.memory_limit * GiB if args.memory_limit else None

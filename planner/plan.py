@@ -355,3 +355,20 @@ def dumps(obj) -> str:
             return "[\n" + ",\n".join(f"{pad}  {emit(x, ind + 1)}" for x in o) + "\n" + pad + "]"
         return json.dumps(o)
     return emit(obj, 0) + "\n"
+
+
+def priced_on(plan: Plan, cluster) -> tuple[Plan, str]:
+    """The plan with its cluster reference naming the profile that prices it, and a note where
+    that is not the one the plan names (another profile, given with --cluster; the same name with
+    another device; the same profile changed since the plan was priced), else "". `cluster`: a
+    planner.cluster.ClusterSpec."""
+    ref, dev = plan.cluster, cluster.device.name
+    if (ref.name, ref.device) != (cluster.name, dev):
+        note = f"priced on {cluster.name} ({dev}), not the plan's {ref.name} ({ref.device})"
+    elif ref.profile_hash and ref.profile_hash != cluster.profile_hash:
+        note = (f"cluster profile {cluster.name} changed since this plan was priced "
+                f"({ref.profile_hash[:19]} -> {cluster.profile_hash[:19]})")
+    else:
+        return plan, ""
+    return dataclasses.replace(plan, cluster=dataclasses.replace(ref, name=cluster.name, device=dev,
+                                                                 profile_hash=cluster.profile_hash)), note
