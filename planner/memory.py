@@ -170,6 +170,19 @@ def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
                / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids)
 
 
+def stage_output_bytes(plan: Plan, i: int) -> float:
+    """Bytes of stage i's output that torch.distributed.pipelining keeps per micro-batch from its
+    forward to its backward (pipeline.recv_buffers "preallocated": PipelineStage.fwd_cache holds
+    the output tuple, torch distributed/pipelining/stage.py forward_one_chunk; the runtime's last
+    stage drops its logits, runtime.pipeline): beside the saved activations, which the block's
+    output is not part of (the next block, on the next stage, saves it as its input)."""
+    pipe, t, m = plan.pipeline, plan.training, plan.model
+    if pipe.recv_buffers != "preallocated" or i == len(pipe.stages) - 1:
+        return 0.0
+    return (DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.hidden
+            / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1))
+
+
 def largest_param_on_device(model: ModelConfig, index: int, tp: int) -> float:
     """Elements of the largest parameter tensor one TP rank holds for a layer (runtime/model.py's
     tensors: the vocabulary matrices, the position table, the projections)."""
@@ -266,7 +279,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     mem_by_rank = []
     for rr in range(pp):
         ids = plan.stages_of_rank(rr)
-        weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) for i in ids}
+        weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) + stage_output_bytes(plan, i)
+                   for i in ids}
         zero = {i: 0.0 for i in range(len(pipe.stages))}
         split = None
         if two:
@@ -305,7 +319,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 block_acts = [c.activation_bytes for c, k in zip(si["costs"], kinds) if k == "block"]
                 first_bytes = float(first_backward_bytes(
                     len(block_acts), max(block_acts, default=0.0), (block_params or [0.0])[0] * gs,
-                    [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"]))
+                    [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"])
+                ) + stage_output_bytes(plan, i)  # its output, held until its backward ends
             held_other += held
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)

@@ -176,16 +176,18 @@ def test_one_22b_layer_against_korthikanti_table_4(monkeypatch):
 
 def test_pipelining_receive_buffers_are_held_for_every_micro_batch():
     """torch.distributed.pipelining (the runtime) allocates an input buffer per micro-batch on every
-    stage but the first and a gradient buffer per micro-batch on every stage but the last; runs of
-    other frameworks (recv_buffers in-flight) hold only the micro-batches in flight."""
+    stage but the first and a gradient buffer per micro-batch on every stage but the last, and
+    keeps each stage's output (but the last's) from its forward to its backward: 1F1B's p - rank
+    micro-batches in flight; runs of other frameworks (recv_buffers in-flight) hold only the
+    micro-batches in flight, counted as their activations."""
     kw = dict(pp=4, tp=2, global_batch=64)
     held, in_flight = estimate(plan_for(**kw), A100), estimate(plan_for(recv_buffers="in-flight", **kw), A100)
     plan = plan_for(**kw)
     msg = 2 * plan.training.micro_batch * plan.training.seq_len * plan.model.hidden
     m = plan.pipeline.micro_batches
-    for rank, want in enumerate((1, 2, 2, 1)):
+    for rank, (buffers, outputs) in enumerate(zip((1, 2, 2, 1), (4, 3, 2, 0))):
         a, b = held.stages[rank]["memory"], in_flight.stages[rank]["memory"]
-        assert a - b == pytest.approx(want * m * msg)
+        assert a - b == pytest.approx((buffers * m + outputs) * msg)
     assert held.step_time_s == in_flight.step_time_s
     one = estimate(plan_for(global_batch=64), A100)  # no pipeline, no buffers
     assert estimate(plan_for(global_batch=64, recv_buffers="in-flight"), A100).peak_memory_bytes == one.peak_memory_bytes
