@@ -124,8 +124,8 @@ class Bounds:
         first and last stage has a block held as long as its own chunk holds it; a rank holds its
         blocks' ZeRO state (with v > 1 chunks, without the gradients at moments before every
         chunk's first backward), the embedding or head where its chunks have them, and its
-        receive buffers. At ZeRO level z a block costs per micro-batch at least its compute and TP time
-        t_i plus c_z, and at least g_z (_zero_terms: FSDP2's copies, the step's terms over the m
+        receive buffers. At ZeRO level z a block costs per micro-batch at least its compute and TP
+        time t_i plus c_z, and at least g_z (_zero_terms: FSDP2's copies, the step's terms over the m
         micro-batches, the ZeRO-3 gathers and ZeRO-2/3 reduce-scatters a block waits for). For a
         per-rank work budget U, rank r can take at most max n0 + n1 + n2 s.t. sum n_i (t_i + c_z)
         <= U - its ends' work, sum n_i (s_z + kappa_r a_i) <= what its memory leaves (an LP whose

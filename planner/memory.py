@@ -268,8 +268,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     micro-batch's activations: the gradients shown are those beside every activation at the worst
     moment (first_backward_bytes), not all of them. A rank of several chunks holds a chunk's
     gradients from that chunk's first backward on: its activations and gradients are those of the
-    moment where they add up to the most (planner.schedule.peak_with_gradients). `stage_info`: per stage, its "params" and
-    per-layer "costs" (planner.cost.LayerCost)."""
+    moment where they add up to the most (planner.schedule.peak_with_gradients). `stage_info`:
+    per stage, its "params" and per-layer "costs" (planner.cost.LayerCost)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
