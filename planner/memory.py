@@ -289,10 +289,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                                        for j, c, r in zip(range(pipe.stages[i].start, pipe.stages[i].end),
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}
-        grads_of = {**zero, **{i: si["params"] * zero_state_bytes(pipe.stages[i].zero, dp, mbs, pb, gb, ob, spb)[1]
-                               for i, si in ((i, stage_info[i]) for i in ids)}}
-        acts, grads_held = peak_with_gradients(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split,
-                                               grads_of if v > 1 else None)
+        grads_of = dict(zero)  # each stage's gradients, which a rank of several chunks gains chunk by chunk
         p_bytes = g_bytes = o_bytes = other = held_other = 0.0
         step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
         transient_bytes = 0.0  # of the stage computing in its backward: one at a time on a rank
@@ -308,6 +305,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             root_params = sum(c.params for c, k in zip(si["costs"], kinds) if k != "block")
             ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
             p_bytes, g_bytes, o_bytes = p_bytes + P * ps, g_bytes + P * gs, o_bytes + P * os_
+            grads_of[i] = P * gs
             step = [a + b for a, b in zip(step, step_bytes(t, st.zero, dp, P))]
             if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
@@ -344,6 +342,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         # operation at a time on a rank, so the two never add up
         forward = head_logits + fsdp_transient if head_logits else 0.0
         other = held_other + tied + max(forward, transient_bytes + act_grad)
+        acts, grads_held = peak_with_gradients(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split,
+                                               grads_of if v > 1 else None)
         grads = g_bytes
         if first:  # the gradients beside every activation at the first backward's worst moment
             grads = float(first_backward_peak(acts, weights[ids[0]], g_bytes, first_bytes)) - acts
