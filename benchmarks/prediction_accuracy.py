@@ -46,6 +46,7 @@ from planner.model import ZOO  # noqa: E402
 from planner.model_profile import load_model_profile  # noqa: E402
 from planner.build import build_plan  # noqa: E402
 from planner.search import search_profiled  # noqa: E402
+from runtime.host_share import busy_cores  # noqa: E402
 
 # model: (sequence length, global batch, micro-batch sizes profiled, profile repeats)
 MODELS = {"tiny": (32, 8, "1,2,4", 9), "small": (64, 8, "1,2,4", 5)}
@@ -97,6 +98,9 @@ def torchrun(nproc: int, module: str, *args) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    for line in proc.stderr.splitlines():  # the machine was busy with other work (runtime.host_share)
+        if line.startswith(("trident profile: warning:", "warning:")):
+            print(f"  {line.strip()}", flush=True)
     print(f"  {module} {args[0] if args else ''} on {nproc}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -198,8 +202,9 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in PLANS]
     if unknown or args.rounds < 1:
         sys.exit(f"--only: unknown plan {unknown[0]}; use {', '.join(PLANS)}" if unknown else "--rounds: at least 1")
-    print(f"{os.cpu_count()} CPUs, CPU idle {idle_share():.0%} over 2 s before the start; {args.rounds} rounds of: "
-          "per world size profile, predict, train", flush=True)
+    busy = busy_cores(2.0)
+    print(f"{len(os.sched_getaffinity(0))} CPUs, {'?' if busy is None else f'{busy:.1f}'} of them busy over 2 s "
+          f"before the start; {args.rounds} rounds of: per world size profile, predict, train", flush=True)
     group_of = {n: PLANS[n][:2] for n in names}  # (model, world)
     searched, rounds = {}, []
     for i in range(args.rounds):
@@ -229,6 +234,8 @@ def main(argv=None) -> int:
                "single_round_median_abs_step_time_error": median(single),
                "single_round_worst_abs_step_time_error": single[-1],
                "measured_spread": spread(rows),
+               # plans whose run found other work on the cores (runtime.train's host_other_busy_cores)
+               "runs_beside_other_work": sorted({n for r in rounds for n, p in r.items() if p.get("note")}),
                "targets": {"median": 0.10, "worst": 0.25, "tau": 0.8, "memory_under": 0.05}}
     summary["searched"] = searched_vs_sweep(rows, {n: rounds[0][n]["plan"] for n in group_of},
                                             {g: v[0] for g, v in searched.items()}, group_of)
@@ -242,6 +249,9 @@ def main(argv=None) -> int:
           f"{single[-1]:.1%}; measured step time across rounds, max / min per plan: median "
           f"{summary['measured_spread']['median']:.2f}, worst {summary['measured_spread']['worst']:.2f} "
           f"({summary['measured_spread']['worst_plan']})")
+    if summary["runs_beside_other_work"]:
+        print(f"runs beside other work on the cores (their times are a busy machine's): "
+              f"{', '.join(summary['runs_beside_other_work'])}")
     (out / "results.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
     return 0
 
@@ -251,20 +261,6 @@ def spread(rows) -> dict:
     s = {r["plan"]: max(r["rounds"]["measured_step_time_s"]) / min(r["rounds"]["measured_step_time_s"]) for r in rows}
     worst = max(s, key=s.get)
     return {"median": median(list(s.values())), "worst": s[worst], "worst_plan": worst}
-
-
-def idle_share(seconds: float = 2.0) -> float:
-    """Share of CPU time idle over `seconds` (/proc/stat), 1.0 where unreadable."""
-    def read():
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return f[3] + f[4], sum(f)
-    try:
-        i0, t0 = read()
-        time.sleep(seconds)
-        i1, t1 = read()
-        return (i1 - i0) / max(1, t1 - t0)
-    except (OSError, ValueError, IndexError):
-        return 1.0
 
 
 def searched_vs_sweep(rows, plans, searched, group_of) -> dict:

@@ -38,6 +38,10 @@ def read_run(path) -> dict:
         raise bad("traced_step_index", "a non-negative integer or null")
     if "world_size" in run and not (_is_count(run["world_size"]) and run["world_size"] > 0):
         raise bad("world_size", "a positive integer")
+    if run.get("host_other_busy_cores") is not None and not _is_number(run["host_other_busy_cores"], -1.0):
+        raise bad("host_other_busy_cores", "a number of at least 0 or null")
+    if "host_cores" in run and not (_is_count(run["host_cores"]) and run["host_cores"] > 0):
+        raise bad("host_cores", "a positive integer")
     steps = run["step_times_s"]
     if len(steps) <= run["warmup_steps"]:
         raise ConfigError(f"run.step_times_s: {path} has {len(steps)} steps, "
@@ -114,6 +118,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         **_optimizer_terms(run, prediction),
         "stages": stages,
         "final_loss": run["losses"][-1] if run["losses"] else None,
+        "note": busy_note(run.get("host_other_busy_cores"), run.get("host_cores")),
     }
 
 
@@ -147,6 +152,19 @@ def _err(pred, meas):
     return (pred - meas) / meas
 
 
+OTHER_LOAD_SHARE = 0.25  # more of the cores than this busy with other work: the timings are a busy machine's
+
+
+def busy_note(busy_cores, cores) -> str | None:
+    """A note when other work kept more than OTHER_LOAD_SHARE of `cores` CPU cores busy while
+    trident's processes slept (runtime.host_share.other_load); None if not, or not measured."""
+    if busy_cores is None or not cores or busy_cores <= OTHER_LOAD_SHARE * cores:
+        return None
+    return (f"{busy_cores:.1f} of this machine's {cores} CPU cores were busy with other work while trident's "
+            f"processes slept: times measured meanwhile are those of a busy machine; profile and run with the "
+            f"machine otherwise idle")
+
+
 def comparison_table(result: dict) -> str:
     def pct(x):
         return "n/a" if x is None else f"{x:+.1%}"
@@ -169,8 +187,9 @@ def comparison_table(result: dict) -> str:
         rows.append((f"  stage {st['pp_rank']} peak memory (MiB)", "n/a" if p is None else f"{p / mib:,.1f}",
                      "n/a" if m is None else f"{m / mib:,.1f}", pct(st["memory_error"])))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                      for r in rows)
+    return table + (f"\nnote: the run: {result['note']}" if result.get("note") else "")
 
 
 def plot(result: dict, timeline, path) -> None:

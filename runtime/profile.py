@@ -45,6 +45,7 @@ from planner.args import OneLineParser
 from runtime.comm_sweep import (OPS, Progress, mean_over_ranks, group_layout, group_points, node_key, overlap_ratio,
                                 per_node_of, sizes_for, sweep)
 from runtime.device import current
+from runtime.host_share import _timed, busy_host, check_busy, compute_slots, idle_warning, other_load
 from runtime.profile_gpu import conversion_bandwidth
 
 # ------------------------------------------------------------------ device
@@ -71,12 +72,6 @@ def memory_bandwidth() -> float:
     return 2 * src.numel() * 4 / best
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def memory_capacity() -> tuple[int, str]:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -95,34 +90,6 @@ def overlap_slowdown() -> float:
         for _ in range(20):
             a @ b
     return overlap_ratio(work, _timed, torch.ones(4 * 2**20))
-
-
-def compute_slots() -> float:
-    """How many ranks compute at full speed at once: a 256^3 matmul loop timed on rank 0 alone
-    (the others wait) and on every rank at once from a barrier, until the last rank finishes;
-    world x alone / together, within [1, world]. Processes sharing CPU cores give the core count;
-    devices with their own compute give the world size."""
-    world = dist.get_world_size()
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-
-    def work():
-        for _ in range(120):
-            a @ b
-    work()
-    alone, together = [], []
-    for _ in range(3):
-        dist.barrier()
-        if dist.get_rank() == 0:
-            alone.append(_timed(work))
-        dist.barrier()
-    for _ in range(3):
-        dist.barrier()
-        t = torch.tensor([_timed(work)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the work of all ranks is done when the last one ends
-        together.append(float(t))
-    t = torch.tensor([statistics.median(alone) if alone else 0.0], dtype=torch.float64)
-    dist.all_reduce(t)
-    return min(float(world), max(1.0, world * float(t) / statistics.median(together)))
 
 
 def _cpu_device(progress, per_node: int) -> tuple[dict, dict, float, float]:
@@ -201,6 +168,11 @@ def profile_cluster(args) -> dict | None:
         progress.step("overlap")
     else:
         device, dev_sources, slow, slots = _cpu_device(progress, per_node)
+        warning = idle_warning(other_load()) or busy_host(slots, world)
+        if warning:
+            dev_sources["compute_slots"] += f"; WARNING: {warning}"
+            if rank == 0:
+                print(f"trident profile: warning: {warning}", file=sys.stderr, flush=True)
     points = sweep(sizes, 5 if args.quick else 9, progress, layout)
     if gpu:  # NCCL's communicators and buffers exist now
         device["reserved_bytes"] = profile_gpu.reserved_outside_allocator()
@@ -338,9 +310,13 @@ def main(argv=None) -> int:
     try:
         if args.what == "cluster":
             out = profile_cluster(args)
-        else:
+        else:  # a busy host before or after the measurements: a warning in the profile
             from runtime.profile_model import profile_model
+            busy = check_busy()
             out = profile_model(args)
+            busy = check_busy() or busy
+            if out is not None and busy:
+                out["sources"]["times"] += f"; WARNING: {busy}"
         if out is not None:
             from planner.plan import dumps
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import math
 import shutil
 import time
 from pathlib import Path

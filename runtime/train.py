@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from planner.compare import busy_note
 from planner.model import ConfigError
 from planner.args import OneLineParser
 from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.data import local_rows, make_source
 from runtime.loss import cross_entropy
+from runtime.host_share import other_load
 from runtime.metrics import PeakMemory, environment, gather
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm
@@ -223,6 +225,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               + ("; the peak memory is the first step's, before the optimizer state exists" if left < 2 else "")
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
+    other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
     losses, times, grad_norms, opt_times, trace = [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
@@ -245,6 +248,10 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, trainer.stage_ids,
                       plan_hash, {"next_step": step + 1})
+    other += [other_load(0.2)] if device.type == "cpu" else []
+    busy = max((x for x in other if x is not None), default=None)
+    if busy_note(busy, len(os.sched_getaffinity(0))) and rank == 0:
+        print(f"warning: {busy_note(busy, len(os.sched_getaffinity(0)))}", file=sys.stderr, flush=True)
     # the traced step runs under the profiler, slower: it is left out of the step time
     timed = times[warmup:len(times) - bool(trace)] or times[warmup:] or times
     peaks = gather(peak.bytes)
@@ -273,6 +280,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "peak_memory_bytes_per_rank": peaks,
         "peak_memory_method": peak.method,
         "environment": environment(backend, device),
+        # CPU cores other work kept busy while this run's processes slept, before and after the steps
+        "host_other_busy_cores": busy,
+        "host_cores": len(os.sched_getaffinity(0)),
         **({"trace": gather(trace)} if trace else {}),
     }
 

@@ -250,6 +250,23 @@ def test_compare_leaves_out_the_traced_step(tmp_path, capsys):
     assert err.count("\n") == 0 and "run.traced_step_index" in err
 
 
+def test_compare_notes_a_run_beside_other_work(tmp_path, capsys):
+    """runtime.train records the cores other work kept busy while its ranks slept; compare says so."""
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    for busy, noted in ((1.2, True), (0.1, False)):
+        run.update(host_other_busy_cores=busy, host_cores=2)
+        (tmp_path / "run.json").write_text(json.dumps(run))
+        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
+        out = capsys.readouterr().out
+        assert ("note: the run: 1.2 of this machine's 2 CPU cores were busy with other work" in out) == noted
+    run["host_other_busy_cores"] = "lots"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.host_other_busy_cores" in err
+
+
 def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
     _plan_and_run(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())

@@ -1,0 +1,126 @@
+"""How processes share this host's CPU cores: compute_slots (written to a cluster profile; the
+planner's schedule simulator shares them, planner.schedule.Sharing) and a check that no other
+work was using the cores while a profile was measured (check_busy): a profile measured beside
+other work prices every plan as on a busy machine, and the plans then run faster or slower than
+predicted depending on the load of the moment."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from planner.compare import busy_note
+
+BUSY_SHARE = 0.75  # compute slots measured below this share of the expected: the host was busy
+LOAD_WINDOW_S = 0.5
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def compute_slots() -> float:
+    """How many ranks compute at full speed at once: a 256^3 matmul loop timed on rank 0 alone
+    (the others wait) and on every rank at once from a barrier, until the last rank finishes;
+    world x alone / together, within [1, world]. Processes sharing CPU cores give the core count;
+    devices with their own compute give the world size."""
+    world = dist.get_world_size()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def work():
+        for _ in range(120):
+            a @ b
+    work()
+    alone, together = [], []
+    for _ in range(3):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone.append(_timed(work))
+        dist.barrier()
+    for _ in range(3):
+        dist.barrier()
+        t = torch.tensor([_timed(work)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the work of all ranks is done when the last one ends
+        together.append(float(t))
+    t = torch.tensor([statistics.median(alone) if alone else 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    return min(float(world), max(1.0, world * float(t) / statistics.median(together)))
+
+
+def busy_host(slots: float, procs: int, cores: int | None = None) -> str | None:
+    """A warning when `procs` processes computed together at fewer than BUSY_SHARE x min(procs,
+    cores) full-speed slots (`cores`: this process's CPUs, os.sched_getaffinity): other work was
+    using the cores, so every time measured meanwhile is that of a busy machine, not of this one.
+    Ranks on other hosts only raise the slots measured, so the check never warns wrongly for them."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    expected = min(procs, cores)
+    if slots >= BUSY_SHARE * expected:
+        return None
+    return (f"compute_slots measured {slots:.2f} for {procs} processes on {cores} CPU cores (about {expected} "
+            f"expected): other processes were using this machine's cores, and every time in this profile is "
+            f"that of a busy machine; profile (and run) with the machine otherwise idle")
+
+
+def _cpu_ticks(cores) -> tuple[int, int] | None:
+    """(busy, total) jiffies of the CPUs `cores` in /proc/stat (Linux), or None where unreadable."""
+    try:
+        lines = open("/proc/stat").read().splitlines()
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines:
+        name, *vals = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            v = [int(x) for x in vals]
+            total += sum(v[:8])  # user nice system idle iowait irq softirq steal (guest counted in user)
+            busy += sum(v[:8]) - v[3] - v[4]
+    return (busy, total) if total else None
+
+
+def busy_cores(seconds: float = LOAD_WINDOW_S) -> float | None:
+    """How many of this process's CPUs (os.sched_getaffinity) were busy over the next `seconds`,
+    from /proc/stat; None where it cannot be read."""
+    cores = os.sched_getaffinity(0)
+    before = _cpu_ticks(cores)
+    time.sleep(seconds)
+    after = _cpu_ticks(cores)
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return len(cores) * (after[0] - before[0]) / (after[1] - before[1])
+
+
+def other_load(seconds: float = LOAD_WINDOW_S) -> float | None:
+    """Cores kept busy by other work: every rank sleeps `seconds` while rank 0 reads busy_cores."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        busy = busy_cores(seconds)
+    else:
+        busy = None
+        time.sleep(seconds)
+    t = torch.tensor([-1.0 if busy is None else busy], dtype=torch.float64)
+    dist.broadcast(t, 0)
+    return None if float(t) < 0 else float(t)
+
+
+def idle_warning(busy_cores: float | None, cores: int | None = None) -> str | None:
+    """A warning when other work kept more than OTHER_LOAD_SHARE of the cores busy (None if not)."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return busy_note(busy_cores, cores)
+
+
+def check_busy() -> str | None:
+    """On a CPU, compute_slots measured now, every rank at once: the busy_host warning (printed by
+    rank 0) or None; None on GPUs (each rank its own)."""
+    from runtime.device import current
+    if current().type != "cpu":
+        return None
+    warning = idle_warning(other_load()) or busy_host(compute_slots(), dist.get_world_size())
+    if warning and dist.get_rank() == 0:
+        import sys
+        print(f"trident profile: warning: {warning}", file=sys.stderr, flush=True)
+    return warning

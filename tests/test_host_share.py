@@ -1,0 +1,28 @@
+"""Other work on a CPU host is seen and named: a profile or run measured beside it warns."""
+import json
+import subprocess
+import sys
+
+from planner.compare import busy_note
+from runtime.host_share import busy_host
+from tests.test_runtime import REPO, env, free_port
+
+
+def test_the_notes_name_the_load_and_stay_quiet_without_one():
+    assert "1.2 of this machine's 2 CPU cores" in busy_note(1.2, 2)
+    assert busy_note(0.4, 2) is None and busy_note(None, 2) is None and busy_note(1.0, None) is None
+    # two processes on two cores that computed as one: the cores were shared with other work
+    assert "compute_slots measured 1.00 for 2 processes on 2 CPU cores" in busy_host(1.0, 2, 2)
+    assert busy_host(1.9, 2, 2) is None
+    assert busy_host(1.0, 1, 2) is None and busy_host(2.0, 8, 2) is None  # one process; one slot per core
+
+
+def test_a_busy_loop_beside_the_sleeping_ranks_is_seen():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(REPO / "tests" / "host_probe.py")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["busy_cores"] >= 0.7 and out["busy_cores"] >= out["idle_cores"] + 0.5
+    assert "busy with other work" in out["busy_warning"]
+    assert "busy with other work" in proc.stderr  # rank 0 printed it
