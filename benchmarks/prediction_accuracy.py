@@ -235,7 +235,7 @@ def main(argv=None) -> int:
                "single_round_worst_abs_step_time_error": single[-1],
                "measured_spread": spread(rows),
                # plans whose run found other work on the cores (runtime.train's host_other_busy_cores)
-               "runs_beside_other_work": sorted({n for r in rounds for n, p in r.items() if p.get("note")}),
+               "runs_beside_other_work": sorted({n for r in rounds for n, p in r.items() if p.get("host_note")}),
                "targets": {"median": 0.10, "worst": 0.25, "tau": 0.8, "memory_under": 0.05}}
     summary["searched"] = searched_vs_sweep(rows, {n: rounds[0][n]["plan"] for n in group_of},
                                             {g: v[0] for g, v in searched.items()}, group_of)

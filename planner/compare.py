@@ -118,7 +118,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         **_optimizer_terms(run, prediction),
         "stages": stages,
         "final_loss": run["losses"][-1] if run["losses"] else None,
-        "note": busy_note(run.get("host_other_busy_cores"), run.get("host_cores")),
+        "host_note": busy_note(run.get("host_other_busy_cores"), run.get("host_cores")),
     }
 
 
@@ -189,7 +189,7 @@ def comparison_table(result: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                       for r in rows)
-    return table + (f"\nnote: the run: {result['note']}" if result.get("note") else "")
+    return table + (f"\nnote: the run: {result['host_note']}" if result.get("host_note") else "")
 
 
 def plot(result: dict, timeline, path) -> None:

@@ -1,12 +1,13 @@
 """How processes share this host's CPU cores: compute_slots (written to a cluster profile; the
 planner's schedule simulator shares them, planner.schedule.Sharing) and a check that no other
-work was using the cores while a profile was measured (check_busy): a profile measured beside
+work was using the cores while a profile was measured (host_warning): a profile measured beside
 other work prices every plan as on a busy machine, and the plans then run faster or slower than
 predicted depending on the load of the moment."""
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -95,7 +96,8 @@ def busy_cores(seconds: float = LOAD_WINDOW_S) -> float | None:
 
 
 def other_load(seconds: float = LOAD_WINDOW_S) -> float | None:
-    """Cores kept busy by other work: every rank sleeps `seconds` while rank 0 reads busy_cores."""
+    """Cores of rank 0's host kept busy by other work: every rank sleeps `seconds` while rank 0
+    reads busy_cores."""
     dist.barrier()
     if dist.get_rank() == 0:
         busy = busy_cores(seconds)
@@ -107,20 +109,16 @@ def other_load(seconds: float = LOAD_WINDOW_S) -> float | None:
     return None if float(t) < 0 else float(t)
 
 
-def idle_warning(busy_cores: float | None, cores: int | None = None) -> str | None:
-    """A warning when other work kept more than OTHER_LOAD_SHARE of the cores busy (None if not)."""
-    cores = len(os.sched_getaffinity(0)) if cores is None else cores
-    return busy_note(busy_cores, cores)
-
-
-def check_busy() -> str | None:
-    """On a CPU, compute_slots measured now, every rank at once: the busy_host warning (printed by
-    rank 0) or None; None on GPUs (each rank its own)."""
+def host_warning(slots: float | None = None) -> str | None:
+    """On a CPU, every rank at once: the warning (printed by rank 0) when other work keeps the
+    cores busy while the ranks sleep (other_load, planner.compare.busy_note) or when the ranks
+    computing together get too few slots (busy_host; `slots`: compute_slots already measured, else
+    measured now); None where neither, and on GPUs (each rank its own)."""
     from runtime.device import current
     if current().type != "cpu":
         return None
-    warning = idle_warning(other_load()) or busy_host(compute_slots(), dist.get_world_size())
+    warning = (busy_note(other_load(), len(os.sched_getaffinity(0)))
+               or busy_host(compute_slots() if slots is None else slots, dist.get_world_size()))
     if warning and dist.get_rank() == 0:
-        import sys
         print(f"trident profile: warning: {warning}", file=sys.stderr, flush=True)
     return warning

@@ -45,7 +45,7 @@ from planner.args import OneLineParser
 from runtime.comm_sweep import (OPS, Progress, mean_over_ranks, group_layout, group_points, node_key, overlap_ratio,
                                 per_node_of, sizes_for, sweep)
 from runtime.device import current
-from runtime.host_share import _timed, busy_host, check_busy, compute_slots, idle_warning, other_load
+from runtime.host_share import _timed, compute_slots, host_warning
 from runtime.profile_gpu import conversion_bandwidth
 
 # ------------------------------------------------------------------ device
@@ -168,11 +168,9 @@ def profile_cluster(args) -> dict | None:
         progress.step("overlap")
     else:
         device, dev_sources, slow, slots = _cpu_device(progress, per_node)
-        warning = idle_warning(other_load()) or busy_host(slots, world)
+        warning = host_warning(slots)
         if warning:
             dev_sources["compute_slots"] += f"; WARNING: {warning}"
-            if rank == 0:
-                print(f"trident profile: warning: {warning}", file=sys.stderr, flush=True)
     points = sweep(sizes, 5 if args.quick else 9, progress, layout)
     if gpu:  # NCCL's communicators and buffers exist now
         device["reserved_bytes"] = profile_gpu.reserved_outside_allocator()
@@ -312,9 +310,9 @@ def main(argv=None) -> int:
             out = profile_cluster(args)
         else:  # a busy host before or after the measurements: a warning in the profile
             from runtime.profile_model import profile_model
-            busy = check_busy()
+            busy = host_warning()
             out = profile_model(args)
-            busy = check_busy() or busy
+            busy = host_warning() or busy
             if out is not None and busy:
                 out["sources"]["times"] += f"; WARNING: {busy}"
         if out is not None:

@@ -250,8 +250,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
                       plan_hash, {"next_step": step + 1})
     other += [other_load(0.2)] if device.type == "cpu" else []
     busy = max((x for x in other if x is not None), default=None)
-    if busy_note(busy, len(os.sched_getaffinity(0))) and rank == 0:
-        print(f"warning: {busy_note(busy, len(os.sched_getaffinity(0)))}", file=sys.stderr, flush=True)
+    note = busy_note(busy, len(os.sched_getaffinity(0)))
+    if note and rank == 0:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     # the traced step runs under the profiler, slower: it is left out of the step time
     timed = times[warmup:len(times) - bool(trace)] or times[warmup:] or times
     peaks = gather(peak.bytes)
