@@ -67,19 +67,23 @@ def busy_host(slots: float, procs: int, cores: int | None = None) -> str | None:
             f"that of a busy machine; profile (and run) with the machine otherwise idle")
 
 
-def _cpu_ticks(cores) -> tuple[int, int] | None:
-    """(busy, total) jiffies of the CPUs `cores` in /proc/stat (Linux), or None where unreadable."""
+def _cpu_ticks(cores, text: str | None = None) -> tuple[int, int] | None:
+    """(busy, total) jiffies of the CPUs `cores` in /proc/stat (Linux; or in `text`, its
+    contents), or None where unreadable."""
     try:
-        lines = open("/proc/stat").read().splitlines()
+        lines = (open("/proc/stat").read() if text is None else text).splitlines()
     except OSError:
         return None
     busy = total = 0
     for line in lines:
-        name, *vals = line.split()
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-            v = [int(x) for x in vals]
-            total += sum(v[:8])  # user nice system idle iowait irq softirq steal (guest counted in user)
-            busy += sum(v[:8]) - v[3] - v[4]
+        name, *vals = line.split() or [""]
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores and len(vals) >= 5:
+            try:
+                v = [int(x) for x in vals[:8]]  # user nice system idle iowait irq softirq steal (guest is in user)
+            except ValueError:
+                return None
+            total += sum(v)
+            busy += sum(v) - v[3] - v[4]
     return (busy, total) if total else None
 
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from planner.compare import busy_note
-from runtime.host_share import busy_host
+from runtime.host_share import _cpu_ticks, busy_host
 from tests.test_runtime import REPO, env, free_port
 
 
@@ -15,6 +15,17 @@ def test_the_notes_name_the_load_and_stay_quiet_without_one():
     assert "compute_slots measured 1.00 for 2 processes on 2 CPU cores" in busy_host(1.0, 2, 2)
     assert busy_host(1.9, 2, 2) is None
     assert busy_host(1.0, 1, 2) is None and busy_host(2.0, 8, 2) is None  # one process; one slot per core
+
+
+def test_only_this_process_cpus_are_read_from_proc_stat():
+    stat = ("cpu  30 0 10 160 0 0 0 0 0 0\n"
+            "cpu0 10 0 5 80 5 0 0 0 0 0\n"
+            "cpu1 20 0 5 75 0 0 0 0 0 0\n"
+            "cpu2 99 0 0 1 0 0 0 0 0 0\n"
+            "intr 12345 0 0\n")
+    assert _cpu_ticks({0, 1}, stat) == (40, 200)  # busy: all but idle and iowait; cpu2 and the total line left out
+    assert _cpu_ticks({2}, stat) == (99, 100)
+    assert _cpu_ticks({5}, stat) is None and _cpu_ticks({0}, "cpu0 1 x 3 4 5\n") is None
 
 
 def test_a_busy_loop_beside_the_sleeping_ranks_is_seen():
