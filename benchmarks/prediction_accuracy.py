@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from planner.cluster import load_cluster  # noqa: E402
-from planner.compare import compare  # noqa: E402
+from planner.compare import SLOTS_DRIFT, compare  # noqa: E402
 from planner.cost import estimate  # noqa: E402
 from planner.model import ZOO  # noqa: E402
 from planner.model_profile import load_model_profile  # noqa: E402
@@ -236,6 +236,9 @@ def main(argv=None) -> int:
                "measured_spread": spread(rows),
                # plans whose run found other work on the cores (runtime.train's host_other_busy_cores)
                "runs_beside_other_work": sorted({n for r in rounds for n, p in r.items() if p.get("host_note")}),
+               # plans whose processes computed together at another share of the cores than their
+               # cluster profile priced (planner.compare.slots_note): (measured, priced) per round
+               "runs_on_a_changed_machine": changed_machine(rounds),
                "targets": {"median": 0.10, "worst": 0.25, "tau": 0.8, "memory_under": 0.05}}
     summary["searched"] = searched_vs_sweep(rows, {n: rounds[0][n]["plan"] for n in group_of},
                                             {g: v[0] for g, v in searched.items()}, group_of)
@@ -249,11 +252,27 @@ def main(argv=None) -> int:
           f"{single[-1]:.1%}; measured step time across rounds, max / min per plan: median "
           f"{summary['measured_spread']['median']:.2f}, worst {summary['measured_spread']['worst']:.2f} "
           f"({summary['measured_spread']['worst_plan']})")
+    if summary["runs_on_a_changed_machine"]:
+        print(f"runs whose processes computed together at more than {SLOTS_DRIFT:.0%} off the compute_slots their "
+              "profile priced "
+              "(the machine changed speed in between; measured / priced): "
+              + ", ".join(f"{n} " + " ".join(f"{a:.2f}/{b:.2f}" for a, b in v)
+                          for n, v in summary["runs_on_a_changed_machine"].items()))
     if summary["runs_beside_other_work"]:
         print(f"runs beside other work on the cores (their times are a busy machine's): "
               f"{', '.join(summary['runs_beside_other_work'])}")
     (out / "results.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
     return 0
+
+
+def changed_machine(rounds) -> dict:
+    """{plan: [(measured, priced compute_slots) of each round whose run noted the change]}."""
+    out = {}
+    for r in rounds:
+        for name, p in r.items():
+            if p.get("machine_note"):
+                out.setdefault(name, []).append((p["measured_compute_slots"], p["predicted_compute_slots"]))
+    return out
 
 
 def spread(rows) -> dict:

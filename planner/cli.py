@@ -141,7 +141,13 @@ def _search_row(i, found) -> dict:
             "zero": ",".join(str(z) for z in sorted({st.zero for st in p.stages})),
             "sp": sp_mode(plan), "recompute": rec,
             "step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}", "MFU": f"{est.mfu:.1%}",
-            "peak GiB": f"{est.peak_memory_bytes / GiB:.1f}", "needs GiB": f"{est.required_bytes / GiB:.1f}"}
+            "peak GiB": _gib(est.peak_memory_bytes), "needs GiB": _gib(est.required_bytes)}
+
+
+def _gib(nbytes: float) -> str:
+    """GiB to one decimal, or to three significant digits under 1 GiB (a CPU model's MiB show)."""
+    v = nbytes / GiB
+    return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
 
 
 def _search_space(args):

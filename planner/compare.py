@@ -42,6 +42,8 @@ def read_run(path) -> dict:
         raise bad("host_other_busy_cores", "a number of at least 0 or null")
     if "host_cores" in run and not (_is_count(run["host_cores"]) and run["host_cores"] > 0):
         raise bad("host_cores", "a positive integer")
+    if run.get("host_compute_slots") is not None and not _is_number(run["host_compute_slots"], 0.0):
+        raise bad("host_compute_slots", "a number above 0 or null")
     steps = run["step_times_s"]
     if len(steps) <= run["warmup_steps"]:
         raise ConfigError(f"run.step_times_s: {path} has {len(steps)} steps, "
@@ -103,6 +105,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         stages.append({"pp_rank": pp, "predicted_peak_memory_bytes": p, "measured_peak_memory_bytes": m,
                        "memory_error": _err(p, m)})
     measured_mem = max(per_rank) if per_rank else run["peak_memory_bytes"]
+    slots = prediction["breakdown"].get("time", {}).get("compute_slots")
     return {
         "predicted_step_time_s": pred_step,
         "measured_step_time_s": measured_step,
@@ -119,6 +122,10 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         "stages": stages,
         "final_loss": run["losses"][-1] if run["losses"] else None,
         "host_note": busy_note(run.get("host_other_busy_cores"), run.get("host_cores")),
+        # full-speed slots the ranks computed at together (CPU processes sharing cores): priced, measured
+        "predicted_compute_slots": slots,
+        "measured_compute_slots": run.get("host_compute_slots"),
+        "machine_note": slots_note(run.get("host_compute_slots"), slots),
     }
 
 
@@ -165,6 +172,22 @@ def busy_note(busy_cores, cores) -> str | None:
             f"machine otherwise idle")
 
 
+SLOTS_DRIFT = 0.15  # the run's compute_slots this far from the profile's: the machine changed speed
+
+
+def slots_note(run_slots, profile_slots) -> str | None:
+    """A note when the ranks of a run computed together at more than SLOTS_DRIFT away from the
+    compute_slots the plan was priced with (the cluster profile's): the machine gave its processes
+    another share of its cores than when it was profiled, so the step-time error holds that change
+    as well as the model's. None when either is unknown (a GPU run has no sharing to price)."""
+    if not run_slots or not profile_slots or abs(run_slots / profile_slots - 1) <= SLOTS_DRIFT:
+        return None
+    return (f"its processes computed together at {run_slots:.2f} full-speed slots, where the cluster profile "
+            f"priced {profile_slots:.2f}: the machine changed speed between profiling and this run (other work, "
+            f"or a virtual machine's neighbours), and the step-time error holds that too; profile again right "
+            f"before the run")
+
+
 def comparison_table(result: dict) -> str:
     def pct(x):
         return "n/a" if x is None else f"{x:+.1%}"
@@ -189,7 +212,7 @@ def comparison_table(result: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                       for r in rows)
-    return table + (f"\nnote: the run: {result['host_note']}" if result.get("host_note") else "")
+    return table + "".join(f"\nnote: the run: {result[k]}" for k in ("host_note", "machine_note") if result.get(k))
 
 
 def plot(result: dict, timeline, path) -> None:

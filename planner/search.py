@@ -3,7 +3,8 @@
 Outer loop: every mesh and schedule configuration: tp dividing the node and heads, kv_heads and
 ffn_hidden (TP groups stay inside a node); pp; dp = gpus / (tp pp) dividing the global batch;
 micro-batch size; gpipe, 1f1b or interleaved 1f1b with v chunks per rank; sequence parallelism;
-placement (mesh.order with pp or dp outermost, TP innermost); and, when the space asks for it,
+placement (mesh.order with pp or dp outermost, TP innermost; orders that put every rank on the same
+node count once: planner.stages.distinct_orders); and, when the space asks for it,
 one ZeRO level or one recompute mode for the whole plan. The inner problem of a configuration
 (partition, per-stage ZeRO level, per-layer recompute) is planner.partition's, priced by planner.stages.
 
@@ -50,7 +51,7 @@ from planner.plan import DTYPES, SCHEDULES, Plan, Training
 from planner.plan_checks import MAX_MICRO_BATCHES
 from planner.build import build_plan, even_stages
 from planner.bounds import in_flight_counts
-from planner.stages import TOL, MenuCache, _rank
+from planner.stages import TOL, MenuCache, _rank, distinct_orders
 
 ORDERS = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
 
@@ -224,7 +225,7 @@ def _configs(ctx: Ctx, global_batch: int):
                     elif s == "gpipe" or mbs >= pp:  # 1F1B needs a micro-batch per stage (planner.plan)
                         scheds.append((s, 1))
                 sps = [x for x in sp_.sequence_parallel if tp > 1 or not x] or [False]
-                orders = sp_.orders if (pp > 1 and dp > 1) else sp_.orders[:1]
+                orders = distinct_orders(c, tp, pp, dp, sp_.orders) if (pp > 1 and dp > 1) else sp_.orders[:1]
                 zeros = [None] if sp_.zero_per_stage else (sp_.zero if dp > 1 else sp_.zero[:1])
                 recs = sp_.recompute if sp_.recompute_granularity == "plan" else [None]
                 for (sched, v), sp, order, z, r in itertools.product(scheds, sps, orders, zeros, recs):

@@ -279,3 +279,18 @@ def _rank(mesh, pp, dp, tp):
     for d in mesh.order:
         r = r * getattr(mesh, d) + co[d]
     return r
+
+
+def distinct_orders(cluster, tp: int, pp: int, dp: int, orders) -> list:
+    """The rank orders (mesh.order) among `orders` that place the mesh differently: an order that
+    puts every (pp, dp, tp) coordinate on the same node as an earlier one does is the same plan to
+    the cost model, which prices groups by the nodes their ranks are on (ClusterSpec.group_shape),
+    so it is left out (on one node every order is the first)."""
+    seen, out = set(), []
+    for order in orders:
+        mesh = SimpleNamespace(order=list(order), pp=pp, dp=dp, tp=tp)
+        nodes = tuple(cluster.node_of(_rank(mesh, a, b, c)) for a in range(pp) for b in range(dp) for c in range(tp))
+        if nodes not in seen:
+            seen.add(nodes)
+            out.append(order)
+    return out

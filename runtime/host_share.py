@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from planner.compare import busy_note
+from planner.compare import OTHER_LOAD_SHARE, busy_note
 
 BUSY_SHARE = 0.75  # compute slots measured below this share of the expected: the host was busy
 LOAD_WINDOW_S = 0.5
@@ -53,17 +53,26 @@ def compute_slots() -> float:
     return min(float(world), max(1.0, world * float(t) / statistics.median(together)))
 
 
-def busy_host(slots: float, procs: int, cores: int | None = None) -> str | None:
+def busy_host(slots: float, procs: int, cores: int | None = None, other: float | None = None) -> str | None:
     """A warning when `procs` processes computed together at fewer than BUSY_SHARE x min(procs,
-    cores) full-speed slots (`cores`: this process's CPUs, os.sched_getaffinity): other work was
-    using the cores, so every time measured meanwhile is that of a busy machine, not of this one.
-    Ranks on other hosts only raise the slots measured, so the check never warns wrongly for them."""
+    cores) full-speed slots (`cores`: this process's CPUs, os.sched_getaffinity): every time
+    measured meanwhile is that of a slower machine than this one is when quiet. `other`: cores
+    other work kept busy while the ranks slept (other_load); where it saw none, nothing on this
+    machine's cores was running, and the cores themselves gave less (a virtual machine's CPUs
+    sharing the host's cores with its neighbours, or SMT siblings), which the warning says instead
+    of blaming other processes. Ranks on other hosts only raise the slots measured, so the check
+    never warns wrongly for them."""
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     expected = min(procs, cores)
     if slots >= BUSY_SHARE * expected:
         return None
-    return (f"compute_slots measured {slots:.2f} for {procs} processes on {cores} CPU cores (about {expected} "
-            f"expected): other processes were using this machine's cores, and every time in this profile is "
+    head = f"compute_slots measured {slots:.2f} for {procs} processes on {cores} CPU cores (about {expected} expected)"
+    if other is not None and other <= OTHER_LOAD_SHARE * cores:
+        return (f"{head}, with no other work seen on them ({other:.1f} busy while the ranks slept): the cores gave "
+                f"less than their count when all computed at once (a virtual machine's CPUs sharing the host's "
+                f"cores, or SMT siblings), so every time in this profile is that of the machine as it was then "
+                f"and may not hold later; profile right before the runs you compare")
+    return (f"{head}: other processes were using this machine's cores, and every time in this profile is "
             f"that of a busy machine; profile (and run) with the machine otherwise idle")
 
 
@@ -121,8 +130,9 @@ def host_warning(slots: float | None = None) -> str | None:
     from runtime.device import current
     if current().type != "cpu":
         return None
-    warning = (busy_note(other_load(), len(os.sched_getaffinity(0)))
-               or busy_host(compute_slots() if slots is None else slots, dist.get_world_size()))
+    other, cores = other_load(), len(os.sched_getaffinity(0))
+    warning = (busy_note(other, cores)
+               or busy_host(compute_slots() if slots is None else slots, dist.get_world_size(), cores, other))
     if warning and dist.get_rank() == 0:
         print(f"trident profile: warning: {warning}", file=sys.stderr, flush=True)
     return warning

@@ -31,7 +31,7 @@ from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.data import local_rows, make_source
 from runtime.loss import cross_entropy
-from runtime.host_share import other_load
+from runtime.host_share import compute_slots, other_load
 from runtime.metrics import PeakMemory, environment, gather
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm
@@ -226,6 +226,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
     other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
+    # how many ranks computed at full speed at once right before the steps (the cluster profile's
+    # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
+    slots = compute_slots() if device.type == "cpu" and world > 1 else None
     losses, times, grad_norms, opt_times, trace = [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
@@ -284,6 +287,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         # CPU cores other work kept busy while this run's processes slept, before and after the steps
         "host_other_busy_cores": busy,
         "host_cores": len(os.sched_getaffinity(0)),
+        "host_compute_slots": slots,
         **({"trace": gather(trace)} if trace else {}),
     }
 

@@ -15,6 +15,11 @@ def test_the_notes_name_the_load_and_stay_quiet_without_one():
     assert "compute_slots measured 1.00 for 2 processes on 2 CPU cores" in busy_host(1.0, 2, 2)
     assert busy_host(1.9, 2, 2) is None
     assert busy_host(1.0, 1, 2) is None and busy_host(2.0, 8, 2) is None  # one process; one slot per core
+    # the same slots with the cores idle while the ranks slept: not other processes, the cores themselves
+    quiet = busy_host(1.0, 2, 2, other=0.1)
+    assert "no other work seen" in quiet and "other processes" not in quiet
+    assert "other processes were using" in busy_host(1.0, 2, 2, other=None)
+    assert "other processes were using" in busy_host(1.0, 2, 2, other=1.5)
 
 
 def test_only_this_process_cpus_are_read_from_proc_stat():

@@ -267,6 +267,26 @@ def test_compare_notes_a_run_beside_other_work(tmp_path, capsys):
     assert err.count("\n") == 0 and "run.host_other_busy_cores" in err
 
 
+def test_compare_notes_a_run_on_a_machine_that_changed_speed(tmp_path, capsys):
+    """runtime.train measures compute_slots again before its steps; compare notes a run whose ranks
+    computed together at another share of the cores than the profile it was priced with."""
+    _plan_and_run(tmp_path)
+    plan, run = (json.loads((tmp_path / f).read_text()) for f in ("plan.json", "run.json"))
+    plan["prediction"]["breakdown"]["time"]["compute_slots"] = 1.9
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    for slots, noted in ((1.05, True), (1.8, False), (None, False)):
+        run["host_compute_slots"] = slots
+        (tmp_path / "run.json").write_text(json.dumps(run))
+        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
+        out = capsys.readouterr().out
+        assert ("computed together at 1.05 full-speed slots, where the cluster profile priced 1.90" in out) == noted
+    run["host_compute_slots"] = 0
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.host_compute_slots" in err
+
+
 def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
     _plan_and_run(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())

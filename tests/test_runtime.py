@@ -183,6 +183,7 @@ def test_pp2_dp2_tp2_on_eight_ranks_trains_like_one_process(plans, reference, tm
     assert_same_losses(run["losses"], reference["ref"], "pp2-dp2-tp2")
     assert run["world_size"] == 8 and len(run["peak_memory_bytes_per_rank"]) == 8
     assert run["peak_memory_bytes"] == max(run["peak_memory_bytes_per_rank"]) > 0
+    assert 1.0 <= run["host_compute_slots"] <= 8  # measured again right before the steps (compare reads it)
 
 
 def test_run_json_reports_what_compare_needs(plans, reference, tmp_path):
@@ -193,6 +194,7 @@ def test_run_json_reports_what_compare_needs(plans, reference, tmp_path):
     assert all(0 < o < t for o, t in zip(run["optimizer_times_s"], run["step_times_s"]))
     assert run["warmup_steps"] == 3 and run["tokens_per_s"] > 0  # the third one measures memory
     assert run["plan_hash"].startswith("sha256:") and run["environment"]["backend"] == "gloo"
+    assert run["host_compute_slots"] is None  # one process shares nothing
     # parameters + gradients + AdamW's two moments, all fp32, are live at the peak
     assert run["peak_memory_bytes"] >= 4 * 4 * ZOO["tiny"].num_parameters()
     assert run["losses"] == pytest.approx(reference["ref"][:4], rel=1e-6)

@@ -13,7 +13,7 @@ from planner.model import ZOO
 from planner.plan import Stage
 from planner.build import build_plan
 from planner.search import SearchSpace, search
-from planner.stages import MIXED_MODES
+from planner.stages import MIXED_MODES, distinct_orders
 
 GiB = 2**30
 A100 = load_cluster("dgx-a100-80gb")
@@ -256,6 +256,20 @@ def test_top_k_are_distinct_and_sorted():
     times = [f.estimate.step_time_s for f in res.results]
     assert len(times) == 4 and times == sorted(times)
     assert len({f.config for f in res.results}) == 4
+
+
+def test_orders_that_place_every_rank_alike_are_searched_once():
+    """On one node every rank order is the same placement: the search prices and lists it once.
+    Across nodes pp-dp-tp and dp-pp-tp put other groups across the network: both are searched."""
+    orders = SearchSpace().orders
+    assert distinct_orders(A100.shaped_as(1, 8), 2, 2, 2, orders) == [orders[0]]
+    assert distinct_orders(A100.shaped_as(2, 4), 2, 2, 2, orders) == list(orders)
+    res = search(shrunk(4), A100.shaped_as(1, 8), global_batch=8, seq_len=1024, top=6,
+                 space=SearchSpace(pp=(2,), dp=(2,)))
+    assert res.results and {f.config.order for f in res.results} == {orders[0]}
+    res = search(shrunk(4), A100.shaped_as(2, 4), global_batch=8, seq_len=1024, top=40,
+                 space=SearchSpace(pp=(2,), dp=(2,)))
+    assert {f.config.order for f in res.results} == set(orders)
 
 
 def test_cli_search_writes_a_plan_that_estimate_reproduces(tmp_path, capsys):

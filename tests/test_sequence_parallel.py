@@ -13,7 +13,7 @@ import pytest
 from planner.build import build_plan
 from planner.cluster import load_cluster
 from planner.cost import estimate, layer_cost
-from planner.model import ZOO, ConfigError
+from planner.model import ZOO
 from planner.plan import Plan, Training
 from planner.precision import runtime_held_bytes, sp_gathered_bytes
 from planner.search import search
