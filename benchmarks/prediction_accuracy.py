@@ -99,8 +99,9 @@ def torchrun(nproc: int, module: str, *args) -> None:
     if proc.returncode:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     for line in proc.stderr.splitlines():  # the machine was busy with other work (runtime.host_share)
-        if line.startswith(("trident profile: warning:", "warning:")):
-            print(f"  {line.strip()}", flush=True)
+        at = line.find("trident profile: warning:")  # maybe after a progress bar's text
+        if at >= 0 or line.startswith("warning:"):
+            print(f"  {line[max(at, 0):].strip()}", flush=True)
     print(f"  {module} {args[0] if args else ''} on {nproc}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 

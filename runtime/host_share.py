@@ -122,11 +122,12 @@ def other_load(seconds: float = LOAD_WINDOW_S) -> float | None:
     return None if float(t) < 0 else float(t)
 
 
-def host_warning(slots: float | None = None) -> str | None:
+def host_warning(slots: float | None = None, lead: str = "") -> str | None:
     """On a CPU, every rank at once: the warning (printed by rank 0) when other work keeps the
     cores busy while the ranks sleep (other_load, planner.compare.busy_note) or when the ranks
     computing together get too few slots (busy_host; `slots`: compute_slots already measured, else
-    measured now); None where neither, and on GPUs (each rank its own)."""
+    measured now); None where neither, and on GPUs (each rank its own). `lead` goes before the
+    printed line (a newline to end a progress bar's line)."""
     from runtime.device import current
     if current().type != "cpu":
         return None
@@ -134,5 +135,5 @@ def host_warning(slots: float | None = None) -> str | None:
     warning = (busy_note(other, cores)
                or busy_host(compute_slots() if slots is None else slots, dist.get_world_size(), cores, other))
     if warning and dist.get_rank() == 0:
-        print(f"trident profile: warning: {warning}", file=sys.stderr, flush=True)
+        print(f"{lead}trident profile: warning: {warning}", file=sys.stderr, flush=True)
     return warning

@@ -168,7 +168,7 @@ def profile_cluster(args) -> dict | None:
         progress.step("overlap")
     else:
         device, dev_sources, slow, slots = _cpu_device(progress, per_node)
-        warning = host_warning(slots)
+        warning = host_warning(slots, lead="\n" if rank == 0 else "")  # the progress bar's line is open
         if warning:
             dev_sources["compute_slots"] += f"; WARNING: {warning}"
     points = sweep(sizes, 5 if args.quick else 9, progress, layout)
