@@ -46,6 +46,7 @@ from runtime.comm_sweep import (OPS, Progress, mean_over_ranks, group_layout, gr
                                 per_node_of, sizes_for, sweep)
 from runtime.device import current
 from runtime.host_share import _timed, compute_slots, host_warning
+from runtime.oneline import fail
 from runtime.profile_gpu import conversion_bandwidth
 
 # ------------------------------------------------------------------ device
@@ -297,14 +298,11 @@ def main(argv=None) -> int:
             from runtime.profile_model import check_args
             check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"trident: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return fail(str(exc))
     try:
         _init()
     except ConfigError as exc:
-        print(f"trident: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return fail(str(exc))
     try:
         if args.what == "cluster":
             out = profile_cluster(args)
@@ -323,8 +321,7 @@ def main(argv=None) -> int:
         dist.barrier()
         return 0
     except ConfigError as exc:
-        print(f"trident: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return fail(str(exc))
     finally:
         dist.destroy_process_group()
 

@@ -33,6 +33,7 @@ from runtime.data import local_rows, make_source
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
 from runtime.metrics import PeakMemory, environment, gather
+from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
@@ -292,16 +293,6 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     }
 
 
-def _fail(msg: str, code: int = 2) -> int:
-    """Rank 0 prints the one line; the others give it a moment first, since torchrun stops every
-    rank as soon as one exits."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"trident: error: {msg}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(1.0)
-    return code
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -311,7 +302,7 @@ def main(argv=None) -> int:
             raise ConfigError("--checkpoint-dir works with one --plan at a time")
         check_out(args.out, len(plans))
     except ConfigError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     if "RANK" not in os.environ:  # a one-process run without torchrun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -320,7 +311,7 @@ def main(argv=None) -> int:
     try:
         backend, device = init(local_rank)
     except ConfigError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     dist.init_process_group(backend, timeout=timedelta(minutes=10))
     try:
         for plan, path in plans:
@@ -338,7 +329,7 @@ def main(argv=None) -> int:
         dist.barrier()
         return 0
     except ConfigError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     finally:
         dist.destroy_process_group()
 
