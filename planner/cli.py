@@ -215,9 +215,11 @@ def cmd_search(args) -> int:
         need = (f"; the least memory a plan needs is {res.min_required_bytes / GiB:.1f} GiB per device"
                 if res.min_required_bytes else "")
         given = _constraints_given(args)
-        print(f"trident: no plan of {model.name} fits in {lim / GiB:.1f} GiB per device on {cluster.world_size} GPUs "
+        gpus = cluster.world_size
+        print(f"trident: no plan of {model.name} fits in {lim / GiB:.1f} GiB per device on {gpus} GPU{'s' * (gpus > 1)} "
               f"with global batch {args.global_batch}" + (f" under {given}" if given else "") + need
-              + ("; lift a constraint" if given else ""), file=sys.stderr)
+              + ("; lift a constraint" if given else "; add GPUs (--gpus, --nodes) or lower --seq-len"),
+              file=sys.stderr)
         return 3
     for f in res.results:
         f.plan.prediction = _prediction_dict(f.estimate)

@@ -370,7 +370,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     limit = memory_limit_bytes if memory_limit_bytes is not None else dev.memory_bytes
     required = peak * (1 + dev.allocator_overhead_fraction) + dev.reserved_bytes
     memory_breakdown = {k: peak_rank[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
-                                                  "activations_bytes", "other_bytes")}
+                                                  "activations_bytes", "other_bytes", "other_parts")}
     memory_breakdown["pp_rank"] = peak_rank["pp_rank"]
     memory_breakdown["peak_at"] = peak_rank["peak_at"]  # backward | end of backward | optimizer step
 

@@ -253,6 +253,16 @@ def held_i_to_w_bytes(model: ModelConfig, index: int, tp: int, tokens: float, e:
     return e * tokens * model.weight_grad_inputs_per_token(index, tp) + (replay_bytes if recompute == "full" else 0.0)
 
 
+# What "other" holds at a rank's peak (memory_by_rank's other_parts, bytes; they add up to other):
+# FSDP2's buffers held through the step and gathered for the layer computing, replicate's
+# compute-dtype gradients, the pipeline's receive buffers, a tied matrix's extra gradients, the
+# loss's logits and float32 work, a block's replay, a new accumulated gradient, the activation
+# gradients flowing back, and AdamW's foreach temporaries in the optimizer step.
+OTHER_PARTS = dict.fromkeys(("fsdp_buffers", "fsdp_gathers", "replicated_gradients", "pipeline_receive_buffers",
+                             "tied_embedding_gradients", "loss_logits", "recompute_replay", "gradient_accumulation",
+                             "activation_gradients", "optimizer_temporaries"), 0.0)
+
+
 def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[dict]:
     """Bytes each pipeline rank holds at its peak, by kind (planner.cost's memory model): the
     ZeRO paper's parameters, gradients and optimizer state by ZeRO level; the activations of the
@@ -269,7 +279,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     moment (first_backward_bytes), not all of them. A rank of several chunks holds a chunk's
     gradients from that chunk's first backward on: its activations and gradients are those of the
     moment where they add up to the most (planner.schedule.peak_with_gradients). `stage_info`:
-    per stage, its "params" and per-layer "costs" (planner.cost.LayerCost)."""
+    per stage, its "params" and per-layer "costs" (planner.cost.LayerCost). Each rank's
+    other_parts says what its other holds (OTHER_PARTS)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
@@ -290,9 +301,11 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}
         grads_of = dict(zero)  # each stage's gradients, which a rank of several chunks gains chunk by chunk
-        p_bytes = g_bytes = o_bytes = other = held_other = 0.0
-        step = [0.0, 0.0, 0.0, recv_buffer_bytes(plan, ids)]
+        p_bytes = g_bytes = o_bytes = other = held_other = fsdp_held = replicated = opt_temp = 0.0
+        recv = recv_buffer_bytes(plan, ids)
+        step = [0.0, 0.0, 0.0, recv]
         transient_bytes = 0.0  # of the stage computing in its backward: one at a time on a rank
+        transient_parts = (0.0, 0.0, 0.0)  # its replay, FSDP2 buffers and accumulated gradient
         fsdp_transient = 0.0  # FSDP2's part of it alone, which its forward may hold too
         first = first_backward_binds(pipe.schedule, pp, v, mbs, rr)  # then one stage: ids == [rr]
         first_bytes = 0.0
@@ -306,7 +319,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
             p_bytes, g_bytes, o_bytes = p_bytes + P * ps, g_bytes + P * gs, o_bytes + P * os_
             grads_of[i] = P * gs
-            step = [a + b for a, b in zip(step, step_bytes(t, st.zero, dp, P))]
+            sb = step_bytes(t, st.zero, dp, P)
+            step, opt_temp = [a + b for a, b in zip(step, sb)], opt_temp + sb[3]
             if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
@@ -319,18 +333,19 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                     len(block_acts), max(block_acts, default=0.0), (block_params or [0.0])[0] * gs,
                     [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"])
                 ) + stage_output_bytes(plan, i)  # its output, held until its backward ends
-            held_other += held
+            held_other, fsdp_held = held_other + held, fsdp_held + held
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)
                                 if not (two and r == "full")), default=0.0)
-            transient_bytes = max(transient_bytes, stage_replay + transient
-                                  + accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb))
+            acc = accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb)
+            if stage_replay + transient + acc > transient_bytes:
+                transient_bytes, transient_parts = stage_replay + transient + acc, (stage_replay, transient, acc)
             fsdp_transient = max(fsdp_transient, transient)
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
-                held_other += P * pb
-        held_other += recv_buffer_bytes(plan, ids)
+                held_other, replicated = held_other + P * pb, replicated + P * pb
+        held_other += recv
         act_grad = backward_flow_bytes(m, t, tp, any(pipe.stages[i].sequence_parallel for i in ids), dp, t.micro_batch)
         head_logits, tied, tied_end = 0.0, 0.0, 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
@@ -349,13 +364,24 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             grads = float(first_backward_peak(acts, weights[ids[0]], g_bytes, first_bytes)) - acts
         elif v > 1:  # a rank's chunks: those whose first backward has begun, at the worst moment
             grads = grads_held
+        held_parts = dict(OTHER_PARTS, fsdp_buffers=fsdp_held, replicated_gradients=replicated,
+                          pipeline_receive_buffers=recv)
+        if forward > transient_bytes + act_grad:
+            moment = dict(loss_logits=head_logits, fsdp_gathers=fsdp_transient)
+        else:
+            moment = dict(zip(("recompute_replay", "fsdp_gathers", "gradient_accumulation"), transient_parts),
+                          activation_gradients=act_grad)
         peak = dict(parameters_bytes=p_bytes, gradients_bytes=grads, optimizer_bytes=o_bytes,
                     activations_bytes=acts, other_bytes=other, peak_at="backward")
+        parts = dict(held_parts, tied_embedding_gradients=tied, **moment)
         end = held_other + act_grad + tied_end  # a tied matrix's two gradients meet
         if tied and g_bytes + end > grads + acts + other:
             peak.update(gradients_bytes=g_bytes, activations_bytes=0.0, other_bytes=end, peak_at="end of backward")
+            parts = dict(held_parts, activation_gradients=act_grad, tied_embedding_gradients=tied_end)
         if sum(step) > p_bytes + peak["gradients_bytes"] + o_bytes + peak["activations_bytes"] + peak["other_bytes"]:
             peak = dict(parameters_bytes=step[0], gradients_bytes=step[1], optimizer_bytes=step[2],
                         activations_bytes=0.0, other_bytes=step[3], peak_at="optimizer step")
-        mem_by_rank.append(dict(pp_rank=rr, **peak, total_bytes=sum(v for k, v in peak.items() if k != "peak_at")))
+            parts = dict(OTHER_PARTS, pipeline_receive_buffers=recv, optimizer_temporaries=opt_temp)
+        total = sum(v for k, v in peak.items() if k != "peak_at")
+        mem_by_rank.append(dict(pp_rank=rr, **peak, total_bytes=total, other_parts=parts))
     return mem_by_rank

@@ -70,6 +70,7 @@ def estimate_table(est: Estimate) -> str:
         ("  optimizer state", _fmt_bytes(mb["optimizer_bytes"])),
         ("  activations", _fmt_bytes(mb["activations_bytes"])),
         ("  other (buffers, transients)", _fmt_bytes(mb["other_bytes"])),
+        *((f"    {OTHER_LABELS[k]}", _fmt_bytes(v)) for k, v in mb.get("other_parts", {}).items() if v),
         ("required with allocator reserve", _fmt_bytes(est.required_bytes)),
         ("device memory limit", _fmt_bytes(est.memory_limit_bytes)),
         ("fits", "yes" if est.fits else "NO"),
@@ -78,6 +79,12 @@ def estimate_table(est: Estimate) -> str:
     width = int(df["quantity"].str.len().max())
     return "\n".join(f"{q.ljust(width)}  {v.rjust(14)}" for q, v in df.itertuples(index=False))
 
+
+OTHER_LABELS = {"fsdp_buffers": "FSDP2, held all step", "fsdp_gathers": "FSDP2 gathers, reduce-scatters",
+                "replicated_gradients": "DP gradient copies", "pipeline_receive_buffers": "pipeline receive buffers",
+                "tied_embedding_gradients": "tied embedding gradients", "loss_logits": "loss logits",
+                "recompute_replay": "recompute replay", "gradient_accumulation": "gradient accumulation",
+                "activation_gradients": "activation gradients", "optimizer_temporaries": "optimizer temporaries"}
 
 TIME_TERMS = (("compute_s", "compute"), ("tp_comm_s", "TP comm"), ("dp_comm_exposed_s", "DP/FSDP comm"),
               ("fsdp_copy_s", "FSDP copies"), ("pipeline_bubble_s", "bubble"), ("p2p_s", "p2p"),
