@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 
 from planner.cluster import load_cluster
 from planner.args import OneLineParser, choice_list, int_list, positive_int, positive_number
@@ -13,8 +12,8 @@ from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
-from planner.report import describe_plan, estimate_table, sp_mode
-from planner.sp_modes import EITHER, search_either
+from planner.report import describe_plan, estimate_table
+from planner.sp_modes import EITHER
 
 GiB = 2**30
 
@@ -130,141 +129,20 @@ def cmd_estimate(args) -> int:
                         "or recomputation")
 
 
-def _search_row(i, found) -> dict:
-    plan, est = found.plan, found.estimate
-    m, mesh, p = plan.model, plan.mesh, plan.pipeline
-    blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
-    rec = ",".join(f"{mode}:{blocks.count(mode)}" for mode in ("none", "selective", "full") if blocks.count(mode))
-    return {"#": i, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "order": "-".join(mesh.order),
-            "schedule": p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
-            "micro-batch": f"{plan.training.micro_batch}x{p.micro_batches}",
-            "zero": ",".join(str(z) for z in sorted({st.zero for st in p.stages})),
-            "sp": sp_mode(plan), "recompute": rec,
-            "step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}", "MFU": f"{est.mfu:.1%}",
-            "peak GiB": _gib(est.peak_memory_bytes), "needs GiB": _gib(est.required_bytes)}
-
-
-def _gib(nbytes: float) -> str:
-    """GiB to one decimal, or to three significant digits under 1 GiB (a CPU model's MiB show)."""
-    v = nbytes / GiB
-    return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
-
-
-def _search_space(args):
-    """The choices the search may make, narrowed by the command line's constraints."""
-    from planner.search import SearchSpace
-    space = SearchSpace()
-    for field, arg in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"),
-                       ("schedules", "schedule"), ("virtual_stages", "virtual_stages"), ("zero", "zero"),
-                       ("recompute", "recompute")):
-        if getattr(args, arg) is not None:
-            space = replace(space, **{field: getattr(args, arg)})
-    if args.virtual_stages is not None and args.schedule is not None and "interleaved-1f1b" not in args.schedule:
-        raise ConfigError("--virtual-stages: model chunks per rank are for --schedule interleaved-1f1b, which "
-                          f"--schedule {','.join(args.schedule)} leaves out; add it or drop --virtual-stages")
-    if args.sequence_parallel is not None:
-        space = replace(space, sequence_parallel=(args.sequence_parallel == "on",))
-    if args.even_stages:
-        space = replace(space, uneven=False)
-    return space
-
-
-def _constraints_given(args) -> str:
-    """The search constraints on the command line, as typed."""
-    parts = []
-    for arg in ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "zero", "recompute", "sequence_parallel"):
-        v = getattr(args, arg)
-        if v is not None:
-            parts.append(f"--{arg.replace('_', '-')} " + (v if isinstance(v, str) else ",".join(str(x) for x in v)))
-    if args.even_stages:
-        parts.append("--even-stages")
-    return " ".join(parts)
-
-
 def cmd_search(args) -> int:
-    import time
-    _check_plot(args)
-    from functools import partial
-
-    from planner.search import search, search_profiled
-
-    model = load_model(args.model)
-    cluster = _cluster_for(args)
-    limit = args.memory_limit * GiB if args.memory_limit else None
-    t0, shown, tty = time.perf_counter(), [0.0], sys.stderr.isatty()
-
-    def progress(done, total, best):  # on a terminal, one self-overwriting line once past a second
-        now = time.perf_counter() - t0
-        if tty and now > 1.0 and now - shown[0] >= 0.5:
-            shown[0] = now
-            b = f", best {best:.4g} s" if best else ""
-            print(f"\rsearching: {done} of {total} configurations partitioned{b} ({now:.0f} s)  ",
-                  end="", file=sys.stderr, flush=True)
-
-    mp = _model_profile(args)
-    kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
-              top=args.top, progress=progress, space=_search_space(args))
-    # with a model profile, the analytic finalists are ranked by the measured layer times
-    run = partial(search_profiled, model, cluster, mp) if mp is not None else partial(search, model, cluster)
-    res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER
-           else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
-    if shown[0]:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
-    if res.best is None:
-        lim = limit if limit is not None else cluster.device.memory_bytes
-        need = (f"; the least memory a plan needs is {res.min_required_bytes / GiB:.1f} GiB per device"
-                if res.min_required_bytes else "")
-        given = _constraints_given(args)
-        gpus = cluster.world_size
-        print(f"trident: no plan of {model.name} fits in {lim / GiB:.1f} GiB per device on {gpus} GPU{'s' * (gpus > 1)} "
-              f"with global batch {args.global_batch}" + (f" under {given}" if given else "") + need
-              + ("; lift a constraint" if given else "; add GPUs (--gpus, --nodes) or lower --seq-len"),
-              file=sys.stderr)
-        return 3
-    for f in res.results:
-        f.plan.prediction = _prediction_dict(f.estimate)
-    best = res.best
-    if args.output:
-        best.plan.write(args.output)
-    if args.json:
-        out = best.estimate.to_dict()
-        out["alternatives"] = [{"degrees": {"tp": f.plan.mesh.tp, "pp": f.plan.mesh.pp, "dp": f.plan.mesh.dp,
-                                            "order": f.plan.mesh.order, "schedule": f.plan.pipeline.schedule,
-                                            "virtual_stages": f.plan.pipeline.virtual_stages,
-                                            "micro_batch": f.plan.training.micro_batch,
-                                            "micro_batches": f.plan.pipeline.micro_batches},
-                                "estimate": f.estimate.to_dict()} for f in res.results[1:]]
-        print(json.dumps(out, indent=2))
-        _plot_best(args, cluster, limit, mp, best)
-        return 0
-    import pandas as pd
-    table = pd.DataFrame([_search_row(i + 1, f) for i, f in enumerate(res.results)])
-    print(describe_plan(best.plan))
-    print()
-    print(estimate_table(best.estimate))
-    print()
-    print(table.to_string(index=False))
-    print(f"\nsearched {res.configs} configurations ({res.expanded} partitioned, {res.priced} priced) in {res.elapsed_s:.2f} s")
-    if args.output:
-        print(f"wrote {args.output}")
-    _plot_best(args, cluster, limit, mp, best)
-    return 0
+    from planner.search_cli import cmd_search as run  # the search command lives in its own module
+    return run(args)
 
 
-def _plot_best(args, cluster, limit, mp, best) -> None:
-    """The picture of the best plan: its estimate again, keeping the played timeline."""
-    if args.plot:
-        _plot(args, best.plan, estimate(best.plan, cluster, memory_limit_bytes=limit, model_profile=mp,
-                                        keep_timeline=True), cluster)
-
-
-def _add_problem_args(p) -> None:
-    """What `plan` and `search` share: the model, the cluster and its size, the global batch."""
+def _add_problem_args(p, sizes: bool = False) -> None:
+    """What `plan` and `search` share: the model, the cluster and its size (`sizes`: or several
+    sizes, comma-separated), the global batch."""
     p.add_argument("--model", required=True, help="zoo name, model JSON, or Hugging Face config.json")
     p.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--gpus", type=positive_int)
-    g.add_argument("--nodes", type=positive_int)
+    several = " (or several, comma-separated: the best plan of each size, side by side)" if sizes else ""
+    g.add_argument("--gpus", type=int_list() if sizes else positive_int, help="GPUs in the cluster" + several)
+    g.add_argument("--nodes", type=int_list() if sizes else positive_int, help="nodes in the cluster" + several)
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
 
 
@@ -334,10 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("search", help="find the fastest plan that fits and write it")
-    _add_problem_args(s)
+    _add_problem_args(s, sizes=True)
     s.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's seq_len")
     s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
-    s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans")
+    s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans (one cluster size)")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     s.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS + (EITHER,), default="shard",
                    help="what sequence-parallel plans keep of the inputs their column-parallel linears gather: "

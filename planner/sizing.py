@@ -1,0 +1,113 @@
+"""Cluster sizing: `trident search` over several sizes at once (`--gpus 8,16,32` or `--nodes
+1,2,4`), the fastest plan that fits at each, side by side, for a user choosing how many GPUs to
+ask for. The global batch stays as given, so per-GPU throughput against the smallest size that
+fits is the strong-scaling efficiency, and GPU-hours per billion tokens what the step costs in
+device time."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from planner.model import ConfigError
+
+GiB = 2**30
+PLACEHOLDER = "{gpus}"
+COLUMNS = ("GPUs", "nodes", "tp", "pp", "dp", "schedule", "micro-batch", "zero", "recompute", "step s", "tokens/s",
+           "per GPU vs first", "MFU", "GPU-h per 1B tokens", "peak GiB", "needs GiB")
+
+
+def check_sizes(args, sizes) -> None:
+    """What a search of several sizes cannot do, refused before any search runs."""
+    if args.plot:
+        raise ConfigError("--plot: draws one plan; give --gpus or --nodes one value")
+    if args.output and PLACEHOLDER not in args.output:
+        raise ConfigError(f"-o: {args.output} would be written once per size; put {PLACEHOLDER} in the name, "
+                          f"e.g. plan-{PLACEHOLDER}.json")
+
+
+def search_sizes(args, sizes, cluster_for, run_search) -> list[dict]:
+    """Per size: the cluster (`cluster_for(args)` with that one size) and its search result
+    (`run_search(cluster)`), in the order of `sizes`."""
+    per = "nodes" if args.nodes else "gpus"
+    out = []
+    for n in sizes:
+        one = argparse.Namespace(**{**vars(args), "gpus": None, "nodes": None, per: n})
+        cluster = cluster_for(one)
+        out.append(dict(cluster=cluster, result=run_search(cluster)))
+    return out
+
+
+def rows(found, describe) -> list[dict]:
+    """Table rows: each size's best plan (`describe(i, found)`: the search table's columns), its
+    per-GPU throughput against the first size that fits, and GPU-hours per billion tokens; where
+    nothing fits, the least memory a plan needs (with the allocator's reserve)."""
+    base, out = None, []
+    for f in found:
+        cluster, res = f["cluster"], f["result"]
+        gpus = cluster.world_size
+        row = {"GPUs": gpus, "nodes": cluster.nodes}
+        if res.best is None:
+            need = res.min_required_bytes
+            row.update({"step s": "no fit", "needs GiB": f"{need / GiB:.1f}" if need else "?"})
+            out.append({c: row.get(c, "-") for c in COLUMNS})
+            continue
+        est = res.best.estimate
+        per_gpu = est.tokens_per_s / gpus
+        base = base or per_gpu
+        d = describe(1, res.best)
+        row.update({k: d[k] for k in ("tp", "pp", "dp", "schedule", "micro-batch", "zero", "recompute")})
+        row.update({"step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}",
+                    "per GPU vs first": f"{per_gpu / base:.2f}", "MFU": f"{est.mfu:.1%}",
+                    "GPU-h per 1B tokens": f"{gpus * 1e9 / est.tokens_per_s / 3600:,.1f}",
+                    "peak GiB": d["peak GiB"], "needs GiB": d["needs GiB"]})
+        out.append({c: row[c] for c in COLUMNS})
+    return out
+
+
+def as_json(found) -> list[dict]:
+    out, base = [], None
+    for f in found:
+        cluster, res = f["cluster"], f["result"]
+        best = res.best
+        scale = {}
+        if best is not None:
+            per_gpu = best.estimate.tokens_per_s / cluster.world_size
+            base = base or per_gpu
+            scale = {"per_gpu_vs_first": per_gpu / base,
+                     "gpu_hours_per_billion_tokens": 1e9 / per_gpu / 3600}
+        out.append({"gpus": cluster.world_size, "nodes": cluster.nodes, "fits": best is not None,
+                    "min_required_bytes": res.min_required_bytes if best is None else best.estimate.required_bytes,
+                    "degrees": None if best is None else {"tp": best.plan.mesh.tp, "pp": best.plan.mesh.pp,
+                                                          "dp": best.plan.mesh.dp,
+                                                          "schedule": best.plan.pipeline.schedule,
+                                                          "micro_batch": best.plan.training.micro_batch},
+                    **scale, "estimate": None if best is None else best.estimate.to_dict()})
+    return out
+
+
+def report(args, model, found, describe, prediction) -> int:
+    """Print the sizes (a table, or JSON with --json), write each best plan where -o asks; 0 when
+    a plan fits at some size, else one line and 3."""
+    written = []
+    for f in found:
+        best = f["result"].best
+        if best is not None:
+            best.plan.prediction = prediction(best.estimate)
+            if args.output:
+                path = args.output.replace(PLACEHOLDER, str(f["cluster"].world_size))
+                best.plan.write(path)
+                written.append(path)
+    if args.json:
+        print(json.dumps({"sizes": as_json(found)}, indent=2))
+    else:
+        import pandas as pd
+        print(f"{model.name}, global batch {args.global_batch}: the fastest plan that fits at each size")
+        print(pd.DataFrame(rows(found, describe), columns=COLUMNS).to_string(index=False))
+        for path in written:
+            print(f"wrote {path}")
+    if any(f["result"].best is not None for f in found):
+        return 0
+    print(f"trident: no plan of {model.name} fits at any of these sizes with global batch {args.global_batch}; "
+          "add larger sizes or lower --seq-len", file=sys.stderr)
+    return 3
