@@ -28,13 +28,20 @@ def check_sizes(args, sizes) -> None:
 
 def search_sizes(args, sizes, cluster_for, run_search) -> list[dict]:
     """Per size: the cluster (`cluster_for(args)` with that one size) and its search result
-    (`run_search(cluster)`), in the order of `sizes`."""
+    (`run_search(cluster)`), in the order of `sizes`; where the constraints admit no configuration
+    at a size, its "error" instead (the search's one line), unless they admit none at any."""
     per = "nodes" if args.nodes else "gpus"
     out = []
     for n in sizes:
         one = argparse.Namespace(**{**vars(args), "gpus": None, "nodes": None, per: n})
         cluster = cluster_for(one)
-        out.append(dict(cluster=cluster, result=run_search(cluster)))
+        try:
+            out.append(dict(cluster=cluster, result=run_search(cluster), error=None))
+        except ConfigError as exc:  # e.g. --dp 16 on 8 GPUs: that size is out, the others stand
+            out.append(dict(cluster=cluster, result=None, error=str(exc)))
+    if all(f["error"] for f in out):
+        raise ConfigError(f"no size admits a configuration under these constraints; at {out[0]['cluster'].world_size}"
+                          f" GPUs: {out[0]['error']}")
     return out
 
 
@@ -47,6 +54,9 @@ def rows(found, describe) -> list[dict]:
         cluster, res = f["cluster"], f["result"]
         gpus = cluster.world_size
         row = {"GPUs": gpus, "nodes": cluster.nodes}
+        if f["error"]:
+            out.append({c: row.get(c, "-") for c in COLUMNS} | {"step s": "excluded"})
+            continue
         if res.best is None:
             need = res.min_required_bytes
             row.update({"step s": "no fit", "needs GiB": f"{need / GiB:.1f}" if need else "?"})
@@ -69,6 +79,9 @@ def as_json(found) -> list[dict]:
     out, base = [], None
     for f in found:
         cluster, res = f["cluster"], f["result"]
+        if f["error"]:
+            out.append({"gpus": cluster.world_size, "nodes": cluster.nodes, "fits": False, "error": f["error"]})
+            continue
         best = res.best
         scale = {}
         if best is not None:
@@ -91,7 +104,7 @@ def report(args, model, found, describe, prediction) -> int:
     a plan fits at some size, else one line and 3."""
     written = []
     for f in found:
-        best = f["result"].best
+        best = f["result"] and f["result"].best
         if best is not None:
             best.plan.prediction = prediction(best.estimate)
             if args.output:
@@ -104,9 +117,12 @@ def report(args, model, found, describe, prediction) -> int:
         import pandas as pd
         print(f"{model.name}, global batch {args.global_batch}: the fastest plan that fits at each size")
         print(pd.DataFrame(rows(found, describe), columns=COLUMNS).to_string(index=False))
+        for f in found:
+            if f["error"]:
+                print(f"excluded, {f['cluster'].world_size} GPUs: {f['error']}")
         for path in written:
             print(f"wrote {path}")
-    if any(f["result"].best is not None for f in found):
+    if any(f["result"] and f["result"].best is not None for f in found):
         return 0
     print(f"trident: no plan of {model.name} fits at any of these sizes with global batch {args.global_batch}; "
           "add larger sizes or lower --seq-len", file=sys.stderr)

@@ -63,3 +63,17 @@ def test_no_size_fits_is_one_line_and_exit_3(capsys):
     assert cap.out.count("no fit") == 2
     err = cap.err.strip().splitlines()
     assert len(err) == 1 and "fits at any of these sizes" in err[0] and "add larger sizes" in err[0]
+
+
+def test_a_size_the_constraints_rule_out_is_excluded_and_the_others_stand(capsys):
+    assert main([*LLAMA, "--gpus", "8,16", "--dp", "16", "--json"]) == 0
+    eight, sixteen = json.loads(capsys.readouterr().out)["sizes"]
+    assert eight["fits"] is False and eight["error"].startswith("--dp: 16 admits no configuration")
+    assert sixteen["fits"] and sixteen["degrees"]["tp"] * sixteen["degrees"]["pp"] == 1
+    assert main([*LLAMA, "--gpus", "8,16", "--dp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "excluded" in out.splitlines()[2] and "excluded, 8 GPUs: --dp: 16" in out
+    # ruled out at every size: one line, exit 2
+    assert main([*LLAMA, "--gpus", "8,16", "--dp", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no size admits a configuration" in err[0] and "--dp: 64" in err[0]
