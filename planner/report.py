@@ -80,7 +80,7 @@ def estimate_table(est: Estimate) -> str:
     return "\n".join(f"{q.ljust(width)}  {v.rjust(14)}" for q, v in df.itertuples(index=False))
 
 
-OTHER_LABELS = {"fsdp_buffers": "FSDP2, held all step", "fsdp_gathers": "FSDP2 gathers, reduce-scatters",
+OTHER_LABELS = {"fsdp_buffers": "DP/FSDP2, held all step", "fsdp_gathers": "DP/FSDP2 gathers, reductions",
                 "replicated_gradients": "DP gradient copies", "pipeline_receive_buffers": "pipeline receive buffers",
                 "tied_embedding_gradients": "tied embedding gradients", "loss_logits": "loss logits",
                 "recompute_replay": "recompute replay", "gradient_accumulation": "gradient accumulation",
