@@ -14,7 +14,7 @@ from planner.model import ConfigError
 GiB = 2**30
 PLACEHOLDER = "{gpus}"
 COLUMNS = ("GPUs", "nodes", "tp", "pp", "dp", "schedule", "micro-batch", "zero", "recompute", "step s", "tokens/s",
-           "per GPU vs first", "MFU", "GPU-h per 1B tokens", "peak GiB", "needs GiB")
+           "per GPU vs first", "MFU", "GPU-h per 1B tokens", "days per 1T tokens", "peak GiB", "needs GiB")
 
 
 def check_sizes(args, sizes) -> None:
@@ -47,7 +47,8 @@ def search_sizes(args, sizes, cluster_for, run_search) -> list[dict]:
 
 def rows(found, describe) -> list[dict]:
     """Table rows: each size's best plan (`describe(i, found)`: the search table's columns), its
-    per-GPU throughput against the first size that fits, and GPU-hours per billion tokens; where
+    per-GPU throughput against the first size that fits, GPU-hours per billion tokens and days
+    per trillion tokens (at the predicted rate, no failures or restarts counted); where
     nothing fits, the least memory a plan needs (with the allocator's reserve)."""
     base, out = None, []
     for f in found:
@@ -70,6 +71,7 @@ def rows(found, describe) -> list[dict]:
         row.update({"step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}",
                     "per GPU vs first": f"{per_gpu / base:.2f}", "MFU": f"{est.mfu:.1%}",
                     "GPU-h per 1B tokens": f"{gpus * 1e9 / est.tokens_per_s / 3600:,.1f}",
+                    "days per 1T tokens": f"{1e12 / est.tokens_per_s / 86400:,.1f}",
                     "peak GiB": d["peak GiB"], "needs GiB": d["needs GiB"]})
         out.append({c: row[c] for c in COLUMNS})
     return out
@@ -87,8 +89,8 @@ def as_json(found) -> list[dict]:
         if best is not None:
             per_gpu = best.estimate.tokens_per_s / cluster.world_size
             base = base or per_gpu
-            scale = {"per_gpu_vs_first": per_gpu / base,
-                     "gpu_hours_per_billion_tokens": 1e9 / per_gpu / 3600}
+            scale = {"per_gpu_vs_first": per_gpu / base, "gpu_hours_per_billion_tokens": 1e9 / per_gpu / 3600,
+                     "days_per_trillion_tokens": 1e12 / best.estimate.tokens_per_s / 86400}
         out.append({"gpus": cluster.world_size, "nodes": cluster.nodes, "fits": best is not None,
                     "min_required_bytes": res.min_required_bytes if best is None else best.estimate.required_bytes,
                     "degrees": None if best is None else {"tp": best.plan.mesh.tp, "pp": best.plan.mesh.pp,

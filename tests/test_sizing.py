@@ -42,9 +42,11 @@ def test_the_table_shows_scaling_against_the_first_size_that_fits(capsys):
         assert line.split()[:2] == [str(s["gpus"]), str(s["nodes"])]
         ratio = est["tokens_per_s"] / s["gpus"] / first
         gpu_hours = s["gpus"] * 1e9 / est["tokens_per_s"] / 3600
+        days = 1e12 / est["tokens_per_s"] / 86400
         assert s["per_gpu_vs_first"] == pytest.approx(ratio) and s["gpu_hours_per_billion_tokens"] == pytest.approx(gpu_hours)
+        assert s["days_per_trillion_tokens"] == pytest.approx(days)
         for shown in (f"{est['step_time_s']:.4g}", f"{est['tokens_per_s']:,.0f}", f"{ratio:.2f}", f"{est['mfu']:.1%}",
-                      f"{gpu_hours:,.1f}"):
+                      f"{gpu_hours:,.1f}", f"{days:,.1f}"):
             assert f" {shown} " in f" {line} ", (shown, line)
     assert f"{1.0:.2f}" in lines[2]
 
