@@ -74,7 +74,7 @@ def cmd_search(args) -> int:
 
     sizes = args.gpus or args.nodes
     if len(sizes) > 1:
-        sizing.check_sizes(args, sizes)
+        sizing.check_sizes(args)
     else:
         args.gpus, args.nodes, sizes = args.gpus and sizes[0], args.nodes and sizes[0], None
     model = load_model(args.model)

@@ -17,7 +17,7 @@ COLUMNS = ("GPUs", "nodes", "tp", "pp", "dp", "schedule", "micro-batch", "zero",
            "per GPU vs first", "MFU", "GPU-h per 1B tokens", "days per 1T tokens", "peak GiB", "needs GiB")
 
 
-def check_sizes(args, sizes) -> None:
+def check_sizes(args) -> None:
     """What a search of several sizes cannot do, refused before any search runs."""
     if args.plot:
         raise ConfigError("--plot: draws one plan; give --gpus or --nodes one value")
@@ -45,16 +45,32 @@ def search_sizes(args, sizes, cluster_for, run_search) -> list[dict]:
     return out
 
 
-def rows(found, describe) -> list[dict]:
-    """Table rows: each size's best plan (`describe(i, found)`: the search table's columns), its
-    per-GPU throughput against the first size that fits, GPU-hours per billion tokens and days
-    per trillion tokens (at the predicted rate, no failures or restarts counted); where
-    nothing fits, the least memory a plan needs (with the allocator's reserve)."""
+def scaling(found) -> list[dict | None]:
+    """Per size whose search found a plan: its per-GPU throughput against the first such size,
+    GPU-hours per billion tokens and days per trillion tokens at the predicted rate (no failures
+    or restarts counted); None for the others."""
     base, out = None, []
     for f in found:
+        best = f["result"] and f["result"].best
+        if best is None:
+            out.append(None)
+            continue
+        tokens_per_s = best.estimate.tokens_per_s
+        per_gpu = tokens_per_s / f["cluster"].world_size
+        base = base or per_gpu
+        out.append({"per_gpu_vs_first": per_gpu / base, "gpu_hours_per_billion_tokens": 1e9 / per_gpu / 3600,
+                    "days_per_trillion_tokens": 1e12 / tokens_per_s / 86400})
+    return out
+
+
+def rows(found, describe) -> list[dict]:
+    """Table rows: each size's best plan (`describe(i, found)`: the search table's columns) and
+    its scaling figures; where nothing fits, the least memory a plan needs (with the allocator's
+    reserve); where the constraints rule the size out, "excluded"."""
+    out = []
+    for f, scale in zip(found, scaling(found)):
         cluster, res = f["cluster"], f["result"]
-        gpus = cluster.world_size
-        row = {"GPUs": gpus, "nodes": cluster.nodes}
+        row = {"GPUs": cluster.world_size, "nodes": cluster.nodes}
         if f["error"]:
             out.append({c: row.get(c, "-") for c in COLUMNS} | {"step s": "excluded"})
             continue
@@ -64,40 +80,32 @@ def rows(found, describe) -> list[dict]:
             out.append({c: row.get(c, "-") for c in COLUMNS})
             continue
         est = res.best.estimate
-        per_gpu = est.tokens_per_s / gpus
-        base = base or per_gpu
         d = describe(1, res.best)
         row.update({k: d[k] for k in ("tp", "pp", "dp", "schedule", "micro-batch", "zero", "recompute")})
         row.update({"step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}",
-                    "per GPU vs first": f"{per_gpu / base:.2f}", "MFU": f"{est.mfu:.1%}",
-                    "GPU-h per 1B tokens": f"{gpus * 1e9 / est.tokens_per_s / 3600:,.1f}",
-                    "days per 1T tokens": f"{1e12 / est.tokens_per_s / 86400:,.1f}",
+                    "per GPU vs first": f"{scale['per_gpu_vs_first']:.2f}", "MFU": f"{est.mfu:.1%}",
+                    "GPU-h per 1B tokens": f"{scale['gpu_hours_per_billion_tokens']:,.1f}",
+                    "days per 1T tokens": f"{scale['days_per_trillion_tokens']:,.1f}",
                     "peak GiB": d["peak GiB"], "needs GiB": d["needs GiB"]})
         out.append({c: row[c] for c in COLUMNS})
     return out
 
 
 def as_json(found) -> list[dict]:
-    out, base = [], None
-    for f in found:
+    out = []
+    for f, scale in zip(found, scaling(found)):
         cluster, res = f["cluster"], f["result"]
         if f["error"]:
             out.append({"gpus": cluster.world_size, "nodes": cluster.nodes, "fits": False, "error": f["error"]})
             continue
         best = res.best
-        scale = {}
-        if best is not None:
-            per_gpu = best.estimate.tokens_per_s / cluster.world_size
-            base = base or per_gpu
-            scale = {"per_gpu_vs_first": per_gpu / base, "gpu_hours_per_billion_tokens": 1e9 / per_gpu / 3600,
-                     "days_per_trillion_tokens": 1e12 / best.estimate.tokens_per_s / 86400}
         out.append({"gpus": cluster.world_size, "nodes": cluster.nodes, "fits": best is not None,
                     "min_required_bytes": res.min_required_bytes if best is None else best.estimate.required_bytes,
                     "degrees": None if best is None else {"tp": best.plan.mesh.tp, "pp": best.plan.mesh.pp,
                                                           "dp": best.plan.mesh.dp,
                                                           "schedule": best.plan.pipeline.schedule,
                                                           "micro_batch": best.plan.training.micro_batch},
-                    **scale, "estimate": None if best is None else best.estimate.to_dict()})
+                    **(scale or {}), "estimate": None if best is None else best.estimate.to_dict()})
     return out
 
 
