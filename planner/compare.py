@@ -70,6 +70,12 @@ def check_prediction(prediction) -> None:
             raise ConfigError(f"prediction.{key}: {prediction.get(key)!r} must be a number above 0; {fix}")
     if not isinstance(prediction.get("breakdown"), dict):
         raise ConfigError(f"prediction.breakdown: {prediction.get('breakdown')!r} must be an object; {fix}")
+    if not isinstance(prediction["breakdown"].get("time", {}), dict):
+        raise ConfigError(f"prediction.breakdown.time: {prediction['breakdown']['time']!r} must be an object; {fix}")
+    opt = prediction["breakdown"].get("optimizer_per_pp_rank_s")
+    if opt is not None and not (isinstance(opt, list) and opt and all(_is_number(x) and x >= 0 for x in opt)):
+        raise ConfigError(f"prediction.breakdown.optimizer_per_pp_rank_s: {opt!r} must be a list of numbers >= 0; "
+                          f"{fix}")
 
 
 def compare(plan: Plan, run: dict, prediction: dict) -> dict:
@@ -145,7 +151,10 @@ def _optimizer_terms(run: dict, prediction: dict) -> dict:
     steps = _timed_steps(run)
     meas_opt = statistics.median(opt[i] for i in steps)
     meas_rest = statistics.median(run["step_times_s"][i] - opt[i] for i in steps)
-    pred_opt = prediction["breakdown"]["time"].get("optimizer_s", 0.0)
+    # the run times the slowest rank's optimizer step: so does the prediction (the step's own
+    # optimizer term is the critical rank's; plans priced before 2026-12-01 have only that)
+    per_rank = prediction["breakdown"].get("optimizer_per_pp_rank_s")
+    pred_opt = max(per_rank) if per_rank else prediction["breakdown"].get("time", {}).get("optimizer_s", 0.0)
     pred_rest = prediction["step_time_s"] - pred_opt
     return {"predicted_optimizer_s": pred_opt, "measured_optimizer_s": meas_opt,
             "optimizer_error": _err(pred_opt, meas_opt),

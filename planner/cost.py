@@ -395,5 +395,6 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         required_bytes=required, fits=required <= limit, parameters=m.num_parameters(),
         breakdown={"time": time_breakdown, "memory": memory_breakdown,
                    "memory_per_pp_rank": [x["total_bytes"] for x in mem_by_rank],
+                   "optimizer_per_pp_rank_s": [x[0] for x in per_rank],  # the run times the slowest rank's
                    "bubble_fraction": bubble / step if step else 0.0, "priced_by": priced_by},
         stages=stages_out, timeline=tl if keep_timeline else None)
