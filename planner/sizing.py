@@ -19,8 +19,6 @@ COLUMNS = ("GPUs", "nodes", "tp", "pp", "dp", "schedule", "micro-batch", "zero",
 
 def check_sizes(args) -> None:
     """What a search of several sizes cannot do, refused before any search runs."""
-    if args.plot:
-        raise ConfigError("--plot: draws one plan; give --gpus or --nodes one value")
     if args.output and PLACEHOLDER not in args.output:
         raise ConfigError(f"-o: {args.output} would be written once per size; put {PLACEHOLDER} in the name, "
                           f"e.g. plan-{PLACEHOLDER}.json")
@@ -132,8 +130,57 @@ def report(args, model, found, describe, prediction) -> int:
                 print(f"excluded, {f['cluster'].world_size} GPUs: {f['error']}")
         for path in written:
             print(f"wrote {path}")
+    if args.plot:
+        plot_sizes(found, args.plot, f"{model.name}, global batch {args.global_batch}",
+                   args.memory_limit * GiB if args.memory_limit else None)
+        if not args.json:
+            print(f"wrote {args.plot}")
     if any(f["result"] and f["result"].best is not None for f in found):
         return 0
     print(f"trident: no plan of {model.name} fits at any of these sizes with global batch {args.global_batch}; "
           "add larger sizes or lower --seq-len", file=sys.stderr)
     return 3
+
+
+def plot_sizes(found, path, title: str, limit_bytes: float | None = None) -> None:
+    """A picture of the sizes: predicted tokens/s against GPUs beside perfect scaling from the
+    first size that fits, per-GPU throughput against it, and each size's memory needed against
+    the limit (`limit_bytes`, default the device's; where nothing fits, the least a plan needs)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [f["cluster"].world_size for f in found]
+    fits = [(g, f["result"].best.estimate) for g, f in zip(gpus, found) if f["result"] and f["result"].best]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    if fits:
+        g0, e0 = fits[0]
+        ax.plot([g for g, _ in fits], [e.tokens_per_s for _, e in fits], "o-", label="predicted")
+        ax.plot([g for g, _ in fits], [e0.tokens_per_s * g / g0 for g, _ in fits], "--", color="gray",
+                label=f"linear from {g0} GPUs")
+        axes[1].plot([g for g, _ in fits], [e.tokens_per_s / g / (e0.tokens_per_s / g0) for g, e in fits], "o-")
+    ax.set_title("tokens/s")
+    ax.legend(fontsize=7)
+    axes[1].axhline(1.0, color="gray", linestyle="--")
+    axes[1].set_title("per-GPU throughput against the first size that fits")
+    ax = axes[2]
+    need = [f["result"].best.estimate.required_bytes if f["result"] and f["result"].best
+            else (f["result"].min_required_bytes if f["result"] else 0.0) or 0.0 for f in found]
+    ax.bar(range(len(gpus)), [n / GiB for n in need],
+           color=["tab:blue" if f["result"] and f["result"].best else "tab:gray" for f in found])
+    ax.set_xticks(range(len(gpus)), [str(g) for g in gpus])
+    limit = limit_bytes or found[0]["cluster"].device.memory_bytes
+    ax.axhline(limit / GiB, color="tab:red", linestyle="--", label="memory limit")
+    ax.set_title("memory needed per GPU (gray: the least, no plan fits)")
+    ax.set_ylabel("GiB")
+    ax.legend(fontsize=7)
+    for a in axes[:2]:
+        a.set_xscale("log", base=2)
+        a.set_xticks(gpus, [str(g) for g in gpus])
+        a.set_xlabel("GPUs")
+    axes[2].set_xlabel("GPUs")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

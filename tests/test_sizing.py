@@ -51,11 +51,17 @@ def test_the_table_shows_scaling_against_the_first_size_that_fits(capsys):
     assert f"{1.0:.2f}" in lines[2]
 
 
-@pytest.mark.parametrize("extra,field", [(["--plot", "x.png"], "--plot"), (["-o", "plan.json"], "-o")])
+@pytest.mark.parametrize("extra,field", [(["-o", "plan.json"], "-o"), (["--plot", "sizes.txt"], "--plot")])
 def test_what_several_sizes_cannot_do_is_one_line(extra, field, capsys):
     assert main([*LLAMA, "--gpus", "8,16", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"trident: error: {field}:")
+
+
+def test_the_sizes_are_drawn(tmp_path, capsys):
+    picture = tmp_path / "sizes.png"
+    assert main([*LLAMA, "--gpus", "1,8,16", "--plot", str(picture)]) == 0
+    assert picture.stat().st_size > 10_000 and f"wrote {picture}" in capsys.readouterr().out
 
 
 def test_no_size_fits_is_one_line_and_exit_3(capsys):
