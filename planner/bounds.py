@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from planner.cost import tied_head
+from planner.layers import tied_head
 from planner.memory import held_i_to_w_bytes
 from planner.schedule import interleaved_sequence, rank_order
 

@@ -279,7 +279,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     moment (first_backward_bytes), not all of them. A rank of several chunks holds a chunk's
     gradients from that chunk's first backward on: its activations and gradients are those of the
     moment where they add up to the most (planner.schedule.peak_with_gradients). `stage_info`:
-    per stage, its "params" and per-layer "costs" (planner.cost.LayerCost). Each rank's
+    per stage, its "params" and per-layer "costs" (planner.layers.LayerCost). Each rank's
     other_parts says what its other holds (OTHER_PARTS)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.cost import tied_head
+from planner.layers import tied_head
 from planner.memory import (accumulation_bytes, first_backward_bytes, fsdp_extra_parts, held_i_to_w_bytes,
                             tied_matrix_grad_bytes)
 from planner.model import RECOMPUTE_MODES

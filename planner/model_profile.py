@@ -57,7 +57,7 @@ from planner.plan import SP_SAVED_INPUTS, split_backward
 
 if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this module's users
     from planner.cluster import ClusterSpec
-    from planner.cost import LayerCost
+    from planner.layers import LayerCost
     from planner.plan import Plan, Stage
 
 FORMAT_VERSION = 1
@@ -223,7 +223,7 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     figure as measured for a group on the measured tier, more for a group spanning nodes.
     Activation and parameter bytes are the measured ones."""
     from planner.comm import regathers, tp_comm
-    from planner.cost import LayerCost, layer_cost
+    from planner.layers import LayerCost, layer_cost
     from planner.plan import DTYPES
     from planner.precision import grad_bytes, sp_gathered_bytes
     m, t = plan.model, plan.training

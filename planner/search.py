@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from planner.cluster import ClusterSpec
-from planner.cost import Estimate, estimate, layer_cost
+from planner.cost import Estimate, estimate
+from planner.layers import layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
 from planner.partition import Inner

@@ -17,7 +17,7 @@ keeps everything the replay saved; later reads, in the same or another backward 
 kept tensors. They are freed with the autograd graph that holds the indices: under a split
 backward at the end of W, as if the block had not been recomputed since I (what
 planner.memory counts: the replay held from each I to its W); the planner prices the replay once,
-in I (planner.cost.layer_cost).
+in I (planner.layers.layer_cost).
 """
 from __future__ import annotations
 

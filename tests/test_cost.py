@@ -142,10 +142,10 @@ def test_one_22b_layer_against_korthikanti_table_4(monkeypatch):
     micro-batch 4, tp 8, unfused attention, dropout 0.1) on A100, measured by Korthikanti et al.
     2022 (Table 4) with Megatron-LM: a published measurement the cost model was not fitted to,
     except for the share of the backward's TP all-reduces that Megatron-LM's asynchronous all-reduce
-    hides (planner.cost.ASYNC_TP_HIDDEN), which is derived from the three rows without sequence
+    hides (planner.comm.ASYNC_TP_HIDDEN), which is derived from the three rows without sequence
     parallelism here: the measurement lies between no overlap and perfect overlap."""
-    from planner import cost
-    from planner.cost import layer_cost
+    from planner import layers
+    from planner.layers import layer_cost
     from planner.model import ModelConfig
     m = ModelConfig(name="gpt-22b", arch="gpt", layers=48, hidden=6144, ffn_hidden=24576, heads=64, kv_heads=64,
                     vocab=51200, seq_len=2048, tie_embeddings=True)
@@ -167,11 +167,11 @@ def test_one_22b_layer_against_korthikanti_table_4(monkeypatch):
         if not sp:
             none = layer_ms(plan)
             with monkeypatch.context() as mp:
-                mp.setattr(cost, "ASYNC_TP_HIDDEN", 1.0)
+                mp.setattr(layers, "ASYNC_TP_HIDDEN", 1.0)
                 perfect = layer_ms(overlapped)
             assert perfect < ms < none, (rec, perfect, ms, none)
             hidden.append((none - ms) / (none - perfect))
-    assert sum(hidden) / len(hidden) == pytest.approx(cost.ASYNC_TP_HIDDEN, abs=0.02)
+    assert sum(hidden) / len(hidden) == pytest.approx(layers.ASYNC_TP_HIDDEN, abs=0.02)
 
 
 def test_pipelining_receive_buffers_are_held_for_every_micro_batch():
@@ -255,7 +255,7 @@ def test_scatter_gather_sends_a_tp_share_across_nodes_and_gathers_it_inside():
 
 
 def test_async_tp_allreduce_hides_backward_allreduces_behind_weight_gradients():
-    from planner.cost import layer_cost
+    from planner.layers import layer_cost
     for sp in (False, True):
         plans = [plan_for(model="gpt3-175b", tp=8, sequence_parallel=sp, async_tp_allreduce=a) for a in (False, True)]
         sync, overlap = (layer_cost(p, A100, 1, p.pipeline.stages[0], list(range(8))) for p in plans)
@@ -313,7 +313,7 @@ def test_fsdp2_buffer_copies_run_on_the_compute_stream():
     """FSDP2 copies every gathered parameter out of its all-gather buffer and every gradient into
     its reduce buffer (in float32) on the compute stream: ZeRO-3 twice and once per micro-batch,
     ZeRO-1 once a step; frameworks with flat buffers (training.fsdp_copies false) copy nothing."""
-    from planner.cost import layer_params_on_device
+    from planner.layers import layer_params_on_device
     bw = A100.device.memory_bytes_per_s
     for zero, per_mb, per_step in ((3, 2 * 2 + 2 * 2 + (2 + 4), 0), (1, 0, 2 * 2 + (2 + 4))):
         plan = plan_for(global_batch=32, micro_batch=1, zero=zero, seq_len=1024)
@@ -378,7 +378,7 @@ def test_zbv_places_stages_in_a_v_and_fills_the_bubble_with_weight_gradients():
     assert bubble(e) < bubble(inter) < bubble(plain) and e.step_time_s < plain.step_time_s
     kinds = {o.kind for ops in e.timeline.ops for o in ops}
     assert kinds == {"F", "I", "W"}
-    from planner.cost import layer_cost
+    from planner.layers import layer_cost
     for index in (0, 1, zbv.model.layers + 1):  # embedding (all weight), block, head
         c = layer_cost(zbv, A100, index, zbv.pipeline.stages[zbv.stages_of_rank(0)[index > 1]], [0, 1])
         assert 0 < c.bwd_weight_s <= c.bwd_compute_s and (c.bwd_weight_s < c.bwd_compute_s) == (index > 0)

@@ -42,7 +42,7 @@ def test_measured_busbw_curve_prices_each_size_at_its_own_bandwidth():
 
 
 def test_gemm_rate_follows_the_measured_curve_and_falls_back_to_the_scalar():
-    from planner.cost import gemm_time
+    from planner.layers import gemm_time
     dev = A100.device
     pts = _a100_dict()["device"]["matmul_flops_by_size"]["bf16"]
     for edge, rate in pts:
@@ -105,7 +105,7 @@ def test_fused_attention_runs_at_the_profiles_measured_rate():
     one figure (device.attention_flops), else the MAMF rate."""
     import dataclasses
     from planner.cluster import cluster_from_dict
-    from planner.cost import attention_core_hw_flops, layer_cost
+    from planner.layers import attention_core_hw_flops, layer_cost
     from planner.model import ConfigError
     d = _a100_dict()
     curve = cluster_from_dict(d, "a100").device
@@ -151,7 +151,7 @@ def test_dtype_converting_kernels_run_at_the_profiles_measured_bandwidth():
     The fused kernels of Megatron-style plans convert nothing and are not slowed."""
     import dataclasses
     from planner.cluster import cluster_from_dict
-    from planner.cost import layer_cost, layer_params_on_device, replicated_params
+    from planner.layers import layer_cost, layer_params_on_device, replicated_params
     from planner.pointwise import conversion_bytes
     d = _a100_dict()
     plain = cluster_from_dict(d, "a100")

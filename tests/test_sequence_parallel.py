@@ -12,7 +12,8 @@ import pytest
 
 from planner.build import build_plan
 from planner.cluster import load_cluster
-from planner.cost import estimate, layer_cost
+from planner.cost import estimate
+from planner.layers import layer_cost
 from planner.model import ZOO
 from planner.plan import Plan, Training
 from planner.precision import runtime_held_bytes, sp_gathered_bytes
@@ -107,7 +108,7 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     shard kept for the casts, not the casts); the shards spare what sp_gathered_bytes counts (605
     KB measured, 590 KB counted); both modes give the same loss and gradients bit for bit; a split
     backward (zbv) gathers each kept input once in I and once in W."""
-    from planner.cost import layer_params_on_device, replicated_params
+    from planner.layers import layer_params_on_device, replicated_params
     if HEAP_READER is None:
         pytest.skip("the C library does not report its heap here")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),

@@ -1,0 +1,153 @@
+"""One layer on one device, one micro-batch: its time (matrix products by roofline, fused
+attention at its measured rate, memory-bound operations, TP communication, recomputation, the
+autocast casts and gradient accumulation), the activations it keeps, what its replay holds, and
+the parameters it holds; planner.cost adds the layers of a stage up and plays the schedule (its
+module doc gives the sources). With a measured model profile the layer's figures come from
+planner.model_profile.profiled_layer_cost instead."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from planner.cluster import ClusterSpec
+from planner.comm import ASYNC_TP_HIDDEN, regathers, tp_comm
+from planner.model import ModelConfig
+from planner.plan import DTYPES, Plan, Stage, split_backward
+from planner.pointwise import pointwise_seconds
+from planner.precision import GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, casts_weights, runtime_held_bytes
+
+
+@dataclass
+class LayerCost:
+    """One layer on one device, one micro-batch."""
+    fwd_compute_s: float
+    bwd_compute_s: float  # includes recomputation
+    fwd_tp_s: float
+    bwd_tp_s: float  # includes recomputed forward's TP communication
+    activation_bytes: float  # kept from forward to backward
+    replay_bytes: float  # extra held while this layer is recomputed and back-propagated
+    params: float  # parameters this device holds for the layer
+    optimizer_s: float = 0.0  # measured optimizer step on the layer's parameters (model profile only)
+    dp_measured: dict | None = None  # measured data-parallel extras of the layer (model profile only)
+    bwd_weight_s: float = 0.0  # the part of bwd_compute_s that computes weight gradients (see layer_cost)
+
+
+
+# ------------------------------------------------------------------ per-layer traffic
+def gemm_time(count: int, M: int, N: int, K: int, e: int, rate, bw: float) -> float:
+    """Roofline time of `count` (M x K) @ (K x N) products (Williams et al., Roofline, 2009):
+    the slower of their FLOPs at the matmul rate and their bytes at the memory bandwidth. `rate`
+    is FLOP/s, or a function (M, N, K) -> FLOP/s for devices whose rate depends on the size
+    (planner.cluster.DeviceSpec.gemm_flops_per_s); a batched call is sized by its total FLOPs,
+    as one product `count` times as tall."""
+    r = rate(count * M, N, K) if callable(rate) else rate
+    return count * max(2.0 * M * N * K / r, e * (M * K + K * N + M * N) / bw)
+
+
+def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str) -> tuple[float, float]:
+    """(forward, backward) FLOPs the attention core really executes on one whole layer."""
+    core = model.attention_core_flops(b, s)
+    if attention != "unfused":  # fused: the causal half, the backward recomputing the scores
+        return 0.5 * core, 0.5 * core * 2.5
+    return core, 2.0 * core
+
+
+def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list,
+               model_profile=None) -> LayerCost:
+    if model_profile is not None:  # measured layers (planner.model_profile)
+        from planner.model_profile import profiled_layer_cost
+        return profiled_layer_cost(plan, cluster, index, stage, tp_ranks, model_profile)
+    m, t = plan.model, plan.training
+    b, s, tp, sp = t.micro_batch, t.seq_len, plan.mesh.tp, stage.sequence_parallel
+    e, dropout, kind, rec = DTYPES[t.dtype], t.dropout > 0, m.layer_kind(index), stage.recompute[index - stage.start]
+    # fused attention (not a library GEMM), at its rate for this sequence length and head size
+    rate = (cluster.device.attention_flops_per_s(t.dtype, s, m.dim_per_head, t.attention)
+            if t.attention != "unfused" else None)
+    grate = lambda M, N, K: cluster.device.gemm_flops_per_s(t.dtype, M, N, K)  # noqa: E731
+    bw = cluster.device.memory_bytes_per_s
+    wgrad = 0.0  # weight-gradient GEMMs: one per forward product, of its FLOPs (zbv runs them apart)
+    if kind == "block":
+        gemms = m.block_gemms(b, s, tp)
+        dense = wgrad = sum(gemm_time(*g, e, grate, bw) for g in gemms[:-2])
+        if t.attention != "unfused":
+            core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, t.attention))
+        else:
+            core_f = sum(gemm_time(*g, e, grate, bw) for g in gemms[-2:])
+            core_b = 2 * core_f
+        mm_f, mm_b = dense + core_f, 2 * dense + core_b
+    elif kind == "head":
+        mm_f = wgrad = gemm_time(1, b * s, math.ceil(m.vocab / tp), m.hidden, e, grate, bw)
+        mm_b = 2 * mm_f
+    else:
+        mm_f = mm_b = 0.0
+    dp = getattr(plan.mesh, "dp", 1)  # without it the runtime computes by autocast on float32 weights
+    el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
+                                   t.attention, autocast=casts_weights(t, dp))
+    again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
+    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, again)
+    if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
+        # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
+        # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the
+        # head; the GEMM hides ASYNC_TP_HIDDEN of the time they share
+        wg = lambda c, M, N, K: gemm_time(c, K, N, M, e, grate, bw)  # noqa: E731
+        if kind == "block":
+            ar = tp_b / 2
+            tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, wg(*gemms[i])) for i in (0, 2))
+        else:
+            tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wg(1, b * s, math.ceil(m.vocab / tp), m.hidden))
+    params = layer_params_on_device(m, index, tp)
+    # the weights of its matrix products, which the runtime's autocast casts (precision), the casts
+    # of their gradients (upcasts) in the weights' share of the backward; none in an embedding
+    mats = params - replicated_params(m, kind) if kind != "embedding" else 0.0
+    cf, cb = (x * mats for x in autocast_cast_bytes(t, dp))
+    cast_f, cast_b = cluster.device.pointwise_seconds(cf), cluster.device.pointwise_seconds(cb, upcast=cb)
+    accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
+                           if plan.pipeline.micro_batches > 1 else 0.0)
+    fwd_c, bwd_c = mm_f + el_f + cast_f, mm_b + el_b + accumulate
+    # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
+    # backward is its weight's gradient. Recomputation replays for the input gradients.
+    wgrad = (el_b if kind == "embedding" else wgrad) + accumulate
+    if rec == "full":
+        bwd_c += fwd_c
+        tp_b += tp_f
+    elif rec == "selective":
+        if t.attention == "unfused":
+            core = sum(gemm_time(*g, e, grate, bw) for g in m.block_gemms(b, s, tp)[-2:])
+            core += (4 * e + 1 if dropout else 2 * e) * m.heads * s * s * b / tp / bw
+        else:
+            core = attention_core_hw_flops(m, b, s, t.attention)[0] / tp / rate
+        bwd_c += core
+    kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
+              dropout=dropout, attention=t.attention)
+    held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
+                               replay=rec == "full" and r != rec) for r in (rec, "none")]
+    act = m.activation_bytes(index, recompute=rec, **kw) + held[0]
+    replay = m.activation_bytes(index, recompute="none", **kw) + held[1] - act if rec != "none" else 0.0
+    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad)
+
+
+def replicated_params(model: ModelConfig, kind: str) -> int:
+    """Parameters of a layer every TP rank holds whole: norms, row-parallel biases, GPT's positions."""
+    h, gpt = model.hidden, model.arch == "gpt"
+    return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h, "block": 6 * h if gpt else 2 * h}[kind]
+
+
+def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
+    """Parameters one TP rank holds for a layer: matrices split tp ways (the vocabulary padded to
+    a multiple of tp), replicated_params whole."""
+    kind = model.layer_kind(index)
+    rep = replicated_params(model, kind)
+    if kind == "block":
+        return (model.block_params() - rep) / tp + rep
+    return math.ceil(model.vocab / tp) * model.hidden + rep
+
+
+def tied_head(model: ModelConfig, cost: LayerCost, tp: int) -> LayerCost:
+    """A tied head's cost on the pipeline rank that holds the embedding: its projection is the
+    embedding's matrix (one parameter in runtime.model, as in Megatron-LM without a pipeline), held,
+    updated and synchronized once, with the embedding, so the head keeps only its final norm. On
+    another rank (Megatron-LM's last stage) the head keeps a copy: layer_cost's figure."""
+    shared = math.ceil(model.vocab / tp) * model.hidden
+    keep = max(0.0, cost.params - shared) / cost.params if cost.params else 0.0
+    dp = {k: v * keep if isinstance(v, float) else v for k, v in cost.dp_measured.items()} if cost.dp_measured else None
+    return replace(cost, params=max(0.0, cost.params - shared), optimizer_s=cost.optimizer_s * keep, dp_measured=dp)
