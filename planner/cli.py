@@ -19,16 +19,19 @@ GiB = 2**30
 
 
 
-def _cluster_for(args):
+def _cluster_for(args, gpus=None, nodes=None):
+    """The cluster of --cluster at the size of --gpus or --nodes (or of `gpus` or `nodes`)."""
     cluster = load_cluster(args.cluster)
-    if args.nodes is not None:
-        return cluster.with_nodes(args.nodes)
-    if args.gpus % cluster.devices_per_node and args.gpus > cluster.devices_per_node:
-        raise ConfigError(f"--gpus: {args.gpus} is not a whole number of {cluster.devices_per_node}-GPU nodes; "
+    if gpus is None and nodes is None:
+        gpus, nodes = args.gpus, args.nodes
+    if nodes is not None:
+        return cluster.with_nodes(nodes)
+    if gpus % cluster.devices_per_node and gpus > cluster.devices_per_node:
+        raise ConfigError(f"--gpus: {gpus} is not a whole number of {cluster.devices_per_node}-GPU nodes; "
                           f"use a multiple of {cluster.devices_per_node} or pass --nodes")
-    if args.gpus < cluster.devices_per_node:  # part of one node
-        return cluster.shaped_as(1, args.gpus)
-    return cluster.with_nodes(args.gpus // cluster.devices_per_node)
+    if gpus < cluster.devices_per_node:  # part of one node
+        return cluster.shaped_as(1, gpus)
+    return cluster.with_nodes(gpus // cluster.devices_per_node)
 
 
 def _model_profile(args):

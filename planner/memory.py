@@ -301,11 +301,12 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}
         grads_of = dict(zero)  # each stage's gradients, which a rank of several chunks gains chunk by chunk
-        p_bytes = g_bytes = o_bytes = other = held_other = fsdp_held = replicated = opt_temp = 0.0
+        p_bytes = g_bytes = o_bytes = other = fsdp_held = replicated = opt_temp = 0.0
         recv = recv_buffer_bytes(plan, ids)
         step = [0.0, 0.0, 0.0, recv]
-        transient_bytes = 0.0  # of the stage computing in its backward: one at a time on a rank
-        transient_parts = (0.0, 0.0, 0.0)  # its replay, FSDP2 buffers and accumulated gradient
+        # of the stage computing in its backward, one at a time on a rank: its replay, FSDP2
+        # buffers and accumulated gradient
+        transient_parts = (0.0, 0.0, 0.0)
         fsdp_transient = 0.0  # FSDP2's part of it alone, which its forward may hold too
         first = first_backward_binds(pipe.schedule, pp, v, mbs, rr)  # then one stage: ids == [rr]
         first_bytes = 0.0
@@ -333,19 +334,19 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                     len(block_acts), max(block_acts, default=0.0), (block_params or [0.0])[0] * gs,
                     [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"])
                 ) + stage_output_bytes(plan, i)  # its output, held until its backward ends
-            held_other, fsdp_held = held_other + held, fsdp_held + held
+            fsdp_held += held
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)
                                 if not (two and r == "full")), default=0.0)
             acc = accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb)
-            if stage_replay + transient + acc > transient_bytes:
-                transient_bytes, transient_parts = stage_replay + transient + acc, (stage_replay, transient, acc)
+            if stage_replay + transient + acc > sum(transient_parts):
+                transient_parts = (stage_replay, transient, acc)
             fsdp_transient = max(fsdp_transient, transient)
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
-                held_other, replicated = held_other + P * pb, replicated + P * pb
-        held_other += recv
+                replicated += P * pb
+        held_other, transient_bytes = fsdp_held + replicated + recv, sum(transient_parts)
         act_grad = backward_flow_bytes(m, t, tp, any(pipe.stages[i].sequence_parallel for i in ids), dp, t.micro_batch)
         head_logits, tied, tied_end = 0.0, 0.0, 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits

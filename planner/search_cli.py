@@ -105,7 +105,9 @@ def cmd_search(args) -> int:
         return res
 
     if sizes is not None:  # several cluster sizes: the best plan of each, side by side
-        found = sizing.search_sizes(args, sizes, _cluster_for, partial(run_search, top=1))
+        per = "nodes" if args.nodes else "gpus"
+        clusters = [_cluster_for(args, **{per: n}) for n in sizes]
+        found = sizing.search_sizes(clusters, partial(run_search, top=1))
         return sizing.report(args, model, found, _search_row, _prediction_dict)
     res = run_search(cluster)
     if res.best is None:

@@ -5,7 +5,6 @@ fits is the strong-scaling efficiency, and GPU-hours per billion tokens what the
 device time."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -24,15 +23,12 @@ def check_sizes(args) -> None:
                           f"e.g. plan-{PLACEHOLDER}.json")
 
 
-def search_sizes(args, sizes, cluster_for, run_search) -> list[dict]:
-    """Per size: the cluster (`cluster_for(args)` with that one size) and its search result
-    (`run_search(cluster)`), in the order of `sizes`; where the constraints admit no configuration
-    at a size, its "error" instead (the search's one line), unless they admit none at any."""
-    per = "nodes" if args.nodes else "gpus"
+def search_sizes(clusters, run_search) -> list[dict]:
+    """Per cluster: its search result (`run_search(cluster)`); where the constraints admit no
+    configuration at a size, its "error" instead (the search's one line), unless they admit none
+    at any."""
     out = []
-    for n in sizes:
-        one = argparse.Namespace(**{**vars(args), "gpus": None, "nodes": None, per: n})
-        cluster = cluster_for(one)
+    for cluster in clusters:
         try:
             out.append(dict(cluster=cluster, result=run_search(cluster), error=None))
         except ConfigError as exc:  # e.g. --dp 16 on 8 GPUs: that size is out, the others stand

@@ -1,4 +1,4 @@
-"""The profiler and the closed loop: measured cluster and model profiles, pricing with them, compare.
+"""The profiler: measured cluster and model profiles, and pricing with them (compare: test_compare.py).
 
 Two short torchrun launches (2 gloo processes, the fixtures of tests/conftest.py): a quick cluster
 sweep and a model profile at tp 1, 2.
@@ -12,7 +12,6 @@ import math
 import pytest
 
 from planner.cluster import cluster_from_dict, load_cluster
-from planner.compare_cli import main as compare_main
 from planner.cost import estimate
 from planner.model import ZOO, ConfigError
 from planner.model_profile import fit_alpha_beta, fit_linear, fit_segments, load_model_profile, model_profile_from_dict
@@ -195,119 +194,6 @@ def test_a_bad_model_profile_gives_one_line_naming_the_field(model_profile, tmp_
                         micro_batch=1, seq_len=16, dtype="fp32")
     _one_line_error(lambda: mp.check_plan(plan16), "seq_len")
     assert plan.mesh.tp == 4
-
-
-# ------------------------------------------------------------------ compare
-def _plan_and_run(tmp_path, prediction=True):
-    from planner.cluster import load_cluster as lc
-    cluster = lc("dgx-a100-80gb")
-    plan = build_plan(ZOO["tiny"], cluster_name=cluster.name, device=cluster.device.name, nodes=1,
-                      devices_per_node=2, global_batch=8, micro_batch=2, seq_len=32, tp=2, dtype="fp32",
-                      profile_hash=cluster.profile_hash)
-    if prediction:
-        plan.prediction = estimate(plan, cluster).to_dict()
-    plan.write(tmp_path / "plan.json")
-    run = {"losses": [6.3, 6.2, 6.1], "step_times_s": [0.5, 0.1, 0.12], "warmup_steps": 1,
-           "peak_memory_bytes": 3_000_000, "peak_memory_bytes_per_rank": [3_000_000, 2_900_000],
-           "optimizer_times_s": [0.05, 0.02, 0.03], "world_size": 2, "plan_hash": plan.content_hash()}
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    return plan
-
-
-@pytest.mark.parametrize("with_prediction", [True, False])
-def test_compare_prints_predicted_against_measured(tmp_path, capsys, with_prediction):
-    plan = _plan_and_run(tmp_path, with_prediction)
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    pred = estimate(plan, load_cluster("dgx-a100-80gb")).step_time_s
-    assert out["predicted_step_time_s"] == pytest.approx(pred)
-    assert out["measured_step_time_s"] == pytest.approx(0.11)
-    assert out["step_time_error"] == pytest.approx((pred - 0.11) / 0.11)
-    assert out["measured_peak_memory_bytes"] == 3_000_000
-    assert out["memory_error"] == pytest.approx((out["predicted_peak_memory_bytes"] - 3e6) / 3e6)
-    # the optimizer step and the rest of the step, each the median over the timed steps
-    assert out["measured_optimizer_s"] == pytest.approx(0.025)
-    assert out["measured_forward_backward_s"] == pytest.approx(0.085)
-    assert out["predicted_forward_backward_s"] + out["predicted_optimizer_s"] == pytest.approx(pred)
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--plot",
-                         str(tmp_path / "c.png")]) == 0
-    assert (tmp_path / "c.png").stat().st_size > 0 and "step time" in capsys.readouterr().out
-
-
-def test_compare_leaves_out_the_traced_step(tmp_path, capsys):
-    """runtime.train --trace runs its last step under the profiler; compare times the plan without it."""
-    _plan_and_run(tmp_path)
-    run = json.loads((tmp_path / "run.json").read_text())
-    run["traced_step_index"] = 2
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["measured_step_time_s"] == pytest.approx(0.1) and out["measured_optimizer_s"] == pytest.approx(0.02)
-    run["traced_step_index"] = "last"
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.traced_step_index" in err
-
-
-def test_compare_notes_a_run_beside_other_work(tmp_path, capsys):
-    """runtime.train records the cores other work kept busy while its ranks slept; compare says so."""
-    _plan_and_run(tmp_path)
-    run = json.loads((tmp_path / "run.json").read_text())
-    for busy, noted in ((1.2, True), (0.1, False)):
-        run.update(host_other_busy_cores=busy, host_cores=2)
-        (tmp_path / "run.json").write_text(json.dumps(run))
-        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
-        out = capsys.readouterr().out
-        assert ("note: the run: 1.2 of this machine's 2 CPU cores were busy with other work" in out) == noted
-    run["host_other_busy_cores"] = "lots"
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.host_other_busy_cores" in err
-
-
-def test_compare_notes_a_run_on_a_machine_that_changed_speed(tmp_path, capsys):
-    """runtime.train measures compute_slots again before its steps; compare notes a run whose ranks
-    computed together at another share of the cores than the profile it was priced with."""
-    _plan_and_run(tmp_path)
-    plan, run = (json.loads((tmp_path / f).read_text()) for f in ("plan.json", "run.json"))
-    plan["prediction"]["breakdown"]["time"]["compute_slots"] = 1.9
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    for slots, noted in ((1.05, True), (1.8, False), (None, False)):
-        run["host_compute_slots"] = slots
-        (tmp_path / "run.json").write_text(json.dumps(run))
-        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
-        out = capsys.readouterr().out
-        assert ("computed together at 1.05 full-speed slots, where the cluster profile priced 1.90" in out) == noted
-    run["host_compute_slots"] = 0
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.host_compute_slots" in err
-
-
-def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
-    _plan_and_run(tmp_path)
-    run = json.loads((tmp_path / "run.json").read_text())
-    run["plan_hash"] = "sha256:other"
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "plan_hash" in err
-
-
-def test_compare_refuses_a_run_in_another_dtype_in_one_line(tmp_path, capsys):
-    """A bf16 plan run on CPU computes in fp32 unless asked: its memory and time are not the
-    plan's, so compare names the field and both fixes instead of printing errors of 2x."""
-    _plan_and_run(tmp_path)
-    run = json.loads((tmp_path / "run.json").read_text())
-    for dtype, code in (("fp32", 0), ("bf16", 2)):
-        run["dtype"] = dtype
-        (tmp_path / "run.json").write_text(json.dumps(run))
-        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == code
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.dtype" in err and "--dtype fp32" in err
 
 
 def test_a_bf16_model_profile_prices_bf16_plans_only(cluster_profile):

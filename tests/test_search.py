@@ -1,12 +1,10 @@
 """The search: it finds what an exhaustive enumeration finds, and what it returns always fits."""
 import dataclasses
 import itertools
-import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from planner.cli import main
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.model import ZOO
@@ -283,35 +281,6 @@ def test_orders_that_place_every_rank_alike_are_searched_once():
     assert {f.config.order for f in res.results} == set(orders)
 
 
-def test_cli_search_writes_a_plan_that_estimate_reproduces(tmp_path, capsys):
-    out = tmp_path / "plan.json"
-    args = ["search", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
-            "--seq-len", "2048", "--memory-limit", "36", "--top", "3", "-o", str(out), "--json"]
-    assert main(args) == 0
-    found = json.loads(capsys.readouterr().out)
-    alternatives = found.pop("alternatives")
-    assert len(alternatives) == 2 and all(a["estimate"]["fits"] for a in alternatives)
-    assert alternatives[0]["estimate"]["step_time_s"] >= found["step_time_s"]
-    assert main(["estimate", str(out), "--memory-limit", "36", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == found
-    assert json.loads(out.read_text())["prediction"]["step_time_s"] == found["step_time_s"]
-    assert found["fits"] and found["required_memory_bytes"] <= 36 * GiB
-
-
-def test_cli_search_table(capsys):
-    assert main(["search", "--model", "small", "--cluster", "dgx-h100-80gb", "--gpus", "4", "--global-batch", "8",
-                 "--top", "3"]) == 0
-    text = capsys.readouterr().out
-    assert "MFU" in text and "tokens/s" in text and "peak GiB" in text
-
-
-def test_cli_nothing_fits_is_one_line_and_exit_3(capsys):
-    rc = main(["search", "--model", "llama2-70b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16"])
-    assert rc == 3
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no plan" in err[0] and "GiB" in err[0] and "least memory" in err[0]
-
-
 def test_the_menu_cache_keeps_under_its_byte_budget(monkeypatch):
     """Stage menus are cached across configurations; a deep model's would take gigabytes."""
     import numpy as np
@@ -355,66 +324,3 @@ def test_menus_built_together_are_those_built_one_block_count_at_a_time():
                 checked += 1
                 exposed += bool(len(one["b"]) != sum(len(alone.blocks(k)[5]) for _ in together.zeros))
     assert checked >= 100 and exposed > 0  # some menus re-sorted beside exposed communication
-
-
-def test_cli_search_keeps_to_the_constraints_given(tmp_path, capsys):
-    """--tp, --pp, --dp, --micro-batch, --schedule, --zero, --recompute, --sequence-parallel and
-    --even-stages narrow what the search may choose; every plan it shows keeps to them."""
-    out = tmp_path / "plan.json"
-    args = ["search", "--model", "small", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "32",
-            "--tp", "2", "--pp", "2", "--micro-batch", "2,4", "--schedule", "gpipe", "--zero", "1",
-            "--recompute", "full", "--sequence-parallel", "on", "--even-stages", "--top", "4", "--json", "-o", str(out)]
-    assert main(args) == 0
-    found = json.loads(capsys.readouterr().out)
-    plan = json.loads(out.read_text())
-    assert (plan["mesh"]["tp"], plan["mesh"]["pp"], plan["mesh"]["dp"]) == (2, 2, 2)
-    assert plan["training"]["micro_batch"] in (2, 4) and plan["pipeline"]["schedule"] == "gpipe"
-    stages = plan["pipeline"]["stages"]
-    assert {st["zero"] for st in stages} == {1} and all(st["sequence_parallel"] for st in stages)
-    blocks = [r for st in stages for r in st["recompute"]][1:-1]  # the embedding and the head have no mode
-    assert set(blocks) == {"full"}
-    sizes = [b - a for a, b in (st["layers"] for st in stages)]
-    assert sizes == [sizes[0]] * len(sizes)  # even: the embedding and the head count as layers
-    for alt in found["alternatives"]:
-        d = alt["degrees"]
-        assert (d["tp"], d["pp"], d["schedule"]) == (2, 2, "gpipe") and d["micro_batch"] in (2, 4)
-    # without them the same problem's best plan is another one: the constraints did the narrowing
-    assert main(args[:9] + ["--top", "1", "--json"]) == 0
-    free = json.loads(capsys.readouterr().out)
-    assert free["step_time_s"] < found["step_time_s"]
-
-
-@pytest.mark.parametrize("extra, names", [
-    (["--pp", "3"], ["--pp: 3 admits no configuration", "possible: 1, 2, 4"]),  # tiny has 6 layers
-    (["--tp", "2", "--pp", "2", "--dp", "4"], ["admits no configuration", "possible: 1"]),
-    (["--tp", "2", "--pp", "2", "--dp", "4", "--micro-batch", "3"], ["together these admit no configuration",
-                                                                      "--micro-batch 3"]),
-    (["--virtual-stages", "2", "--schedule", "1f1b"], ["--virtual-stages", "interleaved-1f1b"]),
-])
-def test_cli_search_constraints_that_admit_nothing_say_which_in_one_line(capsys, extra, names):
-    assert main(["search", "--model", "tiny", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "64",
-                 *extra]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and all(n in err[0] for n in names), err
-
-
-@pytest.mark.parametrize("extra, name", [
-    (["--zero", "5"], "argument --zero: 5 must be from 0 to 3"),
-    (["--schedule", "zb"], "argument --schedule: 'zb' is not one of gpipe, 1f1b, interleaved-1f1b"),
-    (["--tp", "two"], "argument --tp: 'two' is not a comma-separated list of integers"),
-    (["--virtual-stages", "1"], "argument --virtual-stages: 1 must be at least 2"),
-])
-def test_cli_search_malformed_constraints_are_one_line(capsys, extra, name):
-    with pytest.raises(SystemExit) as exc:
-        main(["search", "--model", "tiny", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "64", *extra])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and name in err[0], err
-
-
-def test_cli_search_nothing_fits_under_constraints_names_them(capsys):
-    rc = main(["search", "--model", "llama2-70b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
-               "--zero", "0", "--recompute", "none"])
-    assert rc == 3
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "under --zero 0 --recompute none" in err[0] and "lift a constraint" in err[0]

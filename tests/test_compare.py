@@ -1,0 +1,170 @@
+"""trident compare: predicted against measured from a plan and its run record, notes on the
+machine, and refusals in one line. The optimizer step: the run times the slowest rank's
+(runtime.train optimizer_times_s), so the prediction it is compared with is the slowest pipeline
+rank's too, not the critical rank's term of the step time (the demo's pp2 x dp2 plan showed -60%
+from that mismatch alone)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.build import build_plan
+from planner.cluster import load_cluster
+from planner.compare_cli import main as compare_main
+from planner.cost import estimate
+from planner.model import ZOO
+from planner.plan import Stage
+
+CLUSTER = load_cluster("dgx-a100-80gb")
+
+
+def _plan_and_run(tmp_path, prediction=True, plan=None):
+    """plan.json (the tiny model at tp 2, or `plan`; its prediction estimated, given, or left
+    out) and a run.json of three steps recorded from it, in tmp_path."""
+    cluster = CLUSTER
+    if plan is None:
+        plan = build_plan(ZOO["tiny"], cluster_name=cluster.name, device=cluster.device.name, nodes=1,
+                          devices_per_node=2, global_batch=8, micro_batch=2, seq_len=32, tp=2, dtype="fp32",
+                          profile_hash=cluster.profile_hash)
+    if prediction is True:
+        prediction = estimate(plan, cluster).to_dict()
+    plan.prediction = prediction or None
+    plan.write(tmp_path / "plan.json")
+    run = {"losses": [6.3, 6.2, 6.1], "step_times_s": [0.5, 0.1, 0.12], "warmup_steps": 1,
+           "peak_memory_bytes": 3_000_000, "peak_memory_bytes_per_rank": [3_000_000, 2_900_000],
+           "optimizer_times_s": [0.05, 0.02, 0.03], "world_size": 2, "plan_hash": plan.content_hash()}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    return plan
+
+
+@pytest.mark.parametrize("with_prediction", [True, False])
+def test_compare_prints_predicted_against_measured(tmp_path, capsys, with_prediction):
+    plan = _plan_and_run(tmp_path, with_prediction)
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pred = estimate(plan, CLUSTER).step_time_s
+    assert out["predicted_step_time_s"] == pytest.approx(pred)
+    assert out["measured_step_time_s"] == pytest.approx(0.11)
+    assert out["step_time_error"] == pytest.approx((pred - 0.11) / 0.11)
+    assert out["measured_peak_memory_bytes"] == 3_000_000
+    assert out["memory_error"] == pytest.approx((out["predicted_peak_memory_bytes"] - 3e6) / 3e6)
+    # the optimizer step and the rest of the step, each the median over the timed steps
+    assert out["measured_optimizer_s"] == pytest.approx(0.025)
+    assert out["measured_forward_backward_s"] == pytest.approx(0.085)
+    assert out["predicted_forward_backward_s"] + out["predicted_optimizer_s"] == pytest.approx(pred)
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--plot",
+                         str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0 and "step time" in capsys.readouterr().out
+
+
+def test_compare_leaves_out_the_traced_step(tmp_path, capsys):
+    """runtime.train --trace runs its last step under the profiler; compare times the plan without it."""
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["traced_step_index"] = 2
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_step_time_s"] == pytest.approx(0.1) and out["measured_optimizer_s"] == pytest.approx(0.02)
+    run["traced_step_index"] = "last"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.traced_step_index" in err
+
+
+def test_compare_notes_a_run_beside_other_work(tmp_path, capsys):
+    """runtime.train records the cores other work kept busy while its ranks slept; compare says so."""
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    for busy, noted in ((1.2, True), (0.1, False)):
+        run.update(host_other_busy_cores=busy, host_cores=2)
+        (tmp_path / "run.json").write_text(json.dumps(run))
+        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
+        out = capsys.readouterr().out
+        assert ("note: the run: 1.2 of this machine's 2 CPU cores were busy with other work" in out) == noted
+    run["host_other_busy_cores"] = "lots"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.host_other_busy_cores" in err
+
+
+def test_compare_notes_a_run_on_a_machine_that_changed_speed(tmp_path, capsys):
+    """runtime.train measures compute_slots again before its steps; compare notes a run whose ranks
+    computed together at another share of the cores than the profile it was priced with."""
+    _plan_and_run(tmp_path)
+    plan, run = (json.loads((tmp_path / f).read_text()) for f in ("plan.json", "run.json"))
+    plan["prediction"]["breakdown"]["time"]["compute_slots"] = 1.9
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    for slots, noted in ((1.05, True), (1.8, False), (None, False)):
+        run["host_compute_slots"] = slots
+        (tmp_path / "run.json").write_text(json.dumps(run))
+        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
+        out = capsys.readouterr().out
+        assert ("computed together at 1.05 full-speed slots, where the cluster profile priced 1.90" in out) == noted
+    run["host_compute_slots"] = 0
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.host_compute_slots" in err
+
+
+def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["plan_hash"] = "sha256:other"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "plan_hash" in err
+
+
+def test_compare_refuses_a_run_in_another_dtype_in_one_line(tmp_path, capsys):
+    """A bf16 plan run on CPU computes in fp32 unless asked: its memory and time are not the
+    plan's, so compare names the field and both fixes instead of printing errors of 2x."""
+    _plan_and_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    for dtype, code in (("fp32", 0), ("bf16", 2)):
+        run["dtype"] = dtype
+        (tmp_path / "run.json").write_text(json.dumps(run))
+        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == code
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "run.dtype" in err and "--dtype fp32" in err
+
+
+def uneven_pipeline():
+    """tiny (4 blocks) on pp2: the embedding and one block, then three blocks and the head; the
+    second rank updates three times the parameters of the first."""
+    recs = lambda n: ["none"] * n  # noqa: E731
+    stages = [Stage(layers=[0, 2], zero=0, recompute=recs(2), sequence_parallel=False),
+              Stage(layers=[2, 6], zero=0, recompute=recs(4), sequence_parallel=False)]
+    return build_plan(ZOO["tiny"], cluster_name=CLUSTER.name, device=CLUSTER.device.name, nodes=1, devices_per_node=2,
+                      global_batch=8, micro_batch=2, seq_len=32, pp=2, dtype="fp32", stages=stages,
+                      profile_hash=CLUSTER.profile_hash)
+
+
+def test_the_predicted_optimizer_step_is_the_slowest_ranks(tmp_path, capsys):
+    plan = uneven_pipeline()
+    est = estimate(plan, CLUSTER)
+    per_rank = est.breakdown["optimizer_per_pp_rank_s"]
+    tb = est.breakdown["time"]
+    assert len(per_rank) == 2 and per_rank[tb["critical_pp_rank"]] == tb["optimizer_s"]
+    assert per_rank[1] > 2 * per_rank[0]  # three blocks and the head against one block and the embedding
+    _plan_and_run(tmp_path, est.to_dict(), plan)
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_optimizer_s"] == max(per_rank)
+    assert out["predicted_forward_backward_s"] == pytest.approx(est.step_time_s - max(per_rank))
+
+
+@pytest.mark.parametrize("bad", [[], "fast", [0.1, -1.0], [None]])
+def test_a_malformed_per_rank_optimizer_list_is_one_line(tmp_path, capsys, bad):
+    plan = uneven_pipeline()
+    prediction = estimate(plan, CLUSTER).to_dict()
+    prediction["breakdown"]["optimizer_per_pp_rank_s"] = bad
+    _plan_and_run(tmp_path, prediction, plan)
+    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prediction.breakdown.optimizer_per_pp_rank_s" in err[0]
