@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="train a plan with torchrun (options: `trident run --help`)", add_help=False)
     sub.add_parser("profile", help="measure this machine (`profile cluster --nproc N -o F`) or a model "
                    "(`profile model --model M --cluster-profile F --seq-len S -o F`) under torchrun", add_help=False)
+    from planner.cluster_cli import register
+    register(sub)
     sub.add_parser("compare", help="predicted vs measured: `compare plan.json run.json [--json] [--plot out.png]`",
                    add_help=False)
     return ap

@@ -78,6 +78,12 @@ class Estimate:
 
 
 # ------------------------------------------------------------------ the estimate
+
+def _residue(total: float, part: float) -> float:
+    """total - part, 0 where it is float rounding (1e-15 s of bubble on a one-stage plan)."""
+    d = total - part
+    return d if d > 1e-9 * abs(total) else 0.0
+
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
              keep_timeline: bool = False, model_profile=None) -> Estimate:
     """Predict step time, throughput and per-device memory of `plan` on `cluster`.
@@ -211,8 +217,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         f = tl0.busy_s[r] / busy
         compute, tp_time, zero3, copies, pipe_overhead, busy = (
             x * f for x in (compute, tp_time, zero3, copies, pipe_overhead, busy))
-    bubble = max(0.0, tl0.compute_end_s[r] - busy)
-    p2p = max(0.0, tl.compute_end_s[r] - tl0.compute_end_s[r])
+    bubble = _residue(tl0.compute_end_s[r], busy)
+    p2p = _residue(tl.compute_end_s[r], tl0.compute_end_s[r])
     dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
     optimizer = per_rank[r][0]
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_exposed_s": dp_exposed,

@@ -86,6 +86,16 @@ def test_step_time_is_the_sum_of_its_breakdown():
         assert all(v >= 0 for v in t.values())
 
 
+def test_a_one_stage_plan_has_no_bubble_and_no_p2p():
+    """Not 5e-15 s of float rounding, which the tables printed."""
+    h100 = load_cluster("dgx-h100-80gb")
+    for kw in (dict(global_batch=256, zero=2), dict(global_batch=128, zero=1, tp=2)):
+        plan = build_plan(ZOO["llama3-8b"], cluster_name=h100.name, device=h100.device.name, nodes=2,
+                          devices_per_node=8, micro_batch=1, seq_len=8192, **kw)
+        t = estimate(plan, h100).breakdown["time"]
+        assert t["pipeline_bubble_s"] == 0.0 and t["p2p_s"] == 0.0
+
+
 def test_more_micro_batches_shrink_the_bubble():
     few = estimate(plan_for(pp=4, global_batch=8), A100)
     many = estimate(plan_for(pp=4, global_batch=64), A100)

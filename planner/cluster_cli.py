@@ -1,0 +1,194 @@
+"""`trident cluster show|derive`: what a cluster profile says, and what-if profiles derived from it.
+
+`derive` writes a profile for a cluster one does not have yet that differs from a shipped (or
+measured) one in its network, its node size or its device memory:
+
+- `--nic-gbps G [--nics-per-node K]`: each device's share of its node's inter-node bandwidth
+  becomes G x K / devices per node (K defaults to one NIC per device). Every inter-node bus
+  bandwidth of the base (each collective, each group size, each message size) is scaled by
+  new share / base share, the base share being its `tiers.inter_node.bandwidth_bytes_per_s`
+  (planner.cluster: inter-node bus bandwidth is per device). Latencies stay. Linear scaling is
+  what the shipped profiles' sources report: NCCL's maintainers give about 24 GB/s of bus
+  bandwidth per 200 Gb/s HDR NIC (dgx-a100-80gb) and 48 GB/s per 400 Gb/s NDR NIC
+  (dgx-h100-80gb), 96% of the line rate at both; all-to-all cannot aggregate NICs (nccl-tests
+  issue #267) and is priced on the same per-device share.
+- `--devices-per-node D`: nodes of D devices (at most the base's: its intra-node figures were
+  measured or published for nodes that size); each device keeps its inter-node share unless
+  --nic-gbps / --nics-per-node say otherwise.
+- `--memory-gib M`: the device's memory (GiB, as the shipped profiles record it).
+
+The derived profile records its base (name and sha256), the changes, and for every changed field
+its base value's source; its `kind` is "derived".
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from planner.args import positive_int, positive_number
+from planner.cluster import COLLECTIVES, PROFILE_DIR, TIERS, cluster_from_dict, read_profile
+from planner.model import ConfigError
+
+GiB = 2**30
+
+
+def _share_gbps(bytes_per_s: float) -> float:
+    return bytes_per_s * 8 / 1e9
+
+
+def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: float | None = None,
+           nics_per_node: int | None = None, devices_per_node: int | None = None,
+           memory_gib: float | None = None) -> tuple[dict, list[str]]:
+    """(the derived profile, a line per change); `base` is a checked profile dict."""
+    if nic_gbps is None and nics_per_node is None and devices_per_node is None and memory_gib is None:
+        raise ConfigError("cluster derive: nothing to change; give --nic-gbps, --nics-per-node, "
+                          "--devices-per-node or --memory-gib")
+    out = copy.deepcopy(base)
+    sources = out.setdefault("sources", {})
+    changes = []
+    dpn_base = base["devices_per_node"]
+    dpn = devices_per_node or dpn_base
+    if dpn > dpn_base:
+        raise ConfigError(f"--devices-per-node: {dpn} but {base_name}'s nodes have {dpn_base}; its intra-node "
+                          f"figures hold for up to {dpn_base} devices: write a profile for larger nodes")
+    if dpn != dpn_base:
+        out["devices_per_node"] = dpn
+        out.pop("topology", None)  # a measured rank -> node map of the base's nodes
+        out.pop("nodes", None)
+        sources["devices_per_node"] = f"derived: {dpn} (base {base_name}: {dpn_base})"
+        changes.append(f"{dpn} devices a node (base: {dpn_base})")
+    if nic_gbps is not None or nics_per_node is not None:
+        inter = base.get("tiers", {}).get("inter_node", {})
+        if "bandwidth_bytes_per_s" not in inter:
+            raise ConfigError(f"--nic-gbps: {base_name} does not say its inter-node bandwidth "
+                              "(tiers.inter_node.bandwidth_bytes_per_s, each device's share); add it to derive from it")
+        old = _share_gbps(inter["bandwidth_bytes_per_s"])
+        nic = nic_gbps if nic_gbps is not None else old  # the base: one NIC a device (planner.cluster)
+        nics = nics_per_node or dpn
+        new = nic * nics / dpn
+        scale = new / old
+        link = f"{nics} x {nic:g} Gb/s NICs a node of {dpn} devices"
+        out["tiers"]["inter_node"] = {"link": link, "bandwidth_bytes_per_s": new * 1e9 / 8}
+        sources["tiers.inter_node.bandwidth_bytes_per_s"] = (
+            f"derived: {link}, {new:g} Gb/s a device (base {base_name}: {old:g} Gb/s a device, "
+            f"{inter.get('link', '')})")
+        if scale != 1:
+            for op in COLLECTIVES:
+                _scale_tier(out["collectives"][op]["inter_node"], scale, f"collectives.{op}.inter_node", sources)
+        changes.append(f"inter-node: {link}, {new:g} Gb/s a device" +
+                       (f"; every inter-node bus bandwidth x {scale:.4g}" if scale != 1 else " (as the base)"))
+    elif dpn != dpn_base:
+        changes.append("each device keeps its inter-node share")
+    if memory_gib is not None:
+        old_gib = base["device"]["memory_bytes"] / GiB
+        out["device"]["memory_bytes"] = int(round(memory_gib * GiB))
+        out["device"]["name"] = f"{base['device'].get('name', 'device')} with {memory_gib:g} GiB"
+        sources["device.memory_bytes"] = f"derived: {memory_gib:g} GiB (base {base_name}: {old_gib:g} GiB)"
+        changes.append(f"device memory {memory_gib:g} GiB (base: {old_gib:g})")
+    out["name"] = name
+    out["kind"] = "derived"
+    out["description"] = f"{'; '.join(changes)}; derived from {base_name}: {base.get('description', '')}"
+    sources["derived"] = (f"`trident cluster derive` from {base_name} ({base_hash}): {'; '.join(changes)}. "
+                          "Inter-node bus bandwidth scales with each device's share of the node's NICs "
+                          "(planner/cluster_cli.py); the rest is the base's")
+    return out, changes
+
+
+def _scale_tier(ab: dict, scale: float, where: str, sources: dict) -> None:
+    """Scale every bus bandwidth of one collective's tier; note each field's derivation."""
+    def note(field: str):
+        base = sources.get(f"{where}.{field}", "")
+        sources[f"{where}.{field}"] = f"derived: the base's x {scale:.4g}" + (f"; base: {base}" if base else "")
+    ab["bus_bandwidth_bytes_per_s"] *= scale
+    note("bus_bandwidth_bytes_per_s")
+    if "bus_bandwidth_by_size" in ab:
+        ab["bus_bandwidth_by_size"] = [[s, bw * scale] for s, bw in ab["bus_bandwidth_by_size"]]
+        note("bus_bandwidth_by_size")
+    for v in (ab.get("by_group_size") or {}).values():
+        v["bus_bandwidth_bytes_per_s"] *= scale
+        for seg in v.get("segments", []):
+            seg["bus_bandwidth_bytes_per_s"] *= scale
+    if ab.get("by_group_size"):
+        note("by_group_size")
+
+
+def cmd_derive(args) -> int:
+    path, base, digest = read_profile(args.base, PROFILE_DIR, "cluster derive")
+    cluster_from_dict(base, source=str(path))  # the base must be a valid profile
+    out_path = Path(args.output)
+    name = args.name or out_path.stem
+    derived, changes = derive(base, path.stem, digest, name, nic_gbps=args.nic_gbps, nics_per_node=args.nics_per_node,
+                              devices_per_node=args.devices_per_node, memory_gib=args.memory_gib)
+    cluster_from_dict(derived, source=str(out_path))  # what is written reads back
+    try:
+        out_path.write_text(json.dumps(derived, indent=1) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"-o: cannot write {out_path} ({exc.strerror})") from None
+    print(f"wrote {out_path} ({name}): {path.stem} with {'; '.join(changes)}")
+    print(f"use it with --cluster {out_path}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    path, data, digest = read_profile(args.profile, PROFILE_DIR, "cluster show")
+    c = cluster_from_dict(data, source=str(path))
+    print(show(c, digest))
+    return 0
+
+
+def show(c, digest: str = "") -> str:
+    """A readable summary: the device, the tiers, and each collective's time on 256 MiB."""
+    import pandas as pd
+    dv, dpn = c.device, c.devices_per_node
+    lines = [f"{c.name} ({c.kind}){': ' + c.description if c.description else ''}"]
+    if digest:
+        lines.append(f"  {digest}")
+    peak = ", ".join(f"{k} {v / 1e12:g}" for k, v in dv.peak_flops.items())
+    eff = ", ".join(f"{k} {v:g}" for k, v in dv.matmul_efficiency.items())
+    lines += [f"device: {dv.name}, {dv.memory_bytes / GiB:.2f} GiB, {dpn} a node",
+              f"  peak TFLOP/s: {peak}; matmul efficiency: {eff}",
+              f"  memory bandwidth {dv.memory_bandwidth_bytes_per_s / 1e12:.3g} TB/s "
+              f"x {dv.memory_bandwidth_efficiency:g}"]
+    for tier in TIERS:
+        t = c.tiers.get(tier)
+        if t:
+            bw = f", {t['bandwidth_bytes_per_s'] / 1e9:g} GB/s a device" if "bandwidth_bytes_per_s" in t else ""
+            lines.append(f"{tier}: {t.get('link', '')}{bw}")
+    size, nodes = 256 * 2**20, 8
+    rows = []
+    for op in COLLECTIVES:
+        row = {"collective": op}
+        for tier in TIERS:
+            n = dpn if tier == "intra_node" else nodes
+            row[f"{tier} alpha us"] = f"{c.collectives[op][tier].at(n, size)[0] * 1e6:.3g}"
+            row[f"{tier} busbw GB/s"] = f"{c.collectives[op][tier].at(n, size)[1] / 1e9:.4g}"
+        one, across = ((2, 1, 2), (2, 2, 1)) if op == "send_recv" else ((dpn, 1, dpn), (nodes * dpn, nodes, dpn))
+        row["in a node, ms"] = f"{c.shaped_collective_time(op, size, one) * 1e3:.3g}"
+        row[f"across {nodes} nodes, ms"] = f"{c.shaped_collective_time(op, size, across) * 1e3:.3g}"
+        rows.append(row)
+    lines.append("")
+    lines.append(pd.DataFrame(rows).to_string(index=False))
+    lines.append(f"(256 MiB: bus bandwidth at that size, and the collective's time over the {dpn} devices of a "
+                 f"node and over every device of {nodes} nodes; send_recv: one pair, in a node and on two nodes)")
+    return "\n".join(lines)
+
+
+def register(sub) -> None:
+    """The `cluster` subcommand and its two actions."""
+    c = sub.add_parser("cluster", help="show a cluster profile, or derive a what-if one "
+                                       "(`cluster derive BASE --nic-gbps 200 -o F`)")
+    act = c.add_subparsers(dest="action", required=True)
+    s = act.add_parser("show", help="what a profile says: device, links, collective costs")
+    s.add_argument("profile", help="shipped profile name or a profile JSON path")
+    s.set_defaults(func=cmd_show)
+    d = act.add_parser("derive", help="write a profile that differs from BASE in network, node size or memory")
+    d.add_argument("base", help="shipped profile name or a profile JSON path")
+    d.add_argument("-o", "--output", required=True, help="the derived profile's path (use with --cluster)")
+    d.add_argument("--name", help="the profile's name (default: the output file's stem)")
+    d.add_argument("--nic-gbps", type=positive_number, help="line rate of each inter-node NIC, Gb/s")
+    d.add_argument("--nics-per-node", type=positive_int,
+                   help="inter-node NICs a node (default: one per device)")
+    d.add_argument("--devices-per-node", type=positive_int, help="devices a node (at most the base's)")
+    d.add_argument("--memory-gib", type=positive_number, help="each device's memory, GiB")
+    d.set_defaults(func=cmd_derive)

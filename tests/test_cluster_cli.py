@@ -1,0 +1,117 @@
+"""`trident cluster derive|show`: a what-if profile scales every inter-node bus bandwidth by each
+device's new share of its node's NICs and nothing else, reads back, prices plans accordingly,
+and bad requests are refused in one line."""
+import json
+
+import pytest
+
+from planner.cli import main
+from planner.cluster import COLLECTIVES, PROFILE_DIR, TIERS, load_cluster
+
+H100 = str(PROFILE_DIR / "dgx-h100-80gb.json")
+GiB = 2**30
+
+
+def _measured_style_base(tmp_path):
+    """The H100 profile with the forms a measured profile adds: per group size, segments, a curve."""
+    d = json.loads(open(H100).read())
+    ab = d["collectives"]["all_gather"]["inter_node"]
+    ab["by_group_size"] = {"16": {"alpha_s": 5e-5, "bus_bandwidth_bytes_per_s": 4.0e10,
+                                  "segments": [{"up_to_bytes": 2**20, "alpha_s": 3e-5, "bus_bandwidth_bytes_per_s": 1e10},
+                                               {"up_to_bytes": None, "alpha_s": 5e-5, "bus_bandwidth_bytes_per_s": 4e10}]}}
+    d["collectives"]["reduce_scatter"]["inter_node"]["bus_bandwidth_by_size"] = [[2**20, 1e10], [2**30, 4.6e10]]
+    p = tmp_path / "base.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def test_derive_scales_each_inter_node_bandwidth_and_nothing_else(tmp_path, capsys):
+    base_path = _measured_style_base(tmp_path)
+    out = tmp_path / "h100-200g.json"
+    assert main(["cluster", "derive", str(base_path), "--nic-gbps", "200", "-o", str(out)]) == 0
+    assert "x 0.5" in capsys.readouterr().out
+    base, new = load_cluster(str(base_path)), load_cluster(str(out))
+    assert new.kind == "derived" and new.name == "h100-200g" and new.devices_per_node == 8
+    assert new.tiers["inter_node"]["bandwidth_bytes_per_s"] == 25e9
+    assert new.device == base.device
+    for op in COLLECTIVES:
+        assert new.collectives[op]["intra_node"] == base.collectives[op]["intra_node"]
+        for n in (2, 16, 64):
+            for size in (1e3, 3e5, 2**20, 5e7, 2**31):
+                a0, bw0 = base.collectives[op]["inter_node"].at(n, size)
+                a1, bw1 = new.collectives[op]["inter_node"].at(n, size)
+                assert a1 == a0 and bw1 == pytest.approx(bw0 / 2, rel=1e-12), (op, n, size)
+    # a bandwidth-bound collective across nodes takes twice as long; one inside a node no longer
+    for op in ("all_reduce", "all_gather", "send_recv"):
+        across = (2, 2, 1) if op == "send_recv" else (8, 8, 1)  # one device a node: NIC-bound
+        t0, t1 = (c.shaped_collective_time(op, 8 * GiB, across) for c in (base, new))
+        assert t1 / t0 == pytest.approx(2, rel=1e-3)
+        inside = (2, 1, 2) if op == "send_recv" else (8, 1, 8)
+        assert new.shaped_collective_time(op, GiB, inside) == base.shaped_collective_time(op, GiB, inside)
+    raw = json.loads(out.read_text())
+    assert raw["sources"]["derived"].startswith("`trident cluster derive` from base (sha256:")
+    assert "base: source: NVIDIA/nccl-tests" in raw["sources"]["collectives.all_reduce.inter_node.bus_bandwidth_bytes_per_s"]
+
+
+def test_smaller_nodes_fewer_nics_and_memory(tmp_path, capsys):
+    out = tmp_path / "a4.json"
+    assert main(["cluster", "derive", "dgx-a100-80gb", "--devices-per-node", "4", "--nics-per-node", "1",
+                 "--memory-gib", "40", "-o", str(out), "--name", "four"]) == 0
+    base, new = load_cluster("dgx-a100-80gb"), load_cluster(str(out))
+    assert (new.name, new.devices_per_node, new.device.memory_bytes) == ("four", 4, 40 * GiB)
+    assert "40 GiB" in new.device.name
+    # one 200 Gb/s NIC shared by 4 devices: a quarter of the base's per-device share
+    ratio = new.collectives["all_reduce"]["inter_node"].at(8)[1] / base.collectives["all_reduce"]["inter_node"].at(8)[1]
+    assert ratio == pytest.approx(0.25)
+    capsys.readouterr()
+    # 8 GPUs are 2 nodes of 4 now: TP 8 would leave the node, and a 4-way TP plan's memory limit is 40 GiB
+    plan = ["plan", "--model", "llama2-7b", "--cluster", str(out), "--gpus", "8", "--global-batch", "16",
+            "--micro-batch", "1", "--seq-len", "4096"]
+    assert main([*plan, "--tp", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tp" in err and "node" in err
+    assert main([*plan, "--tp", "4"]) != 0  # 42.5 GiB: fits on the base's 80, not on 40
+    err = capsys.readouterr().err
+    assert "device has 40.0" in err
+    assert main([*plan, "--tp", "4", "--zero", "1", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert main([*plan[:4], "dgx-a100-80gb", *plan[5:], "--tp", "4", "--zero", "1", "--json"]) == 0
+    est80 = json.loads(capsys.readouterr().out)
+    assert est["fits"] and est["memory_limit_bytes"] < est80["memory_limit_bytes"]
+    # its DP all-reduce now crosses a 50 Gb/s share: never faster than on one 8-GPU node
+    assert est["step_time_s"] > est80["step_time_s"]
+
+def test_show_lists_the_device_the_links_and_every_collective(capsys):
+    assert main(["cluster", "show", "dgx-h100-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H100-SXM5-80GB" in out and "80.00 GiB" in out
+    for tier in TIERS:
+        assert f"{tier}:" in out
+    for op in COLLECTIVES:
+        assert op in out
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["cluster", "derive", "dgx-h100-80gb", "-o", "{tmp}/x.json"], "nothing to change"),
+    (["cluster", "derive", "dgx-h100-80gb", "--devices-per-node", "16", "-o", "{tmp}/x.json"], "--devices-per-node"),
+    (["cluster", "derive", "dgx-h100-80gb", "--nic-gbps", "0", "-o", "{tmp}/x.json"], "--nic-gbps"),
+    (["cluster", "derive", "no-such-cluster", "--nic-gbps", "100", "-o", "{tmp}/x.json"], "no-such-cluster"),
+    (["cluster", "derive", "dgx-h100-80gb", "--nic-gbps", "100", "-o", "{tmp}/no/dir/x.json"], "-o"),
+    (["cluster", "derive", "{tmp}/notiers.json", "--nic-gbps", "100", "-o", "{tmp}/x.json"],
+     "tiers.inter_node.bandwidth_bytes_per_s"),
+    (["cluster", "show", "{tmp}/bad.json"], "format_version"),
+    (["cluster"], "action"),
+])
+def test_bad_requests_get_one_line(tmp_path, capsys, argv, field):
+    d = json.loads(open(H100).read())
+    del d["tiers"]
+    (tmp_path / "notiers.json").write_text(json.dumps(d))
+    (tmp_path / "bad.json").write_text(json.dumps({**d, "format_version": 7}))
+    try:
+        rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    except SystemExit as exc:  # argparse's own refusals
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err, err
+    assert not (tmp_path / "x.json").exists()
