@@ -21,9 +21,13 @@ GiB = 2**30
 
 def _cluster_for(args, gpus=None, nodes=None):
     """The cluster of --cluster at the size of --gpus or --nodes (or of `gpus` or `nodes`)."""
-    cluster = load_cluster(args.cluster)
     if gpus is None and nodes is None:
         gpus, nodes = args.gpus, args.nodes
+    return sized(load_cluster(args.cluster), gpus, nodes)
+
+
+def sized(cluster, gpus=None, nodes=None):
+    """`cluster` with `nodes` nodes, or enough for `gpus` GPUs (part of one node below a node)."""
     if nodes is not None:
         return cluster.with_nodes(nodes)
     if gpus % cluster.devices_per_node and gpus > cluster.devices_per_node:
@@ -141,7 +145,8 @@ def _add_problem_args(p, sizes: bool = False) -> None:
     """What `plan` and `search` share: the model, the cluster and its size (`sizes`: or several
     sizes, comma-separated), the global batch."""
     p.add_argument("--model", required=True, help="zoo name, model JSON, or Hugging Face config.json")
-    p.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path")
+    p.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path" +
+                   (" (or several, comma-separated: the best plan on each, side by side)" if sizes else ""))
     g = p.add_mutually_exclusive_group(required=True)
     several = " (or several, comma-separated: the best plan of each size, side by side)" if sizes else ""
     g.add_argument("--gpus", type=int_list() if sizes else positive_int, help="GPUs in the cluster" + several)
@@ -218,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(s, sizes=True)
     s.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's seq_len")
     s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
-    s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans (one cluster size)")
+    s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans (default 5; with several "
+                   "clusters or sizes each search keeps K, the table shows each one's best)")
     s.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     s.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS + (EITHER,), default="shard",
                    help="what sequence-parallel plans keep of the inputs their column-parallel linears gather: "

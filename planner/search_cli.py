@@ -7,7 +7,8 @@ import sys
 from dataclasses import replace
 
 from planner import sizing
-from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict
+from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, sized
+from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.model import ConfigError, load_model
 from planner.report import describe_plan, estimate_table, sp_mode
@@ -73,8 +74,13 @@ def cmd_search(args) -> int:
     from planner.search import search, search_profiled
 
     sizes = args.gpus or args.nodes
-    if len(sizes) > 1:
-        sizing.check_sizes(args)
+    names = args.cluster.split(",")
+    if len(sizes) > 1 or len(names) > 1:
+        sizing.check_sizes(args, len(sizes), len(names))
+        bases = [load_cluster(name) for name in names]
+        dup = next((c.name for i, c in enumerate(bases) if c.name in {b.name for b in bases[:i]}), None)
+        if dup:
+            raise ConfigError(f"--cluster: {dup} is given twice; name each cluster once")
     else:
         args.gpus, args.nodes, sizes = args.gpus and sizes[0], args.nodes and sizes[0], None
     model = load_model(args.model)
@@ -104,10 +110,8 @@ def cmd_search(args) -> int:
             shown[0] = 0.0
         return res
 
-    if sizes is not None:  # several cluster sizes: the best plan of each, side by side
-        per = "nodes" if args.nodes else "gpus"
-        clusters = [_cluster_for(args, **{per: n}) for n in sizes]
-        found = sizing.search_sizes(clusters, partial(run_search, top=1))
+    if sizes is not None:  # several clusters or sizes: the best plan of each, side by side
+        found = sizing.search_sizes(bases, "nodes" if args.nodes else "gpus", sizes, sized, run_search)
         return sizing.report(args, model, found, _search_row, _prediction_dict)
     res = run_search(cluster)
     if res.best is None:

@@ -1,8 +1,10 @@
 """Cluster sizing: `trident search` over several sizes at once (`--gpus 8,16,32` or `--nodes
-1,2,4`), the fastest plan that fits at each, side by side, for a user choosing how many GPUs to
-ask for. The global batch stays as given, so per-GPU throughput against the smallest size that
-fits is the strong-scaling efficiency, and GPU-hours per billion tokens what the step costs in
-device time."""
+1,2,4`), on one cluster or several (`--cluster a,b`), the fastest plan that fits at each, side by
+side, for a user choosing how many GPUs, and which, to ask for. The global batch stays as given,
+so per-GPU throughput against the first row that fits is the strong-scaling efficiency (across
+clusters: the per-GPU speed-up), and GPU-hours per billion tokens what the step costs in device
+time. Each search keeps `--top` plans as a search of one size does, so that each row's plan is
+the one that search finds (the search's keys are not all bounds: planner.search)."""
 from __future__ import annotations
 
 import json
@@ -11,32 +13,49 @@ import sys
 from planner.model import ConfigError
 
 GiB = 2**30
-PLACEHOLDER = "{gpus}"
+PLACEHOLDERS = {"sizes": "{gpus}", "clusters": "{cluster}"}
 COLUMNS = ("GPUs", "nodes", "tp", "pp", "dp", "schedule", "micro-batch", "zero", "recompute", "step s", "tokens/s",
            "per GPU vs first", "MFU", "GPU-h per 1B tokens", "days per 1T tokens", "peak GiB", "needs GiB")
 
 
-def check_sizes(args) -> None:
-    """What a search of several sizes cannot do, refused before any search runs."""
-    if args.output and PLACEHOLDER not in args.output:
-        raise ConfigError(f"-o: {args.output} would be written once per size; put {PLACEHOLDER} in the name, "
-                          f"e.g. plan-{PLACEHOLDER}.json")
+def check_sizes(args, sizes: int, clusters: int) -> None:
+    """What a search of several sizes or clusters cannot do, refused before any search runs."""
+    for what, n in (("sizes", sizes), ("clusters", clusters)):
+        ph = PLACEHOLDERS[what]
+        if args.output and n > 1 and ph not in args.output:
+            raise ConfigError(f"-o: {args.output} would be written once per {what[:-1]}; put {ph} in the name, "
+                              f"e.g. plan-{ph}.json")
 
 
-def search_sizes(clusters, run_search) -> list[dict]:
-    """Per cluster: its search result (`run_search(cluster)`); where the constraints admit no
-    configuration at a size, its "error" instead (the search's one line), unless they admit none
-    at any."""
+def search_sizes(bases, per: str, sizes, sized, run_search) -> list[dict]:
+    """Per cluster of `bases` and size of `sizes` (GPUs or nodes, `per`): the cluster at that size
+    (`sized(base, gpus=n)` or `nodes=n`) and its search result (`run_search(cluster)`); where
+    the size does not suit the cluster or the constraints admit no configuration there, its
+    "error" instead (the one line), unless no size admits any."""
     out = []
-    for cluster in clusters:
-        try:
-            out.append(dict(cluster=cluster, result=run_search(cluster), error=None))
-        except ConfigError as exc:  # e.g. --dp 16 on 8 GPUs: that size is out, the others stand
-            out.append(dict(cluster=cluster, result=None, error=str(exc)))
+    for base in bases:
+        for n in sizes:
+            f = dict(name=base.name, gpus=n if per == "gpus" else n * base.devices_per_node,
+                     nodes=n if per == "nodes" else None, cluster=None, result=None, error=None)
+            try:
+                f["cluster"] = sized(base, **{per: n})
+                f["gpus"], f["nodes"] = f["cluster"].world_size, f["cluster"].nodes
+                f["result"] = run_search(f["cluster"])
+            except ConfigError as exc:  # e.g. --dp 16 on 8 GPUs: that size is out, the others stand
+                f["error"] = str(exc)
+            out.append(f)
     if all(f["error"] for f in out):
-        raise ConfigError(f"no size admits a configuration under these constraints; at {out[0]['cluster'].world_size}"
-                          f" GPUs: {out[0]['error']}")
+        raise ConfigError(f"no size admits a configuration under these constraints; at {out[0]['gpus']} GPUs"
+                          f"{_of(out, out[0])}: {out[0]['error']}")
     return out
+
+
+def _several_clusters(found) -> bool:
+    return len({f["name"] for f in found}) > 1
+
+
+def _of(found, f) -> str:
+    return f" of {f['name']}" if _several_clusters(found) else ""
 
 
 def scaling(found) -> list[dict | None]:
@@ -50,28 +69,32 @@ def scaling(found) -> list[dict | None]:
             out.append(None)
             continue
         tokens_per_s = best.estimate.tokens_per_s
-        per_gpu = tokens_per_s / f["cluster"].world_size
+        per_gpu = tokens_per_s / f["gpus"]
         base = base or per_gpu
         out.append({"per_gpu_vs_first": per_gpu / base, "gpu_hours_per_billion_tokens": 1e9 / per_gpu / 3600,
                     "days_per_trillion_tokens": 1e12 / tokens_per_s / 86400})
     return out
 
 
+def columns(found) -> tuple:
+    return (("cluster",) if _several_clusters(found) else ()) + COLUMNS
+
+
 def rows(found, describe) -> list[dict]:
     """Table rows: each size's best plan (`describe(i, found)`: the search table's columns) and
     its scaling figures; where nothing fits, the least memory a plan needs (with the allocator's
     reserve); where the constraints rule the size out, "excluded"."""
-    out = []
+    out, cols = [], columns(found)
     for f, scale in zip(found, scaling(found)):
-        cluster, res = f["cluster"], f["result"]
-        row = {"GPUs": cluster.world_size, "nodes": cluster.nodes}
+        res = f["result"]
+        row = {"cluster": f["name"], "GPUs": f["gpus"], "nodes": f["nodes"] or "-"}
         if f["error"]:
-            out.append({c: row.get(c, "-") for c in COLUMNS} | {"step s": "excluded"})
+            out.append({c: row.get(c, "-") for c in cols} | {"step s": "excluded"})
             continue
         if res.best is None:
             need = res.min_required_bytes
             row.update({"step s": "no fit", "needs GiB": f"{need / GiB:.1f}" if need else "?"})
-            out.append({c: row.get(c, "-") for c in COLUMNS})
+            out.append({c: row.get(c, "-") for c in cols})
             continue
         est = res.best.estimate
         d = describe(1, res.best)
@@ -81,19 +104,19 @@ def rows(found, describe) -> list[dict]:
                     "GPU-h per 1B tokens": f"{scale['gpu_hours_per_billion_tokens']:,.1f}",
                     "days per 1T tokens": f"{scale['days_per_trillion_tokens']:,.1f}",
                     "peak GiB": d["peak GiB"], "needs GiB": d["needs GiB"]})
-        out.append({c: row[c] for c in COLUMNS})
+        out.append({c: row[c] for c in cols})
     return out
 
 
 def as_json(found) -> list[dict]:
     out = []
     for f, scale in zip(found, scaling(found)):
-        cluster, res = f["cluster"], f["result"]
+        head = {"cluster": f["name"], "gpus": f["gpus"], "nodes": f["nodes"]}
         if f["error"]:
-            out.append({"gpus": cluster.world_size, "nodes": cluster.nodes, "fits": False, "error": f["error"]})
+            out.append({**head, "fits": False, "error": f["error"]})
             continue
-        best = res.best
-        out.append({"gpus": cluster.world_size, "nodes": cluster.nodes, "fits": best is not None,
+        best, res = f["result"].best, f["result"]
+        out.append({**head, "fits": best is not None,
                     "min_required_bytes": res.min_required_bytes if best is None else best.estimate.required_bytes,
                     "degrees": None if best is None else {"tp": best.plan.mesh.tp, "pp": best.plan.mesh.pp,
                                                           "dp": best.plan.mesh.dp,
@@ -112,18 +135,20 @@ def report(args, model, found, describe, prediction) -> int:
         if best is not None:
             best.plan.prediction = prediction(best.estimate)
             if args.output:
-                path = args.output.replace(PLACEHOLDER, str(f["cluster"].world_size))
+                path = args.output.replace(PLACEHOLDERS["sizes"], str(f["gpus"])).replace(
+                    PLACEHOLDERS["clusters"], f["name"])
                 best.plan.write(path)
                 written.append(path)
+    where = "cluster and size" if _several_clusters(found) else "size"
     if args.json:
         print(json.dumps({"sizes": as_json(found)}, indent=2))
     else:
         import pandas as pd
-        print(f"{model.name}, global batch {args.global_batch}: the fastest plan that fits at each size")
-        print(pd.DataFrame(rows(found, describe), columns=COLUMNS).to_string(index=False))
+        print(f"{model.name}, global batch {args.global_batch}: the fastest plan that fits at each {where}")
+        print(pd.DataFrame(rows(found, describe), columns=columns(found)).to_string(index=False))
         for f in found:
             if f["error"]:
-                print(f"excluded, {f['cluster'].world_size} GPUs: {f['error']}")
+                print(f"excluded, {f['gpus']} GPUs{_of(found, f)}: {f['error']}")
         for path in written:
             print(f"wrote {path}")
     if args.plot:
@@ -133,41 +158,56 @@ def report(args, model, found, describe, prediction) -> int:
             print(f"wrote {args.plot}")
     if any(f["result"] and f["result"].best is not None for f in found):
         return 0
-    print(f"trident: no plan of {model.name} fits at any of these sizes with global batch {args.global_batch}; "
+    print(f"trident: no plan of {model.name} fits at any of these {where}s with global batch {args.global_batch}; "
           "add larger sizes or lower --seq-len", file=sys.stderr)
     return 3
 
 
 def plot_sizes(found, path, title: str, limit_bytes: float | None = None) -> None:
     """A picture of the sizes: predicted tokens/s against GPUs beside perfect scaling from the
-    first size that fits, per-GPU throughput against it, and each size's memory needed against
-    the limit (`limit_bytes`, default the device's; where nothing fits, the least a plan needs)."""
+    first size that fits (a line a cluster), per-GPU throughput against the first row that fits,
+    and each size's memory needed against the limit (`limit_bytes`, default its device's; where
+    nothing fits, the least a plan needs)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gpus = [f["cluster"].world_size for f in found]
-    fits = [(g, f["result"].best.estimate) for g, f in zip(gpus, found) if f["result"] and f["result"].best]
+    several = _several_clusters(found)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    ax = axes[0]
-    if fits:
+    first = next((f["result"].best.estimate.tokens_per_s / f["gpus"] for f in found
+                  if f["result"] and f["result"].best), None)
+    gpus = sorted({f["gpus"] for f in found})
+    for name in dict.fromkeys(f["name"] for f in found):
+        fits = [(f["gpus"], f["result"].best.estimate) for f in found
+                if f["name"] == name and f["result"] and f["result"].best]
+        if not fits:
+            continue
         g0, e0 = fits[0]
-        ax.plot([g for g, _ in fits], [e.tokens_per_s for _, e in fits], "o-", label="predicted")
-        ax.plot([g for g, _ in fits], [e0.tokens_per_s * g / g0 for g, _ in fits], "--", color="gray",
-                label=f"linear from {g0} GPUs")
-        axes[1].plot([g for g, _ in fits], [e.tokens_per_s / g / (e0.tokens_per_s / g0) for g, e in fits], "o-")
-    ax.set_title("tokens/s")
-    ax.legend(fontsize=7)
+        label = f"{name}: " if several else ""
+        line = axes[0].plot([g for g, _ in fits], [e.tokens_per_s for _, e in fits], "o-", label=f"{label}predicted")
+        axes[0].plot([g for g, _ in fits], [e0.tokens_per_s * g / g0 for g, _ in fits], "--",
+                     color=line[0].get_color(), alpha=0.5, label=f"{label}linear from {g0} GPUs")
+        axes[1].plot([g for g, _ in fits], [e.tokens_per_s / g / first for g, e in fits], "o-", label=name)
+    axes[0].set_title("tokens/s")
+    axes[0].legend(fontsize=7)
     axes[1].axhline(1.0, color="gray", linestyle="--")
-    axes[1].set_title("per-GPU throughput against the first size that fits")
+    axes[1].set_title("per-GPU throughput against the first row that fits")
+    if several:
+        axes[1].legend(fontsize=7)
     ax = axes[2]
     need = [f["result"].best.estimate.required_bytes if f["result"] and f["result"].best
             else (f["result"].min_required_bytes if f["result"] else 0.0) or 0.0 for f in found]
-    ax.bar(range(len(gpus)), [n / GiB for n in need],
+    ax.bar(range(len(found)), [n / GiB for n in need],
            color=["tab:blue" if f["result"] and f["result"].best else "tab:gray" for f in found])
-    ax.set_xticks(range(len(gpus)), [str(g) for g in gpus])
-    limit = limit_bytes or found[0]["cluster"].device.memory_bytes
-    ax.axhline(limit / GiB, color="tab:red", linestyle="--", label="memory limit")
+    labels = [f"{f['name']}\n{f['gpus']}" if several else str(f["gpus"]) for f in found]
+    ax.set_xticks(range(len(found)), labels)
+    if several:
+        ax.tick_params(axis="x", labelsize=7, labelrotation=30)
+    for i, f in enumerate(found):  # each bar's limit: its device's memory unless --memory-limit
+        lim = limit_bytes or (f["cluster"].device.memory_bytes if f["cluster"] else None)
+        if lim:
+            ax.hlines(lim / GiB, i - 0.45, i + 0.45, color="tab:red", linestyle="--",
+                      label="memory limit" if i == 0 else None)
     ax.set_title("memory needed per GPU (gray: the least, no plan fits)")
     ax.set_ylabel("GiB")
     ax.legend(fontsize=7)
@@ -175,7 +215,7 @@ def plot_sizes(found, path, title: str, limit_bytes: float | None = None) -> Non
         a.set_xscale("log", base=2)
         a.set_xticks(gpus, [str(g) for g in gpus])
         a.set_xlabel("GPUs")
-    axes[2].set_xlabel("GPUs")
+    axes[2].set_xlabel("cluster, GPUs" if several else "GPUs")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

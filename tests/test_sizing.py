@@ -85,3 +85,49 @@ def test_a_size_the_constraints_rule_out_is_excluded_and_the_others_stand(capsys
     assert main([*LLAMA, "--gpus", "8,16", "--dp", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no size admits a configuration" in err[0] and "--dp: 64" in err[0]
+
+
+def test_several_clusters_side_by_side(tmp_path, capsys):
+    """Each cluster and size gets the plan a search of it alone finds; a size that does not suit a
+    cluster (12 GPUs of 8-GPU nodes) is excluded with its reason; -o names each cluster's plans."""
+    four = tmp_path / "a100-x4.json"
+    assert main(["cluster", "derive", "dgx-a100-80gb", "--devices-per-node", "4", "--nics-per-node", "1",
+                 "-o", str(four)]) == 0
+    both = ["--cluster", f"dgx-a100-80gb,{four}"]
+    args = [a for a in LLAMA if a not in ("--cluster", "dgx-a100-80gb")]
+    out = tmp_path / "plan-{cluster}-{gpus}.json"
+    capsys.readouterr()
+    assert main([*args, *both, "--gpus", "8,12", "--json", "-o", str(out)]) == 0
+    sizes = json.loads(capsys.readouterr().out)["sizes"]
+    assert [(s["cluster"], s["gpus"], s["nodes"]) for s in sizes] == [
+        ("dgx-a100-80gb", 8, 1), ("dgx-a100-80gb", 12, None), ("a100-x4", 8, 2), ("a100-x4", 12, 3)]
+    assert sizes[1]["error"].startswith("--gpus: 12 is not a whole number of 8-GPU nodes")
+    first = sizes[0]["estimate"]["tokens_per_s"] / 8
+    for s, cluster in ((sizes[0], "dgx-a100-80gb"), (sizes[2], str(four)), (sizes[3], str(four))):
+        assert main([*args, "--cluster", cluster, "--gpus", str(s["gpus"]), "--json"]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert s["estimate"]["step_time_s"] == pytest.approx(alone["step_time_s"], rel=1e-12)
+        assert s["per_gpu_vs_first"] == pytest.approx(alone["tokens_per_s"] / s["gpus"] / first)
+        written = Plan.read(str(tmp_path / f"plan-{s['cluster']}-{s['gpus']}.json"))
+        assert written.cluster.name == s["cluster"] and written.mesh.world_size == s["gpus"]
+    # the same 8 GPUs on two nodes that share one NIC each: slower than on one node
+    assert sizes[2]["estimate"]["step_time_s"] > sizes[0]["estimate"]["step_time_s"]
+    assert main([*args, *both, "--gpus", "8,12"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == ["cluster", "GPUs", "nodes"] and "each cluster and size" in lines[0]
+    assert "excluded, 12 GPUs of dgx-a100-80gb: --gpus: 12" in "\n".join(lines)
+    picture = tmp_path / "clusters.png"
+    assert main([*args, *both, "--gpus", "8", "--plot", str(picture)]) == 0
+    assert picture.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("cluster, extra, says", [
+    ("dgx-a100-80gb,dgx-h100-80gb", ["-o", "plan-{gpus}.json"], "-o: plan-{gpus}.json would be written once per cluster"),
+    ("dgx-a100-80gb,dgx-a100-80gb", [], "--cluster: dgx-a100-80gb is given twice"),
+    ("dgx-a100-80gb,nope", [], "--cluster: 'nope' is neither a file nor a profile"),
+])
+def test_what_several_clusters_cannot_do_is_one_line(cluster, extra, says, capsys):
+    args = [a for a in LLAMA if a not in ("--cluster", "dgx-a100-80gb")]
+    assert main([*args, "--cluster", cluster, "--gpus", "8", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
