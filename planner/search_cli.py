@@ -51,6 +51,8 @@ def _search_space(args):
         space = replace(space, sequence_parallel=(args.sequence_parallel == "on",))
     if args.even_stages:
         space = replace(space, uneven=False)
+    if args.thorough:
+        space = replace(space, thorough=True)
     return space
 
 
