@@ -40,8 +40,10 @@ demo: install
 	$(TRIDENT) search --model llama2-70b --cluster dgx-a100-80gb --nodes 8 --global-batch 512 --seq-len 4096 \
 	    --top 3 -o $(OUT)/llama2-70b.plan.json
 	@echo
-	@echo "== and how many nodes to ask for: the best plan at 2 to 16 nodes, side by side =="
-	$(TRIDENT) search --model llama2-70b --cluster dgx-a100-80gb --nodes 2,4,8,16 --global-batch 512 --seq-len 4096
+	@echo "== and which nodes, how many: A100 nodes, A100 nodes with 100 Gb/s NICs, H100 nodes, 2 to 16 of each =="
+	$(TRIDENT) cluster derive dgx-a100-80gb --nic-gbps 100 -o $(OUT)/a100-100g.json
+	$(TRIDENT) search --model llama2-70b --cluster dgx-a100-80gb,$(OUT)/a100-100g.json,dgx-h100-80gb \
+	    --nodes 2,4,8,16 --global-batch 512 --seq-len 4096
 	@echo
 	@echo "demo outputs (profiles, plans, run record, picture) are in $(OUT)/"
 

@@ -323,12 +323,15 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
 def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:
     """(path, parsed JSON, "sha256:..." of the bytes) of a profile given as a path or as a name
     of a file in `directory`; one-line ConfigError naming `flag` otherwise."""
+    known = lambda: ", ".join(sorted(p.stem for p in directory.glob("*.json")))  # noqa: E731
+    if not str(spec).strip():
+        raise ConfigError(f"{flag}: an empty name; give a profile in {directory} ({known()}) or a JSON file")
     path = Path(spec)
     if not path.exists():
         path = directory / f"{spec}.json"
     if not path.exists():
-        known = sorted(p.stem for p in directory.glob("*.json"))
-        raise ConfigError(f"{flag}: {spec!r} is neither a file nor a profile in {directory} ({', '.join(known)})")
+        several = "; several, comma-separated, are for `trident search`" if "," in str(spec) else ""
+        raise ConfigError(f"{flag}: {spec!r} is neither a file nor a profile in {directory} ({known()}){several}")
     text, data = read_json(path, flag)
     return path, data, "sha256:" + hashlib.sha256(text).hexdigest()
 

@@ -55,7 +55,6 @@ def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: floa
     if dpn != dpn_base:
         out["devices_per_node"] = dpn
         out.pop("topology", None)  # a measured rank -> node map of the base's nodes
-        out.pop("nodes", None)
         sources["devices_per_node"] = f"derived: {dpn} (base {base_name}: {dpn_base})"
         changes.append(f"{dpn} devices a node (base: {dpn_base})")
     if nic_gbps is not None or nics_per_node is not None:
@@ -64,6 +63,9 @@ def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: floa
             raise ConfigError(f"--nic-gbps: {base_name} does not say its inter-node bandwidth "
                               "(tiers.inter_node.bandwidth_bytes_per_s, each device's share); add it to derive from it")
         old = _share_gbps(inter["bandwidth_bytes_per_s"])
+        if nic_gbps is None and base.get("kind") == "derived":
+            raise ConfigError(f"--nic-gbps: {base_name} is derived, its share of {old:g} Gb/s a device need not "
+                              "be one NIC's rate; give the NICs' rate with --nics-per-node")
         nic = nic_gbps if nic_gbps is not None else old  # the base: one NIC a device (planner.cluster)
         nics = nics_per_node or dpn
         new = nic * nics / dpn

@@ -100,6 +100,7 @@ def test_show_lists_the_device_the_links_and_every_collective(capsys):
     (["cluster", "derive", "{tmp}/notiers.json", "--nic-gbps", "100", "-o", "{tmp}/x.json"],
      "tiers.inter_node.bandwidth_bytes_per_s"),
     (["cluster", "show", "{tmp}/bad.json"], "format_version"),
+    (["cluster", "derive", "{tmp}/derived.json", "--nics-per-node", "4", "-o", "{tmp}/x.json"], "--nic-gbps"),
     (["cluster"], "action"),
 ])
 def test_bad_requests_get_one_line(tmp_path, capsys, argv, field):
@@ -107,6 +108,8 @@ def test_bad_requests_get_one_line(tmp_path, capsys, argv, field):
     del d["tiers"]
     (tmp_path / "notiers.json").write_text(json.dumps(d))
     (tmp_path / "bad.json").write_text(json.dumps({**d, "format_version": 7}))
+    assert main(["cluster", "derive", "dgx-h100-80gb", "--nic-gbps", "200", "-o", str(tmp_path / "derived.json")]) == 0
+    capsys.readouterr()
     try:
         rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     except SystemExit as exc:  # argparse's own refusals

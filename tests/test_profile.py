@@ -55,6 +55,22 @@ def test_measured_cluster_profile_reproduces_its_own_sweep(cluster_profile):
                 assert got == pytest.approx(t, rel=0.15), f"{op} n={n} {size} B: fit {got} vs measured {t}"
 
 
+def test_a_measured_profile_shows_and_derives(cluster_profile, tmp_path, capsys):
+    """`trident cluster show` reads a measured profile; `derive` makes it smaller nodes keeping its
+    measured compute slots, and refuses a NIC rate where the profile does not say its own."""
+    from planner.cli import main
+    assert main(["cluster", "show", str(cluster_profile)]) == 0
+    assert "cpu process" in capsys.readouterr().out
+    one = tmp_path / "one.json"
+    assert main(["cluster", "derive", str(cluster_profile), "--devices-per-node", "1", "-o", str(one)]) == 0
+    base, new = load_cluster(str(cluster_profile)), load_cluster(str(one))
+    assert new.devices_per_node == 1 and new.node_of_rank is None and new.compute_slots == base.compute_slots
+    assert new.with_nodes(2).compute_slots == pytest.approx(2 * base.compute_slots / base.nodes)
+    capsys.readouterr()
+    assert main(["cluster", "derive", str(cluster_profile), "--nic-gbps", "100", "-o", str(tmp_path / "x.json")]) == 2
+    assert "tiers.inter_node.bandwidth_bytes_per_s" in capsys.readouterr().err
+
+
 def _one_line_error(fn, *words):
     with pytest.raises(ConfigError) as exc:
         fn()

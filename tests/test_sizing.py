@@ -125,9 +125,17 @@ def test_several_clusters_side_by_side(tmp_path, capsys):
     ("dgx-a100-80gb,dgx-h100-80gb", ["-o", "plan-{gpus}.json"], "-o: plan-{gpus}.json would be written once per cluster"),
     ("dgx-a100-80gb,dgx-a100-80gb", [], "--cluster: dgx-a100-80gb is given twice"),
     ("dgx-a100-80gb,nope", [], "--cluster: 'nope' is neither a file nor a profile"),
+    ("dgx-a100-80gb,", [], "--cluster: an empty name"),
 ])
 def test_what_several_clusters_cannot_do_is_one_line(cluster, extra, says, capsys):
     args = [a for a in LLAMA if a not in ("--cluster", "dgx-a100-80gb")]
     assert main([*args, "--cluster", cluster, "--gpus", "8", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_several_clusters_are_for_search_only(capsys):
+    assert main(["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb,dgx-h100-80gb", "--gpus", "8",
+                 "--global-batch", "16", "--micro-batch", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("several, comma-separated, are for `trident search`")
