@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
     s.add_argument("--thorough", action="store_true",
                    help="give every configuration that its bound cannot rule out the full search of its layer "
-                        "splits (about 1.2-2.8x the time; by default a configuration whose quickly found split "
+                        "splits (about 1.5x the time; by default a configuration whose quickly found split "
                         "is slower than the best plan so far is dropped)")
     s.add_argument("--top", type=positive_int, default=5, help="show the best and the next K-1 plans (default 5; with several "
                    "clusters or sizes each search keeps K, the table shows each one's best)")

@@ -234,9 +234,12 @@ class Inner(StageCosts):
             lb = self.evaluate(assign)
             if lb is not None:
                 out.append((lb, assign))
-        if quick:
+        if quick and self.cfg.v == 1:
             return out
-        for lb, assign in sorted(out, key=lambda x: x[0])[:2]:  # the same with one ZeRO level throughout
+        # quick, several chunks a rank: the split at T* polished (its min-max ignores that a rank
+        # holds several chunks and the schedule's fill), else the search keys the configuration by a
+        # split far slower than its best (planner.search)
+        for lb, assign in ([] if quick else sorted(out, key=lambda x: x[0])[:2]):  # the same with one ZeRO level throughout
             for z in self.zeros:
                 alt = self._assign(opts, [k for k, _, _ in assign], z)
                 if alt and [i for _, _, i in alt] != [i for _, _, i in assign]:

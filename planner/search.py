@@ -29,9 +29,11 @@ that the bound on k (blocks a stage) has an incumbent to work with. The search s
 queue's smallest key reaches the K-th best price. All three keys are valid lower
 bounds when the inner problem is enumerated (few layers and options: exact, which the tests check
 against brute force); for large inner problems the dynamic programme first yields the partition
-at the best bottleneck, whose LB is used as the key before the full threshold sweep (a heuristic:
-it is not a bound on that configuration's other partitions; `SearchSpace.thorough` keeps the
-configuration's bound as its key instead: on 48 problems, 4 plans 1.0-2.7% faster, 1.65x the time).
+at the best bottleneck (with several chunks a rank, polished by moving blocks, as the full sweep
+does), whose LB is used as the key before the full threshold sweep (a heuristic: it is not a
+bound on that configuration's other partitions; where that partition does not fit, the key stays
+the configuration's bound). `SearchSpace.thorough` keeps the configuration's bound as its key:
+on 48 problems with top 1 it found 1 plan 1.4% faster, at 1.5x the time (docs/HISTORY.md, session 25).
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class SearchSpace:
     max_priced_per_config: int = 6  # full estimates per configuration when not exhaustive
     # True: a large inner problem keeps its configuration bound as its key after the quick pass
     # (every configuration that bound cannot rule out gets the full sweep); False: the quick
-    # split's bound, which is not a bound on the other splits (module doc), 1.2-2.8x faster
+    # split's bound, which is not a bound on the other splits (module doc), about 1.5x faster
     thorough: bool = False
 
 
@@ -338,7 +340,8 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             if not inner.exhaustive:
                 if cands and len(best) < top:  # no incumbent yet: price this partition, to have one
                     price(cfg, inner, min(cands, key=lambda x: x[0])[1])
-                quick_lb = lb if space.thorough else min((c[0] for c in cands), default=math.inf)
+                # no quick split that fits says nothing of the others: the full sweep decides
+                quick_lb = lb if space.thorough else min((c[0] for c in cands), default=lb)
                 heapq.heappush(heap, (max(lb, quick_lb), n, 2, cfg))
                 continue
         else:

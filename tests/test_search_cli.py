@@ -101,15 +101,37 @@ def test_cli_search_nothing_fits_under_constraints_names_them(capsys):
     assert len(err) == 1 and "under --zero 0 --recompute none" in err[0] and "lift a constraint" in err[0]
 
 
+def _derived(tmp_path, base, *flags):
+    out = tmp_path / f"{base}-{'-'.join(flags).replace('--', '')}.json"
+    assert main(["cluster", "derive", base, *flags, "-o", str(out)]) == 0
+    return str(out)
+
+
+@pytest.mark.parametrize("model, base, flags, gpus, batch, seq", [
+    # 1F1B tp2 pp6 dp2: its split at T* does not fit, others do; it was dropped for that (7.49 s plan, not 7.29)
+    ("llama2-70b", "dgx-h100-80gb", ("--devices-per-node", "4", "--nic-gbps", "200"), 24, 32, 4096),
+    # ZB-V tp1 pp3 dp4: its split at T* prices 13% above its best; polished, it is kept (5.47 s, not 5.62)
+    ("llama2-7b", "dgx-a100-80gb", ("--devices-per-node", "4", "--nics-per-node", "1"), 12, 64, 4096),
+])
+def test_the_quick_key_keeps_what_the_thorough_search_finds(tmp_path, capsys, model, base, flags, gpus, batch, seq):
+    cluster = _derived(tmp_path, base, *flags)
+    args = ["search", "--model", model, "--cluster", cluster, "--gpus", str(gpus), "--global-batch", str(batch),
+            "--seq-len", str(seq), "--top", "1", "--json"]
+    capsys.readouterr()
+    got = []
+    for extra in ([], ["--thorough"]):
+        assert main([*args, *extra]) == 0
+        got.append(json.loads(capsys.readouterr().out)["step_time_s"])
+    assert got[0] == got[1]
+
+
 def test_thorough_search_expands_what_the_quick_split_would_drop(tmp_path, capsys):
-    """Llama 2 7B on three nodes of 4 A100s sharing one 200 Gb/s NIC: the quick split of the ZB-V
-    configuration (tp1 pp3 dp4, 2 sequences a micro-batch) prices above the first plan found, so
-    a --top 1 search drops it; --thorough expands it, and its answer does not depend on --top."""
-    four = tmp_path / "a100-x4.json"
-    assert main(["cluster", "derive", "dgx-a100-80gb", "--devices-per-node", "4", "--nics-per-node", "1",
-                 "-o", str(four)]) == 0
-    args = ["search", "--model", "llama2-7b", "--cluster", str(four), "--gpus", "12", "--global-batch", "64",
-            "--seq-len", "4096", "--json"]
+    """Llama 3 8B on four nodes of 4 A100s sharing one 200 Gb/s NIC: the quick split of the ZB-V
+    configuration (tp1 pp4 dp4) prices above the first plan found, so a --top 1 search drops it;
+    --thorough expands it, and its answer does not depend on --top."""
+    cluster = _derived(tmp_path, "dgx-a100-80gb", "--devices-per-node", "4", "--nics-per-node", "1")
+    args = ["search", "--model", "llama3-8b", "--cluster", cluster, "--gpus", "16", "--global-batch", "64",
+            "--seq-len", "8192", "--json"]
     capsys.readouterr()
     got = {}
     for extra in (["--top", "1"], ["--top", "1", "--thorough"], ["--top", "5", "--thorough"]):
@@ -117,5 +139,5 @@ def test_thorough_search_expands_what_the_quick_split_would_drop(tmp_path, capsy
         got[" ".join(extra)] = json.loads(capsys.readouterr().out)
     quick, thorough, thorough5 = got.values()
     assert thorough["step_time_s"] == thorough5["step_time_s"]
-    # 5.47 s against 5.62 s today; should the quick split find it one day, make this <=
-    assert thorough["step_time_s"] < quick["step_time_s"] * 0.99
+    # 9.80 s against 9.93 s today; should the quick split find it one day, make this <=
+    assert thorough["step_time_s"] < quick["step_time_s"] * 0.995
