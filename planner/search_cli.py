@@ -82,7 +82,8 @@ def cmd_search(args) -> int:
         bases = [load_cluster(name) for name in names]
         dup = next((c.name for i, c in enumerate(bases) if c.name in {b.name for b in bases[:i]}), None)
         if dup:
-            raise ConfigError(f"--cluster: {dup} is given twice; name each cluster once")
+            raise ConfigError(f"--cluster: two of these profiles are named {dup}; give each cluster once, "
+                              "with distinct names (`trident cluster derive --name`)")
     else:
         args.gpus, args.nodes, sizes = args.gpus and sizes[0], args.nodes and sizes[0], None
     model = load_model(args.model)

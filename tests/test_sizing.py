@@ -123,7 +123,7 @@ def test_several_clusters_side_by_side(tmp_path, capsys):
 
 @pytest.mark.parametrize("cluster, extra, says", [
     ("dgx-a100-80gb,dgx-h100-80gb", ["-o", "plan-{gpus}.json"], "-o: plan-{gpus}.json would be written once per cluster"),
-    ("dgx-a100-80gb,dgx-a100-80gb", [], "--cluster: dgx-a100-80gb is given twice"),
+    ("dgx-a100-80gb,dgx-a100-80gb", [], "--cluster: two of these profiles are named dgx-a100-80gb"),
     ("dgx-a100-80gb,nope", [], "--cluster: 'nope' is neither a file nor a profile"),
     ("dgx-a100-80gb,", [], "--cluster: an empty name"),
 ])
