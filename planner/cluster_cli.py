@@ -162,9 +162,9 @@ def show(c, digest: str = "") -> str:
     for op in COLLECTIVES:
         row = {"collective": op}
         for tier in TIERS:
-            n = dpn if tier == "intra_node" else nodes
-            row[f"{tier} alpha us"] = f"{c.collectives[op][tier].at(n, size)[0] * 1e6:.3g}"
-            row[f"{tier} busbw GB/s"] = f"{c.collectives[op][tier].at(n, size)[1] / 1e9:.4g}"
+            alpha, busbw = c.collectives[op][tier].at(dpn if tier == "intra_node" else nodes, size)
+            row[f"{tier} alpha us"] = f"{alpha * 1e6:.3g}"
+            row[f"{tier} busbw GB/s"] = f"{busbw / 1e9:.4g}"
         one, across = ((2, 1, 2), (2, 2, 1)) if op == "send_recv" else ((dpn, 1, dpn), (nodes * dpn, nodes, dpn))
         row["in a node, ms"] = f"{c.shaped_collective_time(op, size, one) * 1e3:.3g}"
         row[f"across {nodes} nodes, ms"] = f"{c.shaped_collective_time(op, size, across) * 1e3:.3g}"

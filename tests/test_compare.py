@@ -38,10 +38,23 @@ def _plan_and_run(tmp_path, prediction=True, plan=None):
     return plan
 
 
+def _compare(tmp_path, *flags, run=None) -> int:
+    """compare_main on tmp_path's plan.json and run.json (rewritten from `run` when given)."""
+    if run is not None:
+        (tmp_path / "run.json").write_text(json.dumps(run))
+    return compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), *flags])
+
+
+def _one_line_err(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    return err
+
+
 @pytest.mark.parametrize("with_prediction", [True, False])
 def test_compare_prints_predicted_against_measured(tmp_path, capsys, with_prediction):
     plan = _plan_and_run(tmp_path, with_prediction)
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    assert _compare(tmp_path, "--json") == 0
     out = json.loads(capsys.readouterr().out)
     pred = estimate(plan, CLUSTER).step_time_s
     assert out["predicted_step_time_s"] == pytest.approx(pred)
@@ -53,8 +66,7 @@ def test_compare_prints_predicted_against_measured(tmp_path, capsys, with_predic
     assert out["measured_optimizer_s"] == pytest.approx(0.025)
     assert out["measured_forward_backward_s"] == pytest.approx(0.085)
     assert out["predicted_forward_backward_s"] + out["predicted_optimizer_s"] == pytest.approx(pred)
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--plot",
-                         str(tmp_path / "c.png")]) == 0
+    assert _compare(tmp_path, "--plot", str(tmp_path / "c.png")) == 0
     assert (tmp_path / "c.png").stat().st_size > 0 and "step time" in capsys.readouterr().out
 
 
@@ -63,15 +75,13 @@ def test_compare_leaves_out_the_traced_step(tmp_path, capsys):
     _plan_and_run(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
     run["traced_step_index"] = 2
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    assert _compare(tmp_path, "--json", run=run) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["measured_step_time_s"] == pytest.approx(0.1) and out["measured_optimizer_s"] == pytest.approx(0.02)
     run["traced_step_index"] = "last"
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.traced_step_index" in err
+    assert _compare(tmp_path, run=run) == 2
+    err = _one_line_err(capsys)
+    assert "run.traced_step_index" in err
 
 
 def test_compare_notes_a_run_beside_other_work(tmp_path, capsys):
@@ -80,15 +90,13 @@ def test_compare_notes_a_run_beside_other_work(tmp_path, capsys):
     run = json.loads((tmp_path / "run.json").read_text())
     for busy, noted in ((1.2, True), (0.1, False)):
         run.update(host_other_busy_cores=busy, host_cores=2)
-        (tmp_path / "run.json").write_text(json.dumps(run))
-        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
+        assert _compare(tmp_path, run=run) == 0
         out = capsys.readouterr().out
         assert ("note: the run: 1.2 of this machine's 2 CPU cores were busy with other work" in out) == noted
     run["host_other_busy_cores"] = "lots"
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.host_other_busy_cores" in err
+    assert _compare(tmp_path, run=run) == 2
+    err = _one_line_err(capsys)
+    assert "run.host_other_busy_cores" in err
 
 
 def test_compare_notes_a_run_on_a_machine_that_changed_speed(tmp_path, capsys):
@@ -100,25 +108,22 @@ def test_compare_notes_a_run_on_a_machine_that_changed_speed(tmp_path, capsys):
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     for slots, noted in ((1.05, True), (1.8, False), (None, False)):
         run["host_compute_slots"] = slots
-        (tmp_path / "run.json").write_text(json.dumps(run))
-        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
+        assert _compare(tmp_path, run=run) == 0
         out = capsys.readouterr().out
         assert ("computed together at 1.05 full-speed slots, where the cluster profile priced 1.90" in out) == noted
     run["host_compute_slots"] = 0
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.host_compute_slots" in err
+    assert _compare(tmp_path, run=run) == 2
+    err = _one_line_err(capsys)
+    assert "run.host_compute_slots" in err
 
 
 def test_compare_refuses_a_run_of_another_plan_in_one_line(tmp_path, capsys):
     _plan_and_run(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
     run["plan_hash"] = "sha256:other"
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "plan_hash" in err
+    assert _compare(tmp_path, run=run) == 2
+    err = _one_line_err(capsys)
+    assert "plan_hash" in err
 
 
 def test_compare_refuses_a_run_in_another_dtype_in_one_line(tmp_path, capsys):
@@ -128,10 +133,9 @@ def test_compare_refuses_a_run_in_another_dtype_in_one_line(tmp_path, capsys):
     run = json.loads((tmp_path / "run.json").read_text())
     for dtype, code in (("fp32", 0), ("bf16", 2)):
         run["dtype"] = dtype
-        (tmp_path / "run.json").write_text(json.dumps(run))
-        assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == code
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "run.dtype" in err and "--dtype fp32" in err
+        assert _compare(tmp_path, run=run) == code
+    err = _one_line_err(capsys)
+    assert "run.dtype" in err and "--dtype fp32" in err
 
 
 def uneven_pipeline():
@@ -153,7 +157,7 @@ def test_the_predicted_optimizer_step_is_the_slowest_ranks(tmp_path, capsys):
     assert len(per_rank) == 2 and per_rank[tb["critical_pp_rank"]] == tb["optimizer_s"]
     assert per_rank[1] > 2 * per_rank[0]  # three blocks and the head against one block and the embedding
     _plan_and_run(tmp_path, est.to_dict(), plan)
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json"), "--json"]) == 0
+    assert _compare(tmp_path, "--json") == 0
     out = json.loads(capsys.readouterr().out)
     assert out["predicted_optimizer_s"] == max(per_rank)
     assert out["predicted_forward_backward_s"] == pytest.approx(est.step_time_s - max(per_rank))
@@ -165,6 +169,6 @@ def test_a_malformed_per_rank_optimizer_list_is_one_line(tmp_path, capsys, bad):
     prediction = estimate(plan, CLUSTER).to_dict()
     prediction["breakdown"]["optimizer_per_pp_rank_s"] = bad
     _plan_and_run(tmp_path, prediction, plan)
-    assert compare_main([str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 2
+    assert _compare(tmp_path) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prediction.breakdown.optimizer_per_pp_rank_s" in err[0]
