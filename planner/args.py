@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 
+MAX_ARG = 2 ** 31 - 1  # counts, sizes and lengths given on the command line
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line, the option, what is wrong, and where the
@@ -20,7 +21,26 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    if v > MAX_ARG:
+        raise argparse.ArgumentTypeError(f"{v} is out of range: at most {MAX_ARG}")
     return v
+
+
+def number_in(low: float, high: float, unit: str = ""):
+    """A parser of a finite number from `low` to `high` (both included)."""
+    def parse(text: str) -> float:
+        v = positive_number(text)
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{text} must be from {low:g} to {high:g}{unit}")
+        return v
+    return parse
+
+
+def nonempty(text: str) -> str:
+    """A name or path option given as an empty string (`-o ""`), refused rather than ignored."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty value; give a name or a path")
+    return text
 
 
 def positive_number(text: str) -> float:
@@ -43,6 +63,8 @@ def int_list(low: int = 1, high: int | None = None):
             except ValueError:
                 raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
                                                  f"such as 1,2,4") from None
+            if high is None and v > MAX_ARG:
+                raise argparse.ArgumentTypeError(f"{v} is out of range: at most {MAX_ARG}")
             if v < low or (high is not None and v > high):
                 bound = f"from {low} to {high}" if high is not None else f"at least {low}"
                 raise argparse.ArgumentTypeError(f"{v} must be {bound}")

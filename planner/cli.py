@@ -6,7 +6,7 @@ import json
 import sys
 
 from planner.cluster import load_cluster
-from planner.args import OneLineParser, choice_list, int_list, positive_int, positive_number
+from planner.args import OneLineParser, choice_list, int_list, nonempty, positive_int, positive_number
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
@@ -145,7 +145,7 @@ def _add_problem_args(p, sizes: bool = False) -> None:
     """What `plan` and `search` share: the model, the cluster and its size (`sizes`: or several
     sizes, comma-separated), the global batch."""
     p.add_argument("--model", required=True, help="zoo name, model JSON, or Hugging Face config.json")
-    p.add_argument("--cluster", required=True, help="shipped profile name or a profile JSON path" +
+    p.add_argument("--cluster", type=nonempty, required=True, help="shipped profile name or a profile JSON path" +
                    (" (or several, comma-separated: the best plan on each, side by side)" if sizes else ""))
     g = p.add_mutually_exclusive_group(required=True)
     several = " (or several, comma-separated: the best plan of each size, side by side)" if sizes else ""
@@ -202,21 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "and all-gather it again in the backward (as Megatron-LM), or keep the gathered input "
                         "whole: no second all-gather, more memory")
     p.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
-    p.add_argument("-o", "--output", help="write the plan file here")
-    p.add_argument("--model-profile", default=None,
+    p.add_argument("-o", "--output", type=nonempty, help="write the plan file here")
+    p.add_argument("--model-profile", type=nonempty, default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.add_argument("--plot", default=None, help="write a picture of the prediction (step terms, memory, timeline)")
+    p.add_argument("--plot", type=nonempty, default=None,
+                   help="write a picture of the prediction (step terms, memory, timeline)")
     p.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("estimate", help="predict a plan file")
     e.add_argument("plan")
-    e.add_argument("--cluster", help="price with this profile instead of the plan's")
+    e.add_argument("--cluster", type=nonempty, help="price with this profile instead of the plan's")
     e.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device")
-    e.add_argument("--model-profile", default=None,
+    e.add_argument("--model-profile", type=nonempty, default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     e.add_argument("--json", action="store_true")
-    e.add_argument("--plot", default=None, help="write a picture of the prediction (step terms, memory, timeline)")
+    e.add_argument("--plot", type=nonempty, default=None,
+                   help="write a picture of the prediction (step terms, memory, timeline)")
     e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("search", help="find the fastest plan that fits and write it")
@@ -234,11 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what sequence-parallel plans keep of the inputs their column-parallel linears gather: "
                         "the shard, all-gathered again in the backward, the gathered input (faster, more memory), "
                         "or either (searched in both, the faster plan kept)")
-    s.add_argument("-o", "--output", help="write the best plan here")
-    s.add_argument("--model-profile", default=None,
+    s.add_argument("-o", "--output", type=nonempty, help="write the best plan here")
+    s.add_argument("--model-profile", type=nonempty, default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     s.add_argument("--json", action="store_true", help="print the best estimate and the alternatives as JSON")
-    s.add_argument("--plot", default=None, help="write a picture of the best plan's prediction")
+    s.add_argument("--plot", type=nonempty, default=None, help="write a picture of the best plan's prediction")
     c = s.add_argument_group("constraints", "search only among these values (comma-separated lists; default: all)")
     c.add_argument("--tp", type=int_list(), default=None, help="tensor-parallel degrees, e.g. 1,2,4")
     c.add_argument("--pp", type=int_list(), default=None, help="pipeline-parallel degrees")
@@ -270,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if hasattr(sys.stdout, "reconfigure"):  # a name from a file path of undecodable bytes prints escaped
+        sys.stdout.reconfigure(errors="backslashreplace")
     if argv[:1] == ["run"]:  # everything after `run` belongs to the launcher (runtime.launch)
         from runtime.launch import main as run_main  # imports torch only when running
         return run_main(argv[1:])

@@ -38,10 +38,13 @@ import networkx as nx
 from planner.device import DeviceSpec, _curve, _interp, _num, device_from_dict  # noqa: F401 (DeviceSpec: re-exported)
 from planner.model import ConfigError, is_int, is_real
 from planner.profile_checks import (PROFILE_KEYS, check_finite, check_keys, check_node_of_rank, check_segments,
-                                    read_json)
+                                    decimal, read_json)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 TIERS = ("intra_node", "inter_node")
+TIER_KEYS = ("alpha_s", "bus_bandwidth_bytes_per_s", "bus_bandwidth_by_size", "by_group_size")
+# the largest node a profile may describe: far above today's largest NVLink domain (72 GPUs, GB200 NVL72)
+MAX_DEVICES_PER_NODE = 1024
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles" / "hardware"
 
 
@@ -250,13 +253,19 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                 or not (is_real(bw) and bw > 0):
             raise ConfigError(f"{source}: tiers.{tier}: a tier is {' or '.join(TIERS)}, an object with a 'link' "
                               "string and a positive 'bandwidth_bytes_per_s'; fix it or leave it out")
+    if not d["name"].strip():
+        raise ConfigError(f"{source}: name is empty; name the cluster (plans refer to it by name)")
     dpn = d["devices_per_node"]
     if not is_int(dpn) or dpn < 1:
         raise ConfigError(f"{source}: devices_per_node {dpn!r} must be a positive integer")
+    if dpn > MAX_DEVICES_PER_NODE:
+        raise ConfigError(f"{source}: devices_per_node {dpn} is more than {MAX_DEVICES_PER_NODE}; a node is the "
+                          "devices one intra-node link joins (8 in a DGX, 72 in a GB200 NVL72)")
     device = device_from_dict(d["device"], f"{source}: device")
     coll = d["collectives"]
     if not isinstance(coll, dict):
         raise ConfigError(f"{source}: collectives must be an object")
+    check_keys(coll, COLLECTIVES, f"{source}: collectives.")
     collectives = {}
     for op in COLLECTIVES:
         if op not in coll:
@@ -267,15 +276,18 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
             wt = f"{source}: collectives.{op}.{tier}"
             if not isinstance(ab, dict):
                 raise ConfigError(f"{wt}: missing; give alpha_s and bus_bandwidth_bytes_per_s")
+            check_keys(coll[op], TIERS, f"{source}: collectives.{op}.")
+            check_keys(ab, TIER_KEYS, f"{wt}.")
             by_n, segs = {}, {}
             if not isinstance(ab.get("by_group_size") or {}, dict):
                 raise ConfigError(f"{wt}.by_group_size: expected an object of group size -> "
                                   "{alpha_s, bus_bandwidth_bytes_per_s}")
             for n, v in (ab.get("by_group_size") or {}).items():
                 wn = f"{wt}.by_group_size.{n}"
-                if not str(n).isdigit() or int(n) < 1 or not isinstance(v, dict):
+                if not decimal(n) or int(n) < 1 or not isinstance(v, dict):
                     raise ConfigError(f"{wn}: expected a group size mapped to an object with alpha_s and "
                                       "bus_bandwidth_bytes_per_s")
+                check_keys(v, ("alpha_s", "bus_bandwidth_bytes_per_s", "segments"), f"{wn}.")
                 by_n[int(n)] = (_num(v, "alpha_s", wn, positive=False), _num(v, "bus_bandwidth_bytes_per_s", wn))
                 if "segments" in v:
                     if not isinstance(v["segments"], list) or not v["segments"]:
@@ -286,6 +298,7 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                         ws = f"{wn}.segments[{k}]"
                         if not isinstance(sg, dict):
                             raise ConfigError(f"{ws}: expected an object")
+                        check_keys(sg, ("up_to_bytes", "alpha_s", "bus_bandwidth_bytes_per_s"), f"{ws}.")
                         up = sg.get("up_to_bytes")
                         if up is not None:
                             up = _num(sg, "up_to_bytes", ws)
@@ -336,9 +349,10 @@ def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:
     return path, data, "sha256:" + hashlib.sha256(text).hexdigest()
 
 
-def load_cluster(spec: str, nodes: int | None = None) -> ClusterSpec:
-    """A shipped profile name (profiles/hardware/NAME.json) or a path to a profile JSON."""
-    path, data, digest = read_profile(spec, PROFILE_DIR, "--cluster")
+def load_cluster(spec: str, nodes: int | None = None, flag: str = "--cluster") -> ClusterSpec:
+    """A shipped profile name (profiles/hardware/NAME.json) or a path to a profile JSON; errors
+    name `flag`, the option that gave it."""
+    path, data, digest = read_profile(spec, PROFILE_DIR, flag)
     cluster = cluster_from_dict(data, source=str(path))
     cluster.profile_hash = digest
     if nodes is not None:

@@ -26,7 +26,7 @@ import copy
 import json
 from pathlib import Path
 
-from planner.args import positive_int, positive_number
+from planner.args import nonempty, number_in, positive_int
 from planner.cluster import COLLECTIVES, PROFILE_DIR, TIERS, cluster_from_dict, read_profile
 from planner.model import ConfigError
 
@@ -119,6 +119,10 @@ def cmd_derive(args) -> int:
     path, base, digest = read_profile(args.base, PROFILE_DIR, "cluster derive")
     cluster_from_dict(base, source=str(path))  # the base must be a valid profile
     out_path = Path(args.output)
+    if out_path.resolve() == path.resolve():
+        raise ConfigError(f"-o: {out_path} is the base profile; write the derived one to another file")
+    if out_path.exists() and out_path.resolve().parent == PROFILE_DIR.resolve():
+        raise ConfigError(f"-o: {out_path} is a shipped profile; write the derived one to another file")
     name = args.name or out_path.stem
     derived, changes = derive(base, path.stem, digest, name, nic_gbps=args.nic_gbps, nics_per_node=args.nics_per_node,
                               devices_per_node=args.devices_per_node, memory_gib=args.memory_gib)
@@ -186,11 +190,12 @@ def register(sub) -> None:
     s.set_defaults(func=cmd_show)
     d = act.add_parser("derive", help="write a profile that differs from BASE in network, node size or memory")
     d.add_argument("base", help="shipped profile name or a profile JSON path")
-    d.add_argument("-o", "--output", required=True, help="the derived profile's path (use with --cluster)")
+    d.add_argument("-o", "--output", type=nonempty, required=True,
+                   help="the derived profile's path (use with --cluster)")
     d.add_argument("--name", help="the profile's name (default: the output file's stem)")
-    d.add_argument("--nic-gbps", type=positive_number, help="line rate of each inter-node NIC, Gb/s")
+    d.add_argument("--nic-gbps", type=number_in(0.001, 1e6, " Gb/s"), help="line rate of each inter-node NIC, Gb/s")
     d.add_argument("--nics-per-node", type=positive_int,
                    help="inter-node NICs a node (default: one per device)")
     d.add_argument("--devices-per-node", type=positive_int, help="devices a node (at most the base's)")
-    d.add_argument("--memory-gib", type=positive_number, help="each device's memory, GiB")
+    d.add_argument("--memory-gib", type=number_in(0.001, 1e6, " GiB"), help="each device's memory, GiB")
     d.set_defaults(func=cmd_derive)

@@ -1,25 +1,22 @@
 """Predicted against measured: a plan's prediction next to the run record the runtime wrote."""
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 from planner.model import ConfigError, is_int, is_real
 from planner.plan import Plan
+from planner.profile_checks import read_json
 
 RUN_KEYS = ("losses", "step_times_s", "warmup_steps", "peak_memory_bytes", "peak_memory_bytes_per_rank")
 
 
+MAX_STEP_S = 1e6  # a recorded step longer than this is not a measurement
+
+
 def read_run(path) -> dict:
     """Load a run.json and check the keys compare needs; errors name the file and the key."""
-    try:
-        run = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"run: cannot read {path} ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"run: {path} is not valid JSON ({getattr(exc, 'msg', exc.reason)}); give the run.json "
-                          "that `trident run` wrote") from None
+    run = read_json(Path(path), "run")[1]
     if not isinstance(run, dict):
         raise ConfigError(f"run: {path} must hold a JSON object")
     for key in RUN_KEYS:
@@ -29,16 +26,22 @@ def read_run(path) -> dict:
                                         "that `trident run` wrote")
     if not _is_count(run["warmup_steps"]):
         raise bad("warmup_steps", "a non-negative integer")
-    for key, low in (("step_times_s", 0.0), ("peak_memory_bytes_per_rank", -1.0), ("losses", None)):
-        if not isinstance(run[key], list) or not all(_is_number(x, low) for x in run[key]):
-            raise bad(key, "a list of numbers" + (" above 0" if low == 0.0 else " of at least 0" if low else ""))
-    if not _is_number(run["peak_memory_bytes"], -1.0):
+    for key, ok, what in (("step_times_s", lambda x: _is_number(x, 0.0), " above 0"),
+                          ("peak_memory_bytes_per_rank", _nonneg, " of at least 0"), ("losses", _is_number, "")):
+        if not isinstance(run[key], list) or not all(ok(x) for x in run[key]):
+            raise bad(key, "a list of numbers" + what)
+    if any(x > MAX_STEP_S for x in run["step_times_s"]):
+        raise bad("step_times_s", f"a list of seconds a step, each under {MAX_STEP_S:g} (11.6 days)")
+    opt = run.get("optimizer_times_s")
+    if opt is not None and not (isinstance(opt, list) and all(_nonneg(x) for x in opt)):
+        raise bad("optimizer_times_s", "a list of numbers of at least 0 or null")
+    if not _nonneg(run["peak_memory_bytes"]):
         raise bad("peak_memory_bytes", "a number of at least 0")
     if run.get("traced_step_index") is not None and not _is_count(run["traced_step_index"]):
         raise bad("traced_step_index", "a non-negative integer or null")
     if "world_size" in run and not (_is_count(run["world_size"]) and run["world_size"] > 0):
         raise bad("world_size", "a positive integer")
-    if run.get("host_other_busy_cores") is not None and not _is_number(run["host_other_busy_cores"], -1.0):
+    if run.get("host_other_busy_cores") is not None and not _nonneg(run["host_other_busy_cores"]):
         raise bad("host_other_busy_cores", "a number of at least 0 or null")
     if "host_cores" in run and not (_is_count(run["host_cores"]) and run["host_cores"] > 0):
         raise bad("host_cores", "a positive integer")
@@ -53,6 +56,10 @@ def read_run(path) -> dict:
 
 def _is_count(v) -> bool:
     return is_int(v) and v >= 0
+
+
+def _nonneg(v) -> bool:
+    return is_real(v) and v >= 0
 
 
 def _is_number(v, above: float | None = None) -> bool:
@@ -72,6 +79,12 @@ def check_prediction(prediction) -> None:
         raise ConfigError(f"prediction.breakdown: {prediction.get('breakdown')!r} must be an object; {fix}")
     if not isinstance(prediction["breakdown"].get("time", {}), dict):
         raise ConfigError(f"prediction.breakdown.time: {prediction['breakdown']['time']!r} must be an object; {fix}")
+    mem = prediction["breakdown"].get("memory_per_pp_rank")
+    if mem is not None and not (isinstance(mem, list) and all(_nonneg(x) for x in mem)):
+        raise ConfigError(f"prediction.breakdown.memory_per_pp_rank: {mem!r} must be a list of bytes >= 0; {fix}")
+    slots = prediction["breakdown"]["time"].get("compute_slots") if "time" in prediction["breakdown"] else None
+    if slots is not None and not _is_number(slots, 0.0):
+        raise ConfigError(f"prediction.breakdown.time.compute_slots: {slots!r} must be a number above 0 or null; {fix}")
     opt = prediction["breakdown"].get("optimizer_per_pp_rank_s")
     if opt is not None and not (isinstance(opt, list) and opt and all(_is_number(x) and x >= 0 for x in opt)):
         raise ConfigError(f"prediction.breakdown.optimizer_per_pp_rank_s: {opt!r} must be a list of numbers >= 0; "
@@ -103,7 +116,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
     for rank, b in enumerate(per_rank):
         pp = plan.mesh.coords(rank)["pp"]
         measured_stage[pp] = max(measured_stage.get(pp, 0), b)
-    predicted_stage = prediction["breakdown"].get("memory_per_pp_rank", [])
+    predicted_stage = prediction["breakdown"].get("memory_per_pp_rank") or []
     stages = []
     for pp in range(plan.mesh.pp):
         p = predicted_stage[pp] if pp < len(predicted_stage) else None
@@ -206,7 +219,8 @@ def comparison_table(result: dict) -> str:
             ("step time (s, median)", f"{result['predicted_step_time_s']:.4g}", f"{result['measured_step_time_s']:.4g}",
              pct(result["step_time_error"])),
             ("tokens/s", f"{result['predicted_tokens_per_s']:,.0f}", f"{result['measured_tokens_per_s']:,.0f}",
-             pct(-result["step_time_error"] / (1 + result["step_time_error"]) if result["step_time_error"] is not None else None)),
+             pct(-result["step_time_error"] / (1 + result["step_time_error"])
+                if result["step_time_error"] not in (None, -1.0) else None)),
             *([("  forward + backward (s)", f"{result['predicted_forward_backward_s']:.4g}",
                 f"{result['measured_forward_backward_s']:.4g}", pct(result["forward_backward_error"])),
                ("  optimizer step (s)", f"{result['predicted_optimizer_s']:.4g}",

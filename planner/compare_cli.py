@@ -14,7 +14,7 @@ from pathlib import Path
 import sys
 
 from planner.model import ConfigError
-from planner.args import OneLineParser
+from planner.args import OneLineParser, nonempty
 
 
 def parse_args(argv):
@@ -22,9 +22,10 @@ def parse_args(argv):
     ap.add_argument("plan")
     ap.add_argument("run")
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    ap.add_argument("--plot", default=None, help="write a picture (predicted vs measured, timeline)")
-    ap.add_argument("--cluster-profile", default=None, help="re-price with this cluster profile (name or path)")
-    ap.add_argument("--model-profile", default=None, help="re-price with this model profile (path)")
+    ap.add_argument("--plot", type=nonempty, default=None, help="write a picture (predicted vs measured, timeline)")
+    ap.add_argument("--cluster-profile", type=nonempty, default=None,
+                    help="re-price with this cluster profile (name or path)")
+    ap.add_argument("--model-profile", type=nonempty, default=None, help="re-price with this model profile (path)")
     ap.add_argument("--allow-other-profile", action="store_true",
                     help="re-price even when a profile's hash differs from the plan's")
     return ap.parse_args(argv)
@@ -45,7 +46,8 @@ def price(plan, args):
                 pass
         return plan.prediction, timeline
     try:
-        cluster = load_cluster(args.cluster_profile or plan.cluster.name)
+        cluster = load_cluster(args.cluster_profile or plan.cluster.name,
+                                   flag="--cluster-profile" if args.cluster_profile else "cluster.name")
     except ConfigError as exc:  # the option here is --cluster-profile
         raise ConfigError(str(exc).replace("--cluster:", "--cluster-profile:", 1)) from None
     if plan.cluster.profile_hash and cluster.profile_hash != plan.cluster.profile_hash and not args.allow_other_profile:

@@ -33,12 +33,14 @@ flight) by recompute mode (planner.model; planner.precision: autocast's, the CPU
 the replay of one block, activation gradients, communication and receive buffers, FSDP2's (planner.memory)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync
 from planner.layers import layer_cost, tied_head
 from planner.memory import memory_by_rank
+from planner.model import ConfigError
 from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import fsdp_copy_bytes, model_state_bytes, optimizer_step_bytes
 from planner.schedule import Sharing, StageTimes, simulate
@@ -205,6 +207,11 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     sync = runtime_sync(cluster, mesh) if model_profile is not None else 0.0
     rank_total = [x + sync for x in rank_total]
     step = max(rank_total)
+    terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
+    if not all(math.isfinite(x) for x in rank_total + terms):
+        raise ConfigError(f"{cluster.name}: the profile prices this plan's step at {step:g} s: one of its rates "
+                          "or bandwidths (device.peak_flops, device.memory_bandwidth_bytes_per_s, a collective's "
+                          "bus bandwidth) is too small to compute with; check the profile")
     r = max(range(pp), key=lambda i: (rank_total[i], -i))
     mine = [stage_info[i] for i in plan.stages_of_rank(r)]
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planner.model import ConfigError
-from planner.profile_checks import check_keys
+from planner.model import ATTENTION_KERNELS, ConfigError
+from planner.profile_checks import check_keys, decimal
 
 FUSED_ATTENTION_DTYPES = ("fp16", "bf16")  # what FlashAttention kernels run
 DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth_bytes_per_s",
@@ -200,11 +200,14 @@ def _attention_curves(d, peak: dict, where: str) -> dict:
         raise ConfigError(f"{where}: expected an object of kernel -> {{head_dim: [[seq_len, flop/s], ...]}}")
     top = max((peak.get(k, 0.0) for k in FUSED_ATTENTION_DTYPES), default=0.0)
     out = {}
+    fused = tuple(k for k in ATTENTION_KERNELS if k != "unfused")
     for kernel, by_dim in d.items():
+        if kernel not in fused:
+            raise ConfigError(f"{where}.{kernel}: unknown kernel; rated kernels are {', '.join(fused)}")
         dims = []
         for hd, points in by_dim.items():
             w = f"{where}.{kernel}.{hd}"
-            if not str(hd).isdigit() or int(hd) < 1:
+            if not decimal(hd) or int(hd) < 1:
                 raise ConfigError(f"{w}: the key must be a head dimension (a positive integer)")
             curve = _curve(points, w, "seq_len", "flop/s")
             if not top or any(r > top for _, r in curve):

@@ -4,6 +4,11 @@ from __future__ import annotations
 from planner.model import ConfigError, ModelConfig, is_int, is_real
 
 
+# max_position_embeddings where a config leaves it out: the defaults of transformers'
+# configuration_<model_type>.py (Mistral's 4096 * 32); GPT-2's n_positions defaults to 1024
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+
+
 def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json") -> ModelConfig:
     """Map a Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, phi3 or gpt2) to a
     ModelConfig. A key given as null counts as absent (Hugging Face's own convention), except for
@@ -44,15 +49,15 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
         head_dim = pos_int("head_dim", None)
         kw = dict(arch="llama", layers=pos_int("num_hidden_layers"), hidden=hidden,
                   ffn_hidden=pos_int("intermediate_size"), heads=heads, kv_heads=pos_int("num_key_value_heads", heads),
-                  vocab=pos_int("vocab_size"), seq_len=pos_int("max_position_embeddings", 4096),
+                  vocab=pos_int("vocab_size"), seq_len=pos_int("max_position_embeddings", MAX_POSITIONS[mt]),
                   tie_embeddings=flag("tie_word_embeddings", False),
-                  qkv_bias=(mt == "qwen2") or flag("attention_bias", False),
+                  qkv_bias=flag("attention_bias", False) or mt == "qwen2",  # Qwen2 always has them
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
                   rope_theta=float(get("rope_theta", lambda v: is_real(v) and v > 0, "a positive number", 10000.0)))
     elif mt == "gpt2":
         h, heads = pos_int("n_embd"), pos_int("n_head")
         kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
-                  heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions"),
+                  heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions", 1024),
                   tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"))
     else:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; use llama, mistral, qwen2, qwen3, phi3 "

@@ -292,7 +292,10 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         _need(isinstance(d, dict), "plan", "expected a JSON object")
         _strict(cls, d, "plan")
-        fv = d.get("format_version", FORMAT_VERSION)
+        _need("format_version" in d, "format_version",
+              f"missing; a plan starts with the format it is written in ({FORMAT_VERSION} here): regenerate it "
+              "with `trident plan` or `trident search`")
+        fv = d["format_version"]
         _need(_is_int(fv), "format_version", f"{fv!r} is not an integer")
         _need(fv <= FORMAT_VERSION, "format_version",
               f"{fv} is newer than this trident understands ({FORMAT_VERSION}); upgrade trident")
@@ -314,11 +317,16 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
+        from planner.profile_checks import check_finite, unreadable  # it imports planner.model, as this does
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); "
                               "regenerate it with `trident plan` or `trident search`") from None
+        except (ValueError, RecursionError) as exc:  # an integer of over 4300 digits, nesting too deep
+            raise ConfigError(f"{source}: not valid JSON ({unreadable(exc)}); "
+                              "regenerate it with `trident plan` or `trident search`") from None
+        check_finite(data, source)
         return cls.from_dict(data)
 
     @classmethod

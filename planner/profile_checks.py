@@ -25,27 +25,63 @@ def read_json(path: Path, flag: str) -> tuple[bytes, object]:
     except OSError as exc:
         raise ConfigError(f"{flag}: cannot read {path} ({exc.strerror or exc}); give a JSON file") from None
     try:
-        return raw, json.loads(raw)
+        data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{flag}: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{flag}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
                           "save it as UTF-8 JSON") from None
     except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"{flag}: {path} is not valid JSON ({type(exc).__name__})") from None
+        raise ConfigError(f"{flag}: {path} is not valid JSON ({unreadable(exc)})") from None
+    check_finite(data, f"{flag}: {path}")
+    return raw, data
+
+
+def unreadable(exc: Exception) -> str:
+    """Why json.loads refused a text that is JSON in form: Python's own limits."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return "an integer of over 4300 digits" if "digits" in str(exc) else type(exc).__name__
 
 
 def check_finite(v, source: str, where: str = "") -> None:
-    """Every number in a parsed JSON document is finite (Python's json reads NaN and Infinity)."""
+    """Every value of a parsed JSON document is one trident can use: numbers finite and integers
+    below 2^64 (Python's json reads NaN, Infinity and integers of any length), strings and keys
+    Unicode text (it reads a lone surrogate such as \\ud800 too, which cannot be printed)."""
     if isinstance(v, float) and not math.isfinite(v):
         raise ConfigError(f"{source}: {where}: {v} is not a finite number; give a real value "
                           "(NaN and Infinity are refused)")
+    if is_int(v) and abs(v) > MAX_INT:
+        raise ConfigError(f"{source}: {where}: an integer of {len(str(abs(v)))} digits is out of range; "
+                          f"give a value below 2^64")
+    if isinstance(v, str) and not _text(v):
+        raise ConfigError(f"{source}: {where}: {ascii(v)[:60]} is not Unicode text (a lone surrogate); "
+                          "give the string as UTF-8 text")
     if isinstance(v, dict):
         for k, x in v.items():
+            if isinstance(k, str) and not _text(k):
+                raise ConfigError(f"{source}: {where or 'the top level'}: the key {ascii(k)[:60]} is not Unicode "
+                                  "text (a lone surrogate); give the key as UTF-8 text")
             check_finite(x, source, f"{where}.{k}" if where else str(k))
     elif isinstance(v, list):
         for i, x in enumerate(v):
             check_finite(x, source, f"{where}[{i}]")
+
+
+def decimal(key) -> bool:
+    """A key that is a whole number in ASCII digits (str.isdigit also takes '²', which int() refuses)."""
+    return isinstance(key, str) and key.isascii() and key.isdigit()
+
+
+MAX_INT = 2 ** 64 - 1  # the largest unsigned 64-bit integer (a seed); no count or size comes near it
+
+
+def _text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_keys(d: dict, known: tuple, prefix: str) -> None:

@@ -158,7 +158,8 @@ def report(args, model, found, describe, prediction) -> int:
             print(f"wrote {args.plot}")
     if any(f["result"] and f["result"].best is not None for f in found):
         return 0
-    print(f"trident: no plan of {model.name} fits at any of these {where}s with global batch {args.global_batch}; "
+    print(f"trident: error: no plan of {model.name} fits at any of these {where}s with global batch "
+          f"{args.global_batch}; "
           "add larger sizes or lower --seq-len", file=sys.stderr)
     return 3
 

@@ -49,6 +49,10 @@ class TokenFileData:
         dtype = dtype or ("uint32" if p.suffix in (".u32", ".uint32") else "uint16")
         if dtype not in TOKEN_DTYPES:
             raise ConfigError(f"--data-dtype: {dtype!r}; use uint16 or uint32")
+        size = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+        if p.stat().st_size < (seq_len + 2) * size:
+            raise ConfigError(f"--data: {path} holds {p.stat().st_size // size} {dtype} tokens, fewer than one "
+                              f"sequence of {seq_len + 1}")
         self.tokens = np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
         if len(self.tokens) < seq_len + 2:
             raise ConfigError(f"--data: {path} holds {len(self.tokens)} tokens, fewer than one sequence "

@@ -73,8 +73,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         plan = Plan.read(args.plan)
-        from runtime.train import check_plan  # every check that needs no process group, before launching
+        from runtime.train import check_out, check_plan  # every check that needs no process group, before launching
         check_plan(args.plan, args, plan.mesh.world_size)
+        check_out(args.out, 1)
     except ConfigError as exc:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2

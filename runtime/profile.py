@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -335,7 +336,7 @@ def launch(argv) -> int:
     nproc = "4"
     if "--nproc-per-node" in argv:
         i = argv.index("--nproc-per-node")
-        if i + 1 >= len(argv) or not argv[i + 1].isdigit() or int(argv[i + 1]) < 1:
+        if i + 1 >= len(argv) or not re.fullmatch(r"[0-9]+", argv[i + 1]) or int(argv[i + 1]) < 1:
             print("trident: error: --nproc-per-node needs a positive integer", file=sys.stderr)
             return 2
         nproc = argv[i + 1]

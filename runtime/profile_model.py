@@ -68,7 +68,7 @@ def check_args(args, world: int) -> None:
     args.dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
     if args.dtype not in ("fp32", "bf16"):
         raise ConfigError(f"--dtype: {args.dtype!r}; the runtime computes in fp32 or bf16")
-    args.cluster = load_cluster(args.cluster_profile)
+    args.cluster = load_cluster(args.cluster_profile, flag="--cluster-profile")
 
 
 def _bytes(tensors) -> int:

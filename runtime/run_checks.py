@@ -63,6 +63,8 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     if sp == {True} and t.seq_len % plan.mesh.tp:
         raise ConfigError(f"training.seq_len: {t.seq_len} is not divisible by tp={plan.mesh.tp}, which sequence "
                           "parallelism needs")
+    for flag, where in (("--checkpoint-dir", args.checkpoint_dir), ("--trace", getattr(args, "trace", None))):
+        check_dir(flag, where)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
@@ -73,6 +75,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} must be at least 0 (0: only at the end)")
     if args.data != "synthetic" and not Path(args.data).is_file():
         raise ConfigError(f"--data: {args.data} is not a file; give a uint16/uint32 token file or synthetic")
+    if args.data != "synthetic":  # long enough for one sequence, in the dtype given (runtime.data)
+        from runtime.data import make_source
+        make_source(args.data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
     return plan
 
 
@@ -88,8 +93,19 @@ def check_out(out, n_plans: int) -> None:
     if n_plans == 1 and path.is_dir():
         raise ConfigError(f"--out: {out} is a directory; with one plan --out names the record's file, "
                           f"e.g. {path / 'run.json'}")
-    parent = path if n_plans > 1 else path.parent
+    check_dir("--out", path if n_plans > 1 else path.parent)
+
+
+def check_dir(flag: str, where) -> None:
+    """A directory the run creates or writes into: refuse, before training, a file in its place or
+    a place it cannot write (the nearest existing directory above it must be writable)."""
+    if not where:
+        return
+    path = Path(where)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag}: {where} is a file; give a directory")
+    parent = path
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out: cannot write under {parent}; give a path in a writable directory")
+        raise ConfigError(f"{flag}: cannot write under {parent}; give a path in a writable directory")

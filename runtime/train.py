@@ -319,8 +319,8 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0 and args.out:
                 out = Path(args.out)
                 if len(plans) > 1:
-                    out.mkdir(parents=True, exist_ok=True)
                     out = out / f"{Path(path).stem}.json"
+                out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(result, indent=2) + "\n")
         # free what the plans left (reference cycles included) and meet before the process group
         # goes: a rank destroying it while rank 0 still wrote, with models freed after it, aborted

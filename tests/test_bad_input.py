@@ -29,6 +29,7 @@ def one_line_error(capsys, entry, argv) -> tuple[int, str]:
     (["--memory-limit", "-5"], "argument --memory-limit"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--global-batch", "2000000"], "training.global_batch"),
+    (["--seq-len", str(10**19)], "argument --seq-len: 10000000000000000000 is out of range"),
 ])
 def test_bad_options(capsys, extra, needle):
     _, line = one_line_error(capsys, main, ["plan", *BASE, *extra])
@@ -60,8 +61,12 @@ def plan_file(tmp_path, capsys):
     (lambda d: d["cluster"].update(profile_hash=5), "cluster.profile_hash"),
     (lambda d: d["pipeline"]["stages"][0].update(recompute=[["none"], "none"]), "pipeline.stages[0].recompute"),
     (lambda d: d["training"].update(seed=-1), "training.seed: -1 must be a non-negative integer"),
-    (lambda d: d["training"].update(seed=2**64), "training.seed: 18446744073709551616 must be a non-negative integer"),
-    (lambda d: d["training"].update(lr=float("inf")), "training.lr: inf must be a finite non-negative number"),
+    (lambda d: d["training"].update(seed=2**64), "training.seed: an integer of 20 digits is out of range"),
+    (lambda d: d["model"].update(norm_eps=10**400), "model.norm_eps: an integer of 401 digits is out of range"),
+    (lambda d: d["model"].update(name="\ud800"), "model.name: '\\ud800' is not Unicode text"),
+    (lambda d: d["training"].update({"\udc00": 1}), "training: the key '\\udc00' is not Unicode text"),
+    (lambda d: d.pop("format_version"), "format_version: missing"),
+    (lambda d: d["training"].update(lr=float("inf")), "training.lr: inf is not a finite number"),
 ])
 def test_bad_plan_fields(capsys, plan_file, edit, needle):
     d = json.loads(plan_file.read_text())
@@ -75,6 +80,16 @@ def test_unreadable_files_and_paths(capsys, plan_file, tmp_path):
     binary = tmp_path / "binary.json"
     binary.write_bytes(b'{"a": "\xff\xfe"}')
     assert "not a text" in one_line_error(capsys, main, ["estimate", str(binary)])[1]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(RUN))
+    for text, words in (("", "Expecting value"), ("[" * 100000 + "]" * 100000, "nested too deeply"),
+                        ('{"a": ' + "9" * 5000 + "}", "an integer of over 4300 digits")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        for argv in (["estimate", str(bad)], ["cluster", "show", str(bad)], ["plan", *BASE, "--cluster", str(bad)]):
+            assert words in one_line_error(capsys, main, argv)[1]
+        for argv in ([str(bad), str(run)], [str(plan_file), str(bad)]):
+            assert words in one_line_error(capsys, compare_main, argv)[1]
     assert "-o/--output" in one_line_error(capsys, main, ["plan", *BASE, "-o", str(tmp_path)])[1]
     assert "-o/--output" in one_line_error(capsys, main, ["plan", *BASE, "-o", str(tmp_path / "no" / "p.json")])[1]
 
@@ -87,9 +102,15 @@ RUN = {"losses": [6.0, 5.9, 5.8], "step_times_s": [0.2, 0.1, 0.1], "warmup_steps
     (lambda r: r.update(warmup_steps="1"), "run.warmup_steps"),
     (lambda r: r.update(step_times_s=["0.1"] * 3), "run.step_times_s"),
     (lambda r: r.update(step_times_s=[0.0] * 3), "run.step_times_s"),
+    (lambda r: r.update(step_times_s=[1e308] * 3), "run.step_times_s"),
     (lambda r: r.update(losses=5), "run.losses"),
     (lambda r: r.update(peak_memory_bytes_per_rank=[1e6] * 8), "run.peak_memory_bytes_per_rank: 8 entries"),
     (lambda r: r.update(world_size="2"), "run.world_size"),
+    (lambda r: r.update(note="\ud800"), "note: '\\ud800' is not Unicode text"),
+    (lambda r: r.update(optimizer_times_s=["0.1"] * 3), "run.optimizer_times_s"),
+    (lambda r: r.update(optimizer_times_s=[None] * 3), "run.optimizer_times_s"),
+    (lambda r: r.update(peak_memory_bytes=-0.5), "run.peak_memory_bytes"),
+    (lambda r: r.update(peak_memory_bytes_per_rank=[-0.5, 1e6]), "run.peak_memory_bytes_per_rank"),
 ])
 def test_bad_run_records(capsys, plan_file, tmp_path, edit, needle):
     run = json.loads(json.dumps(RUN))
@@ -109,6 +130,15 @@ def test_compare_checks_the_prediction_and_the_picture_path(capsys, plan_file, t
     assert "--plot" in one_line_error(capsys, compare_main,
                                       [str(plan_file), str(run), "--plot", str(tmp_path / "no" / "x.png")])[1]
     d = json.loads(plan_file.read_text())
+    for value in (None, 5, "x", [1e6, "x"]):
+        d["prediction"]["breakdown"]["memory_per_pp_rank"] = value
+        plan_file.write_text(json.dumps(d))
+        if value is None:
+            assert compare_main([str(plan_file), str(run)]) == 0
+            capsys.readouterr()
+        else:
+            assert "prediction.breakdown.memory_per_pp_rank" in one_line_error(
+                capsys, compare_main, [str(plan_file), str(run)])[1]
     d["prediction"] = {}
     plan_file.write_text(json.dumps(d))
     assert "prediction.step_time_s" in one_line_error(capsys, compare_main, [str(plan_file), str(run)])[1]
@@ -139,3 +169,36 @@ def test_a_plan_with_more_ranks_than_this_machines_gpus_is_refused_in_one_line(m
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert device.gpus_short(8) is None
     assert device.init(4) == ("gloo", torch.device("cpu"))
+
+
+def test_search_without_a_fit_empty_paths_and_derive_onto_shipped_profiles(capsys, tmp_path):
+    """One `trident: error:` line each: a search where nothing fits; an empty -o, --plot, --cluster;
+    `cluster derive` onto its base or another shipped profile, or at a NIC rate out of range."""
+    from planner.cluster import PROFILE_DIR
+    code, line = one_line_error(capsys, main, ["search", "--model", "llama2-70b", "--cluster", "dgx-a100-80gb",
+                                                "--gpus", "8", "--global-batch", "8"])
+    assert code == 3 and line.startswith("trident: error: no plan of llama2-70b fits")
+    for argv in (["search", *BASE, "-o", ""], ["plan", *BASE, "--plot", " "], ["plan", *BASE[:2], "--cluster", "",
+                                                                                 *BASE[4:]]):
+        assert "an empty value" in one_line_error(capsys, main, argv)[1]
+    for target in ("dgx-a100-80gb", "dgx-h100-80gb"):
+        before = (PROFILE_DIR / f"{target}.json").read_bytes()
+        line = one_line_error(capsys, main, ["cluster", "derive", "dgx-a100-80gb", "--nic-gbps", "100",
+                                             "-o", str(PROFILE_DIR / f"{target}.json")])[1]
+        assert ("is the base profile" if target == "dgx-a100-80gb" else "is a shipped profile") in line
+        assert (PROFILE_DIR / f"{target}.json").read_bytes() == before
+    assert "--nic-gbps: 1e-300 must be from" in one_line_error(
+        capsys, main, ["cluster", "derive", "dgx-a100-80gb", "--nic-gbps", "1e-300", "-o", str(tmp_path / "x.json")])[1]
+
+
+def test_a_profile_too_slow_to_price_is_one_line(capsys, tmp_path):
+    """Finite figures whose step overflows (1e-300 B/s of memory bandwidth at 1e-20 of it achieved):
+    refused, not priced at inf or nan."""
+    from planner.cluster import PROFILE_DIR
+    d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
+    d["device"].update(memory_bandwidth_bytes_per_s=1e-300, memory_bandwidth_efficiency=1e-20)
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(d))
+    line = one_line_error(capsys, main, ["plan", "--model", "tiny", "--cluster", str(path), "--gpus", "16",
+                                         "--global-batch", "16", "--micro-batch", "1", "--tp", "2", "--pp", "2"])[1]
+    assert "is too small to compute with" in line

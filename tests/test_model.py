@@ -107,6 +107,10 @@ def test_hf_config_mapping(tmp_path):
     # a norm epsilon the file leaves out takes transformers' default for the model type
     assert [from_hf_config(c).norm_eps for c in (llama, mistral, qwen, phi3, gpt2)] == [1e-6, 1e-6, 1e-6, 1e-5, 1e-5]
     assert from_hf_config(dict(llama, rms_norm_eps=1e-5)).norm_eps == 1e-5
+    # so does a missing context length (max_position_embeddings, GPT-2's n_positions)
+    drop = lambda c: {k: v for k, v in c.items() if k not in ("max_position_embeddings", "n_positions")}  # noqa: E731
+    assert [from_hf_config(drop(c)).seq_len for c in (llama, mistral, qwen, qwen3, phi3, gpt2)] == \
+        [2048, 131072, 32768, 32768, 4096, 1024]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(gpt2))
     assert load_model(str(path)).arch == "gpt"

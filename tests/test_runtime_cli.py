@@ -53,11 +53,21 @@ def test_an_out_path_that_cannot_take_the_records_is_refused_before_training(tmp
     a_file, a_dir = tmp_path / "taken.json", tmp_path / "records"
     a_file.write_text("{}")
     a_dir.mkdir()
-    for argv, says in ((["--plan", one, two, "--out", a_file], "is a file"),
+    for argv, says in ((["--plan", one, two, "--out", a_file], "--out: " + str(a_file) + " is a file"),
                        (["--plan", one, "--out", a_dir], "is a directory"),
-                       (["--plan", one, "--out", a_file / "run.json"], "cannot write under")):
+                       (["--plan", one, "--out", a_file / "run.json"], "--out: " + str(a_file) + " is a file"),
+                       (["--plan", one, "--trace", a_file], "--trace: " + str(a_file) + " is a file"),
+                       (["--plan", one, "--checkpoint-dir", a_file],
+                        "--checkpoint-dir: " + str(a_file) + " is a file")):
         code, lines = run_main(capsys, *argv)
-        assert code != 0 and len(lines) == 1 and "--out" in lines[0] and says in lines[0], lines
+        assert code != 0 and len(lines) == 1 and says in lines[0], lines
+
+
+def test_a_token_file_shorter_than_a_sequence_is_refused_before_training(tmp_path, capsys):
+    one, data = write_plan(tmp_path, "one"), tmp_path / "tokens.u32"
+    data.write_bytes(bytes(4 * 25))  # 25 uint32 tokens
+    code, lines = run_main(capsys, "--plan", one, "--data", data, "--data-dtype", "uint32")
+    assert code != 0 and len(lines) == 1 and "--data:" in lines[0] and "holds 25 uint32 tokens" in lines[0], lines
 
 
 def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
