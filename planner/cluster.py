@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import networkx as nx
+import numpy as np
 
 from planner.device import DeviceSpec, _curve, _interp, _num, device_from_dict  # noqa: F401 (DeviceSpec: re-exported)
 from planner.model import ConfigError, is_int, is_real
@@ -157,6 +158,14 @@ class ClusterSpec:
             return self.node_of_rank[rank]
         return rank // self.devices_per_node
 
+    def nodes_of(self, ranks: np.ndarray) -> np.ndarray:
+        """node_of of each rank in an integer array."""
+        if not self.node_of_rank:
+            return ranks // self.devices_per_node
+        known = np.asarray(self.node_of_rank)
+        inside = ranks < len(known)
+        return np.where(inside, known[np.where(inside, ranks, 0)], ranks // self.devices_per_node)
+
     def topology(self) -> nx.Graph:
         """Ranks, the node switch of each node, and the fabric, as a graph whose edges carry the
         tier they belong to; the tier between two ranks is the slowest edge on the path."""
@@ -182,6 +191,15 @@ class ClusterSpec:
     def group_shape(self, ranks) -> tuple[int, int, int]:
         """What a collective's price depends on in its group: (members, nodes spanned, the most
         members on one node)."""
+        if len(ranks) > 64:  # large groups (data parallelism over thousands of GPUs) at numpy's pace
+            steps = isinstance(ranks, range) and ranks.step > 0
+            nodes = self.nodes_of(np.arange(ranks.start, ranks.stop, ranks.step) if steps else np.asarray(ranks))
+            if steps and not self.node_of_rank:  # rising: each node's members are one run
+                cuts = np.flatnonzero(np.diff(nodes)) + 1
+                counts = np.diff(np.concatenate(([0], cuts, [len(nodes)])))
+            else:
+                counts = np.unique(nodes, return_counts=True)[1]
+            return len(ranks), len(counts), int(counts.max())
         per_node: dict[int, int] = {}
         for r in ranks:
             node = self.node_of(r)

@@ -65,9 +65,9 @@ def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool) -> floa
     dp (FSDP-sharded parameters, ZeRO >= 1). The pipeline all-reduce is in runtime_sync."""
     groups = []
     if mesh.tp > 1:
-        groups.append([mesh.rank(pp=pp_rank, dp=0, tp=i) for i in range(mesh.tp)])
+        groups.append(mesh.group("tp", pp=pp_rank, dp=0))
     if mesh.dp > 1 and fsdp:
-        groups.append([mesh.rank(pp=pp_rank, dp=i, tp=0) for i in range(mesh.dp)])
+        groups.append(mesh.group("dp", pp=pp_rank, tp=0))
     return sum(cluster.collective_time("all_reduce", SCALAR_BYTES, g) for g in groups)
 
 
@@ -76,5 +76,5 @@ def runtime_sync(cluster: ClusterSpec, mesh) -> float:
     all-reduce over the world, plus the gradient norm's all-reduce over the pipeline ranks."""
     sync = 2 * cluster.collective_time("all_reduce", SCALAR_BYTES, list(range(mesh.world_size)))
     if mesh.pp > 1:
-        sync += cluster.collective_time("all_reduce", SCALAR_BYTES, [mesh.rank(pp=i, dp=0, tp=0) for i in range(mesh.pp)])
+        sync += cluster.collective_time("all_reduce", SCALAR_BYTES, mesh.group("pp", dp=0, tp=0))
     return sync

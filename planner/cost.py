@@ -110,8 +110,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     pipe_op = model_profile.pipeline_overhead(pipe.schedule) if (model_profile is not None and pp > 1) else 0.0
     for si, st in enumerate(pipe.stages):
         r = plan.stage_rank(si)
-        tp_ranks = [mesh.rank(pp=r, dp=0, tp=i) for i in range(tp)]
-        dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
+        tp_ranks = mesh.group("tp", pp=r, dp=0)
+        dp_ranks = mesh.group("dp", pp=r, tp=0)
         costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile) for i in range(st.start, st.end)]
         if m.tie_embeddings and st.end == m.num_layers_total and r == plan.stage_rank(0):
             costs[-1] = tied_head(m, costs[-1], tp)
@@ -199,7 +199,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         if dp > 1:
             for si in mine:
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
-                    dp_ranks = [mesh.rank(pp=r, dp=i, tp=0) for i in range(dp)]
+                    dp_ranks = mesh.group("dp", pp=r, tp=0)
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         rank_total.append(tl.end_s[r] + opt_s + gather + copies)

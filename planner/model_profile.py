@@ -263,7 +263,7 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
         dpm = base.dp_overhead(stage.zero)
         if dpm:
             r = plan.stage_rank(plan.pipeline.stages.index(stage))
-            dp_ranks = [plan.mesh.rank(pp=r, dp=i, tp=0) for i in range(plan.mesh.dp)]
+            dp_ranks = plan.mesh.group("dp", pp=r, tp=0)
             dpm = dp_at_plan_ranks(dpm, cluster, stage.zero, (params * e, params * grad_bytes(t)), dp_ranks,
                                    [i * plan.mesh.tp for i in range(base.data_parallel.get("dp", plan.mesh.dp))])
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s

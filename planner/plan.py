@@ -167,6 +167,13 @@ class Mesh:
             r = r * self.size(dim) + coords[dim]
         return r
 
+    def group(self, dim: str, **coords) -> range:
+        """The ranks of the `dim` group through the rank at `coords` (`dim`'s own coordinate
+        ignored): rank(**coords, dim=i) for each i, an arithmetic progression."""
+        base = self.rank(**{**coords, dim: 0})
+        stride = math.prod(self.size(d) for d in self.order[self.order.index(dim) + 1:])
+        return range(base, base + stride * self.size(dim), stride)
+
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of ranks that differ only in coordinate `dim` (e.g. the TP groups)."""
         others = [d for d in self.order if d != dim]

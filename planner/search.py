@@ -51,11 +51,11 @@ from planner.layers import layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
 from planner.partition import Inner
-from planner.plan import DTYPES, SCHEDULES, Plan, Training
+from planner.plan import DTYPES, SCHEDULES, Mesh, Plan, Training
 from planner.plan_checks import MAX_MICRO_BATCHES
 from planner.build import build_plan, even_stages
 from planner.bounds import in_flight_counts
-from planner.stages import TOL, MenuCache, _rank, distinct_orders
+from planner.stages import TOL, MenuCache, distinct_orders
 
 ORDERS = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
 
@@ -177,8 +177,7 @@ class Ctx:
         group's shape (ClusterSpec.group_shape: all the three depend on)."""
         key = (cfg.tp, cfg.pp, cfg.dp, cfg.order)
         if key not in self._coll:
-            mesh = SimpleNamespace(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
-            ranks = [_rank(mesh, 0, i, 0) for i in range(cfg.dp)]
+            ranks = Mesh(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp).group("dp", pp=0, tp=0)
             self._coll[key] = tuple(_affine(self.cluster, op, ranks) for op in ("all_gather", "all_reduce", "reduce_scatter")) \
                 + (self.cluster.group_shape(ranks),)
         return self._coll[key]

@@ -287,9 +287,13 @@ def distinct_orders(cluster, tp: int, pp: int, dp: int, orders) -> list:
     the cost model, which prices groups by the nodes their ranks are on (ClusterSpec.group_shape),
     so it is left out (on one node every order is the first)."""
     seen, out = set(), []
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    coords = {"pp": np.arange(pp)[:, None, None], "dp": np.arange(dp)[None, :, None], "tp": np.arange(tp)[None, None, :]}
     for order in orders:
-        mesh = SimpleNamespace(order=list(order), pp=pp, dp=dp, tp=tp)
-        nodes = tuple(cluster.node_of(_rank(mesh, a, b, c)) for a in range(pp) for b in range(dp) for c in range(tp))
+        ranks = 0
+        for d in order:  # _rank over every (pp, dp, tp) coordinate at once
+            ranks = ranks * sizes[d] + coords[d]
+        nodes = cluster.nodes_of(np.broadcast_to(ranks, (pp, dp, tp)).ravel()).tobytes()
         if nodes not in seen:
             seen.add(nodes)
             out.append(order)

@@ -147,3 +147,31 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
 def test_lockstep_needs_plain_1f1b():
     with pytest.raises(ConfigError, match="^pipeline.lockstep"):
         make(schedule="interleaved-1f1b", virtual_stages=2, lockstep=True)
+
+
+def test_mesh_groups_and_their_node_shapes_match_rank_by_rank():
+    """Mesh.group (a range) lists rank(**coords, dim=i) for each i, in every order; the cluster
+    prices a large group (numpy, run lengths for a rising range) as it prices its list, with the
+    shipped node map and with a measured one (topology.node_of_rank)."""
+    import itertools
+    import random
+    from planner.cluster import load_cluster
+    from planner.plan import Mesh
+    plain = load_cluster("dgx-a100-80gb").with_nodes(64)
+    mapped = load_cluster("dgx-a100-80gb").with_nodes(64)
+    mapped.node_of_rank = random.Random(0).sample([r // 8 for r in range(512)], 512)
+
+    def shape(cluster, ranks):
+        per_node = {}
+        for r in ranks:
+            per_node[cluster.node_of(r)] = per_node.get(cluster.node_of(r), 0) + 1
+        return len(ranks), len(per_node), max(per_node.values())
+    for order, (pp, dp, tp) in itertools.product(itertools.permutations(("pp", "dp", "tp")),
+                                                 ((2, 128, 2), (4, 16, 8), (1, 512, 1), (8, 64, 1))):
+        mesh = Mesh(pp=pp, dp=dp, tp=tp, order=list(order))
+        for dim in ("pp", "dp", "tp"):
+            others = {d: mesh.size(d) - 1 for d in ("pp", "dp", "tp") if d != dim}
+            group = mesh.group(dim, **others)
+            assert list(group) == [mesh.rank(**others, **{dim: i}) for i in range(mesh.size(dim))]
+            for cluster in (plain, mapped):
+                assert cluster.group_shape(group) == cluster.group_shape(list(group)) == shape(cluster, group)
