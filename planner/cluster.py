@@ -289,12 +289,13 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
         if op not in coll:
             raise ConfigError(f"{source}: collectives.{op} is missing; a profile needs {', '.join(COLLECTIVES)}")
         collectives[op] = {}
+        if isinstance(coll[op], dict):
+            check_keys(coll[op], TIERS, f"{source}: collectives.{op}.")
         for tier in TIERS:
             ab = coll[op].get(tier) if isinstance(coll[op], dict) else None
             wt = f"{source}: collectives.{op}.{tier}"
             if not isinstance(ab, dict):
                 raise ConfigError(f"{wt}: missing; give alpha_s and bus_bandwidth_bytes_per_s")
-            check_keys(coll[op], TIERS, f"{source}: collectives.{op}.")
             check_keys(ab, TIER_KEYS, f"{wt}.")
             by_n, segs = {}, {}
             if not isinstance(ab.get("by_group_size") or {}, dict):

@@ -82,11 +82,11 @@ def check_prediction(prediction) -> None:
     mem = prediction["breakdown"].get("memory_per_pp_rank")
     if mem is not None and not (isinstance(mem, list) and all(_nonneg(x) for x in mem)):
         raise ConfigError(f"prediction.breakdown.memory_per_pp_rank: {mem!r} must be a list of bytes >= 0; {fix}")
-    slots = prediction["breakdown"]["time"].get("compute_slots") if "time" in prediction["breakdown"] else None
+    slots = prediction["breakdown"].get("time", {}).get("compute_slots")
     if slots is not None and not _is_number(slots, 0.0):
         raise ConfigError(f"prediction.breakdown.time.compute_slots: {slots!r} must be a number above 0 or null; {fix}")
     opt = prediction["breakdown"].get("optimizer_per_pp_rank_s")
-    if opt is not None and not (isinstance(opt, list) and opt and all(_is_number(x) and x >= 0 for x in opt)):
+    if opt is not None and not (isinstance(opt, list) and opt and all(_nonneg(x) for x in opt)):
         raise ConfigError(f"prediction.breakdown.optimizer_per_pp_rank_s: {opt!r} must be a list of numbers >= 0; "
                           f"{fix}")
 

@@ -45,11 +45,8 @@ def price(plan, args):
             except ConfigError:
                 pass
         return plan.prediction, timeline
-    try:
-        cluster = load_cluster(args.cluster_profile or plan.cluster.name,
-                                   flag="--cluster-profile" if args.cluster_profile else "cluster.name")
-    except ConfigError as exc:  # the option here is --cluster-profile
-        raise ConfigError(str(exc).replace("--cluster:", "--cluster-profile:", 1)) from None
+    cluster = load_cluster(args.cluster_profile or plan.cluster.name,
+                           flag="--cluster-profile" if args.cluster_profile else "cluster.name")
     if plan.cluster.profile_hash and cluster.profile_hash != plan.cluster.profile_hash and not args.allow_other_profile:
         raise ConfigError(f"cluster.profile_hash: the plan was priced with another {plan.cluster.name} profile "
                           f"({plan.cluster.profile_hash[:19]}...); pass that profile with --cluster-profile or "

@@ -197,9 +197,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         opt_s += clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine))
         gather = 0.0
         if dp > 1:
+            dp_ranks = mesh.group("dp", pp=r, tp=0)
             for si in mine:
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
-                    dp_ranks = mesh.group("dp", pp=r, tp=0)
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         rank_total.append(tl.end_s[r] + opt_s + gather + copies)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.model import ConfigError, ModelConfig, is_int as _is_int
+from planner.profile_checks import check_finite, unreadable
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
@@ -324,7 +325,6 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
-        from planner.profile_checks import check_finite, unreadable  # it imports planner.model, as this does
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

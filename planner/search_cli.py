@@ -124,8 +124,7 @@ def cmd_search(args) -> int:
         given = _constraints_given(args)
         gpus = cluster.world_size
         print(f"trident: error: no plan of {model.name} fits in {lim / GiB:.1f} GiB per device on {gpus} "
-              f"GPU{'s' * (gpus > 1)} "
-              f"with global batch {args.global_batch}" + (f" under {given}" if given else "") + need
+              f"GPU{'s' * (gpus > 1)} with global batch {args.global_batch}" + (f" under {given}" if given else "") + need
               + ("; lift a constraint" if given else "; add GPUs (--gpus, --nodes) or lower --seq-len"),
               file=sys.stderr)
         return 3

@@ -159,8 +159,7 @@ def report(args, model, found, describe, prediction) -> int:
     if any(f["result"] and f["result"].best is not None for f in found):
         return 0
     print(f"trident: error: no plan of {model.name} fits at any of these {where}s with global batch "
-          f"{args.global_batch}; "
-          "add larger sizes or lower --seq-len", file=sys.stderr)
+          f"{args.global_batch}; add larger sizes or lower --seq-len", file=sys.stderr)
     return 3
 
 

@@ -293,7 +293,7 @@ def distinct_orders(cluster, tp: int, pp: int, dp: int, orders) -> list:
         ranks = 0
         for d in order:  # _rank over every (pp, dp, tp) coordinate at once
             ranks = ranks * sizes[d] + coords[d]
-        nodes = cluster.nodes_of(np.broadcast_to(ranks, (pp, dp, tp)).ravel()).tobytes()
+        nodes = cluster.nodes_of(ranks.ravel()).tobytes()  # ranks: (pp, dp, tp), every dim in order
         if nodes not in seen:
             seen.add(nodes)
             out.append(order)

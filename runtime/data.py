@@ -54,9 +54,6 @@ class TokenFileData:
             raise ConfigError(f"--data: {path} holds {p.stat().st_size // size} {dtype} tokens, fewer than one "
                               f"sequence of {seq_len + 1}")
         self.tokens = np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
-        if len(self.tokens) < seq_len + 2:
-            raise ConfigError(f"--data: {path} holds {len(self.tokens)} tokens, fewer than one sequence "
-                              f"of {seq_len + 1}")
         self.seq_len, self.seed, self.vocab = seq_len, seed, vocab
 
     def batch(self, step: int, global_batch: int) -> torch.Tensor:

@@ -73,10 +73,10 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError(f"--steps: {args.steps} must be at least 1")
     if args.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} must be at least 0 (0: only at the end)")
-    if args.data != "synthetic" and not Path(args.data).is_file():
-        raise ConfigError(f"--data: {args.data} is not a file; give a uint16/uint32 token file or synthetic")
-    if args.data != "synthetic":  # long enough for one sequence, in the dtype given (runtime.data)
-        from runtime.data import make_source
+    if args.data != "synthetic":
+        if not Path(args.data).is_file():
+            raise ConfigError(f"--data: {args.data} is not a file; give a uint16/uint32 token file or synthetic")
+        from runtime.data import make_source  # long enough for one sequence, in the dtype given
         make_source(args.data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
     return plan
 
