@@ -42,7 +42,8 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                dp: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
                order: list | None = None, stages: list | None = None, lockstep: bool = False,
-               recv_buffers: str = "preallocated", p2p: str = "full", **training_overrides) -> Plan:
+               recv_buffers: str = "preallocated", p2p: str = "full", dp_replicate: int = 1,
+               **training_overrides) -> Plan:
     """A validated hand-made plan. `dp` defaults to world / (tp * pp); `stages` defaults to an
     even split. Raises ConfigError naming the field on any inconsistency."""
     world = nodes * devices_per_node
@@ -65,7 +66,7 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                           **{"master_weights": dtype != "fp32", **training_overrides}),
         cluster=ClusterRef(name=cluster_name, nodes=nodes, devices_per_node=devices_per_node,
                            device=device, profile_hash=profile_hash),
-        mesh=Mesh(pp=pp, dp=dp, tp=tp, order=list(order) if order else ["pp", "dp", "tp"]),
+        mesh=Mesh(pp=pp, dp=dp, tp=tp, order=list(order) if order else ["pp", "dp", "tp"], dp_replicate=dp_replicate),
         pipeline=Pipeline(schedule=schedule, virtual_stages=virtual_stages, micro_batches=mb_count,
                           stages=stages if stages is not None else even_stages(
                               model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1),

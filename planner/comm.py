@@ -62,12 +62,13 @@ def regathers(training, recompute: str, split: bool = False) -> int:
 def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool) -> float:
     """Seconds of the all-reduces runtime.optim.clip_grad_norm issues once per step on a rank of
     pipeline rank `pp_rank`: one scalar per sharded mesh dimension, tp (TP-sharded parameters) and
-    dp (FSDP-sharded parameters, ZeRO >= 1). The pipeline all-reduce is in runtime_sync."""
+    dp (FSDP-sharded parameters, ZeRO >= 1: over the shard group under HSDP, whose replicas hold
+    copies). The pipeline all-reduce is in runtime_sync."""
     groups = []
     if mesh.tp > 1:
         groups.append(mesh.group("tp", pp=pp_rank, dp=0))
-    if mesh.dp > 1 and fsdp:
-        groups.append(mesh.group("dp", pp=pp_rank, tp=0))
+    if mesh.dp_shard > 1 and fsdp:
+        groups.append(mesh.shard_group(pp=pp_rank, tp=0))
     return sum(cluster.collective_time("all_reduce", SCALAR_BYTES, g) for g in groups)
 
 

@@ -23,7 +23,9 @@ stream, overlapping the rest of the backward (with training.overlap_grad_reduce 
 whole backward); ZeRO-2 and 3 reduce-scatter every micro-batch's gradients on that stream, which
 slows a backward only where it takes longer; ZeRO-3 gathers parameters before each forward and
 backward, overlapped with compute by prefetching; the optimizer step (AdamW with gradient
-clipping) is memory-bound.
+clipping) is memory-bound. Under HSDP (mesh.dp_replicate > 1) all of that runs over the shard group
+(dp / dp_replicate ranks), and each stage's reduced shard is then all-reduced across the replicas
+once a step, after its last reduce-scatter.
 
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
@@ -103,6 +105,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     cluster = cluster.shaped_as(plan.cluster.nodes, plan.cluster.devices_per_node)
     dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
+    shard = mesh.dp_shard  # the ranks ZeRO shards over (dp, or HSDP's shard group)
     e = DTYPES[t.dtype]
     gb = model_state_bytes(t)[1]
     bw = cluster.device.memory_bytes_per_s
@@ -111,7 +114,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     for si, st in enumerate(pipe.stages):
         r = plan.stage_rank(si)
         tp_ranks = mesh.group("tp", pp=r, dp=0)
-        dp_ranks = mesh.group("dp", pp=r, tp=0)
+        dp_ranks, rep_ranks = mesh.shard_group(pp=r, tp=0), mesh.replicate_group(pp=r, tp=0)
         costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile) for i in range(st.start, st.end)]
         if m.tie_embeddings and st.end == m.num_layers_total and r == plan.stage_rank(0):
             costs[-1] = tied_head(m, costs[-1], tp)
@@ -124,7 +127,11 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         zero3_f = zero3_b = zero3_w = 0.0
         split = split_backward(pipe.schedule, pp)  # its backward is two operations, I and W
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
-        ag = cluster.collective_time("all_gather", params * e, dp_ranks) if (dp > 1 and st.zero == 3) else 0.0
+        # HSDP: the reduced shard all-reduced across the replicas once a step (the runtime skips it
+        # on the other micro-batches: FSDP2's set_requires_all_reduce), after the last reduce-scatter
+        replicas = (cluster.collective_time("all_reduce", grad_total / shard, rep_ranks)
+                    if mesh.dp_replicate > 1 else 0.0)
+        ag = cluster.collective_time("all_gather", params * e, dp_ranks) if (shard > 1 and st.zero == 3) else 0.0
         if ag:  # gather parameters before forward and again before backward
             zero3_f = max(0.0, ag - comp_f)
             zero3_b = max(0.0, ag - comp_b)
@@ -132,7 +139,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         # (measured with the data-parallel wrapping where the model profile has it)
         copy_f = copy_b = copy_step = 0.0
         if t.fsdp_copies and not measured_dp:
-            copy_f, copy_b, copy_step = (x * params / bw for x in fsdp_copy_bytes(st.zero, dp, mbs, e, gb))
+            copy_f, copy_b, copy_step = (x * params / bw for x in fsdp_copy_bytes(st.zero, shard, mbs, e, gb))
         if measured_dp:  # the model profile measured the runtime's data-parallel wrapping itself
             zero3_f = sum(c.dp_measured["forward_s"] for c in costs)
             zero3_b = sum(c.dp_measured["backward_s"] for c in costs)
@@ -142,18 +149,20 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                     sum(c.dp_measured["backward_sync_s"] for c in costs))
             if st.zero >= 2 and mbs > 1:  # every backward is a synchronizing one, as measured
                 zero3_b, sync = zero3_b + sync, 0.0
+            sync += replicas
         elif dp <= 1:
             sync = 0.0
         elif st.zero == 0:
             sync = cluster.collective_time("all_reduce", grad_total, dp_ranks)
         else:
-            sync = cluster.collective_time("reduce_scatter", grad_total, dp_ranks)
+            rs = cluster.collective_time("reduce_scatter", grad_total, dp_ranks)
+            sync = rs + replicas
             if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
-                zero3_b = max(0.0, ag + sync - comp_b)
+                zero3_b = max(0.0, ag + rs - comp_b)
         if split and st.zero >= 2 and dp > 1:
             # runtime.pipeline: I and W each gather the chunk's blocks before computing (ZeRO 3), and
             # W reduce-scatters the micro-batch's gradients after its own computation (measured: I's)
-            zero3_w = ag if measured_dp else ag + max(0.0, sync - sum(c.bwd_weight_s for c in costs))
+            zero3_w = ag if measured_dp else ag + max(0.0, rs - sum(c.bwd_weight_s for c in costs))
             zero3_b = zero3_b if measured_dp else ag
         # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
         # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
@@ -190,14 +199,14 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     rank_total, per_rank = [], []
     for r in range(pp):
         mine = [stage_info[i] for i in plan.stages_of_rank(r)]
-        opt_params = sum(si["params"] / (dp if si["zero"] >= 1 else 1) for si in mine)
+        opt_params = sum(si["params"] / (shard if si["zero"] >= 1 else 1) for si in mine)
         opt_s = opt_params * optimizer_step_bytes(t) / bw
         if model_profile is not None:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
         opt_s += clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine))
         gather = 0.0
         if dp > 1:
-            dp_ranks = mesh.group("dp", pp=r, tp=0)
+            dp_ranks = mesh.shard_group(pp=r, tp=0)
             for si in mine:
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)

@@ -282,7 +282,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     per stage, its "params" and per-layer "costs" (planner.layers.LayerCost). Each rank's
     other_parts says what its other holds (OTHER_PARTS)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
-    dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
+    # `dp` is the ranks ZeRO shards over: all of dp, or HSDP's shard group (at least 2, as dp is)
+    dp, tp, pp, v, mbs = mesh.dp_shard, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
     pb, gb, ob = model_state_bytes(t, dp)
     spb = sharded_param_bytes(t)

@@ -225,7 +225,7 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     from planner.comm import regathers, tp_comm
     from planner.layers import LayerCost, layer_cost
     from planner.plan import DTYPES
-    from planner.precision import grad_bytes, sp_gathered_bytes
+    from planner.precision import grad_bytes, optimizer_step_bytes, sp_gathered_bytes
     m, t = plan.model, plan.training
     b, s, sp = t.micro_batch, t.seq_len, stage.sequence_parallel
     e = DTYPES[t.dtype]
@@ -263,9 +263,13 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
         dpm = base.dp_overhead(stage.zero)
         if dpm:
             r = plan.stage_rank(plan.pipeline.stages.index(stage))
-            dp_ranks = plan.mesh.group("dp", pp=r, tp=0)
+            dp_ranks = plan.mesh.shard_group(pp=r, tp=0)  # HSDP's replicas: planner.cost
+            measured = base.data_parallel.get("dp", plan.mesh.dp)
             dpm = dp_at_plan_ranks(dpm, cluster, stage.zero, (params * e, params * grad_bytes(t)), dp_ranks,
-                                   [i * plan.mesh.tp for i in range(base.data_parallel.get("dp", plan.mesh.dp))])
+                                   [i * plan.mesh.tp for i in range(measured)])
+            if stage.zero >= 1:  # its optimizer stepped 1 / measured of the parameters: the plan's share
+                more = params * optimizer_step_bytes(t) * (1 / plan.mesh.dp_shard - 1 / measured)
+                dpm = dict(dpm, optimizer_s=max(0.0, dpm["optimizer_s"] + more / cluster.device.memory_bytes_per_s))
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
     wshare = 0.0
     if plan.pipeline.schedule == "zbv":  # the weights' share of the measured backward, as the analytic

@@ -16,7 +16,8 @@ Conventions:
   2 pp - 1 - i (torch's ScheduleZBVZeroBubble), so rank 0 holds the first and the last.
 - ZeRO level per stage: 0 = plain data parallel (parameters, gradients and optimizer state
   replicated), 1 = optimizer state sharded over dp, 2 = gradients too, 3 = parameters too
-  (FSDP, resharded after forward).
+  (FSDP, resharded after forward). With `mesh.dp_replicate` R > 1 (HSDP) "dp" there means a shard
+  group of dp / R consecutive dp coordinates, whose shards the R groups all-reduce.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs"),
-                 "pipeline": ("lockstep", "recv_buffers", "p2p")}
+                 "pipeline": ("lockstep", "recv_buffers", "p2p"), "mesh": ("dp_replicate",)}
 MESH_DIMS = ("pp", "dp", "tp")
 
 
@@ -145,6 +146,13 @@ class Mesh:
     dp: int
     tp: int
     order: list = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost -> innermost
+    # HSDP (torchtitan's data_parallel_replicate_degree): dp_replicate groups of dp / dp_replicate
+    # consecutive dp coordinates; ZeRO shards within a group, the groups all-reduce their shards
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:  # the ranks ZeRO shards over: dp without HSDP
+        return self.dp // self.dp_replicate
 
     def size(self, dim: str) -> int:
         return getattr(self, dim)
@@ -175,17 +183,19 @@ class Mesh:
         stride = math.prod(self.size(d) for d in self.order[self.order.index(dim) + 1:])
         return range(base, base + stride * self.size(dim), stride)
 
+    def shard_group(self, **coords) -> range:
+        """The dp ranks through `coords` that ZeRO shards over (all of dp without HSDP)."""
+        g, s = self.group("dp", **coords), self.dp_shard
+        first = coords.get("dp", 0) // s * s
+        return g[first:first + s]
+
+    def replicate_group(self, **coords) -> range:
+        """The dp ranks through `coords` that hold the same shard (HSDP's replicas)."""
+        return self.group("dp", **coords)[coords.get("dp", 0) % self.dp_shard::self.dp_shard]
+
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group of ranks that differ only in coordinate `dim` (e.g. the TP groups)."""
-        others = [d for d in self.order if d != dim]
-        groups = []
-        for combo in range(math.prod(self.size(d) for d in others)):
-            fixed = {}
-            for d in reversed(others):
-                fixed[d] = combo % self.size(d)
-                combo //= self.size(d)
-            groups.append([self.rank(**fixed, **{dim: i}) for i in range(self.size(dim))])
-        return groups
+        """Every group of ranks that differ only in coordinate `dim` (e.g. the TP groups), by first rank."""
+        return [list(self.group(dim, **c)) for c in map(self.coords, range(self.world_size)) if c[dim] == 0]
 
 
 @dataclass
@@ -269,7 +279,8 @@ class Plan:
             "model": self.model.to_dict(),
             "training": training,
             "cluster": dataclasses.asdict(self.cluster),
-            "mesh": dataclasses.asdict(self.mesh),
+            "mesh": {k: v for k, v in dataclasses.asdict(self.mesh).items()
+                     if k not in ADDED_OPTIONS["mesh"] or v != _default(Mesh, k)},
             "pipeline": {
                 "schedule": self.pipeline.schedule,
                 "virtual_stages": self.pipeline.virtual_stages,

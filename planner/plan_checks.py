@@ -54,6 +54,11 @@ def check(plan) -> None:
     _need(isinstance(mesh.order, list) and all(isinstance(d, str) for d in mesh.order)
           and sorted(mesh.order) == sorted(MESH_DIMS), "mesh.order",
           f"{mesh.order!r} must list pp, dp and tp once each, outermost first")
+    r = mesh.dp_replicate
+    _need(_is_int(r) and r > 0, "mesh.dp_replicate", f"{r!r} must be a positive integer (1: no HSDP)")
+    _need(mesh.dp % r == 0 and (r == 1 or mesh.dp // r >= 2), "mesh.dp_replicate",
+          f"{r} must divide dp={mesh.dp} and leave a shard group of at least 2 (dp / dp_replicate); "
+          "pick a divisor of dp below it, or 1")
     _need(mesh.world_size == c.world_size, "mesh",
           f"pp*dp*tp = {mesh.pp}*{mesh.dp}*{mesh.tp} = {mesh.world_size} but the cluster has "
           f"{c.world_size} GPUs ({c.nodes} nodes x {c.devices_per_node}); make the degrees multiply to {c.world_size}")
@@ -125,4 +130,7 @@ def check(plan) -> None:
           "between stages are split by sequence under it, so set it the same on every stage")
     _need(expect == total, "pipeline.stages",
           f"cover layers up to {expect - 1} but the model has layers 0..{total - 1}; the last stage must end at {total}")
+    _need(mesh.dp_replicate == 1 or all(st.zero >= 1 for st in p.stages), "mesh.dp_replicate",
+          f"{mesh.dp_replicate} (HSDP) shards within groups of dp / dp_replicate, which needs ZeRO 1-3 on every "
+          "stage; set the stages' zero to 1, 2 or 3, or dp_replicate to 1")
     _need(plan.prediction is None or isinstance(plan.prediction, dict), "prediction", "must be an object or null")

@@ -29,9 +29,10 @@ def describe_plan(plan: Plan) -> str:
     zeros = sorted({st.zero for st in p.stages})
     sp = sp_mode(plan)
     split = " | ".join(f"{st.start}-{st.end - 1}" for st in p.stages)
+    hsdp = f" (HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards)" if mesh.dp_replicate > 1 else ""
     return (f"{m.name} ({m.num_parameters() / 1e9:,.2f} B params) on {plan.cluster.nodes} x "
             f"{plan.cluster.devices_per_node} {plan.cluster.device} ({plan.cluster.name})\n"
-            f"mesh pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
+            f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "

@@ -10,6 +10,7 @@ from planner import sizing
 from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, sized
 from planner.cluster import load_cluster
 from planner.cost import estimate
+from planner.hsdp import with_hsdp
 from planner.model import ConfigError, load_model
 from planner.report import describe_plan, estimate_table, sp_mode
 from planner.sp_modes import EITHER, search_either
@@ -20,7 +21,8 @@ def _search_row(i, found) -> dict:
     m, mesh, p = plan.model, plan.mesh, plan.pipeline
     blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
     rec = ",".join(f"{mode}:{blocks.count(mode)}" for mode in ("none", "selective", "full") if blocks.count(mode))
-    return {"#": i, "tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "order": "-".join(mesh.order),
+    dp = f"{mesh.dp_replicate}x{mesh.dp_shard}" if mesh.dp_replicate > 1 else mesh.dp  # HSDP: replicas x shards
+    return {"#": i, "tp": mesh.tp, "pp": mesh.pp, "dp": dp, "order": "-".join(mesh.order),
             "schedule": p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
             "micro-batch": f"{plan.training.micro_batch}x{p.micro_batches}",
             "zero": ",".join(str(z) for z in sorted({st.zero for st in p.stages})),
@@ -108,6 +110,9 @@ def cmd_search(args) -> int:
         run = partial(search_profiled, model, cluster, mp) if mp is not None else partial(search, model, cluster)
         res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER
                else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
+        t = time.perf_counter()
+        res.results = with_hsdp(res.results, cluster, limit, mp)  # planner.hsdp
+        res.elapsed_s += time.perf_counter() - t
         if shown[0]:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
             shown[0] = 0.0
@@ -136,6 +141,7 @@ def cmd_search(args) -> int:
     if args.json:
         out = best.estimate.to_dict()
         out["alternatives"] = [{"degrees": {"tp": f.plan.mesh.tp, "pp": f.plan.mesh.pp, "dp": f.plan.mesh.dp,
+                                            "dp_replicate": f.plan.mesh.dp_replicate,
                                             "order": f.plan.mesh.order, "schedule": f.plan.pipeline.schedule,
                                             "virtual_stages": f.plan.pipeline.virtual_stages,
                                             "micro_batch": f.plan.training.micro_batch,

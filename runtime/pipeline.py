@@ -31,7 +31,8 @@ class _Stage(PipelineStage):
     backward, as after its forward (else it would hold every block gathered by the end of each
     backward: ZeRO-1's parameter memory); a ZeRO-2 chunk keeps its parameters gathered. The
     planner prices both so. Under zbv's split backward a ZeRO-2/3 chunk gathers its parameters
-    before I and before W and reduce-scatters after W (_weight_backward).
+    before I and before W and reduce-scatters after W (_weight_backward). Under HSDP the replicas
+    all-reduce a ZeRO-2/3 chunk's accumulated shard once, after the last micro-batch's backward.
 
     The last stage drops its output (the logits) from the forward cache once the forward is done:
     its backward starts from the loss, which keeps what it needs (runtime.loss), and the cached
@@ -64,6 +65,7 @@ class _Stage(PipelineStage):
         self.submod.set_is_last_backward(last_backward)
         self.submod.set_reshard_after_backward(self._zero == 3)
         self.submod.set_requires_gradient_sync(True)
+        self.submod.set_requires_all_reduce(last_backward)  # HSDP: across the replicas once, at the end
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
 
@@ -85,6 +87,7 @@ class _Stage(PipelineStage):
         self._unshard()
         result = super().backward_maybe_with_nosync("weight", bwd_kwargs, last_backward)
         self.submod.set_requires_gradient_sync(True)
+        self.submod.set_requires_all_reduce(last_backward)
         self.submod.set_reshard_after_backward(self._zero == 3)
         state = fully_shard.state(self.submod)
         for s in state._state_ctx.all_states:

@@ -69,16 +69,27 @@ def compute_dtype(plan: Plan, args, device: torch.device) -> str:
     return dtype
 
 
+def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The world's DeviceMesh in the plan's order, and the mesh data parallelism runs over. Under
+    HSDP (mesh.dp_replicate > 1) dp is two dimensions, dp_replicate outside dp_shard, as
+    planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards)."""
+    dims = [d for dim in m.order for d in (("dp_replicate", "dp_shard") if dim == "dp" and m.dp_replicate > 1
+                                           else (dim,))]
+    sizes = {"pp": m.pp, "dp": m.dp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard}
+    mesh = DeviceMesh(device_type, torch.arange(m.world_size).reshape([sizes[d] for d in dims]),
+                      mesh_dim_names=tuple(dims))
+    return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
+
+
 class Trainer:
     """The model chunks, optimizers and schedule of one plan on this rank."""
 
     def __init__(self, plan: Plan, args, device: torch.device):
         self.plan, self.args, self.device = plan, args, device
         m = plan.mesh
-        self.mesh = DeviceMesh(device.type, torch.arange(m.world_size).reshape([m.size(d) for d in m.order]),
-                               mesh_dim_names=tuple(m.order))
+        self.mesh, self.dp_mesh = build_mesh(m, device.type)
         self.pp_rank = self.mesh["pp"].get_local_rank()
-        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.dp_rank = m.coords(dist.get_rank())["dp"]  # of the batch: HSDP's replica x shard_size + shard
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.stage_ids = plan.stages_of_rank(self.pp_rank)
         self.n_stages = len(plan.pipeline.stages)
@@ -102,7 +113,7 @@ class Trainer:
             apply_tp(chunk, self.mesh["tp"], st.sequence_parallel, self.plan.training.sp_saved_inputs == "shard")
         apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)},
                         split_backward=split_backward(self.plan.pipeline.schedule, m.pp))
-        apply_data_parallel(chunk, self.mesh["dp"], st.zero, AUTOCAST_DTYPES.get(self.dtype))
+        apply_data_parallel(chunk, self.dp_mesh, st.zero, AUTOCAST_DTYPES.get(self.dtype))
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies
         init_weights(chunk, self.plan.training.seed)
@@ -130,6 +141,7 @@ class Trainer:
             if isinstance(c, FSDPModule):
                 zero = self.plan.pipeline.stages[sid].zero
                 c.set_requires_gradient_sync(last or zero >= 2)
+                c.set_requires_all_reduce(last)  # HSDP: the replicas all-reduce the accumulated shard once
                 if zero in (1, 2):
                     c.set_reshard_after_backward(last)
 
@@ -266,7 +278,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "plan": str(plan_path),
         "plan_hash": plan_hash,
         "world_size": world,
-        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp, "order": plan.mesh.order},
+        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp, "order": plan.mesh.order,
+                 "dp_replicate": plan.mesh.dp_replicate},
         "schedule": plan.pipeline.schedule,
         "dtype": trainer.dtype,
         "first_step": start_step,

@@ -1,0 +1,38 @@
+"""HSDP for the search's plans: each plan the search returns with ZeRO 1-3 on every stage and
+dp >= 4 is priced again with its data-parallel ranks split into replicas of a shard group
+(mesh.dp_replicate, every divisor of dp that leaves a shard group of at least 2), and replaced by
+the fastest split that fits where that beats it.
+
+A pass over the returned plans, not a dimension of the partition search (planner.search): HSDP
+changes only the data-parallel collectives and the sharded states, never the compute, so a plan
+far from the best cannot overtake it this way. On the shipped profiles the flat group is not
+slower in any case tried: NCCL's ring over the whole dp group carries 1/8 of the gradients across
+each node's boundary per NIC on eight-NIC nodes, where the replicas' all-reduce carries a quarter
+(twice an eighth); a measured profile whose large groups are slow (ClusterSpec by_group_size) can
+make HSDP the faster plan."""
+from __future__ import annotations
+
+import dataclasses
+
+from planner.cost import estimate
+
+
+def replica_counts(dp: int) -> list[int]:
+    """The values of mesh.dp_replicate a dp degree admits besides 1."""
+    return [r for r in range(2, dp // 2 + 1) if dp % r == 0]
+
+
+def with_hsdp(results: list, cluster, memory_limit_bytes=None, model_profile=None) -> list:
+    """`results` (planner.search.Found, best first) with each plan replaced by its fastest HSDP
+    split where that is faster and fits; re-sorted."""
+    out = []
+    for f in results:
+        plan, best = f.plan, f
+        if all(st.zero >= 1 for st in plan.pipeline.stages):
+            for r in replica_counts(plan.mesh.dp):
+                p = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, dp_replicate=r)).validate()
+                est = estimate(p, cluster, memory_limit_bytes=memory_limit_bytes, model_profile=model_profile)
+                if est.fits and est.step_time_s < best.estimate.step_time_s:
+                    best = dataclasses.replace(f, plan=p, estimate=est)
+        out.append(best)
+    return sorted(out, key=lambda f: f.estimate.step_time_s)
