@@ -1,7 +1,8 @@
 """HSDP for the search's plans: each plan the search returns with ZeRO 1-3 on every stage and
 dp >= 4 is priced again with its data-parallel ranks split into replicas of a shard group
 (mesh.dp_replicate, every divisor of dp that leaves a shard group of at least 2), and replaced by
-the fastest split that fits where that beats it.
+the fastest split that fits where that beats it (`trident search --dp-replicate` narrows the
+counts; without 1 among them only split plans are kept).
 
 A pass over the returned plans, not a dimension of the partition search (planner.search): HSDP
 changes only the data-parallel collectives and the sharded states, never the compute, so a plan
@@ -22,17 +23,22 @@ def replica_counts(dp: int) -> list[int]:
     return [r for r in range(2, dp // 2 + 1) if dp % r == 0]
 
 
-def with_hsdp(results: list, cluster, memory_limit_bytes=None, model_profile=None) -> list:
-    """`results` (planner.search.Found, best first) with each plan replaced by its fastest HSDP
-    split where that is faster and fits; re-sorted."""
+def with_hsdp(results: list, cluster, memory_limit_bytes=None, model_profile=None, allowed=None) -> list:
+    """`results` (planner.search.Found, best first), each plan replaced by its fastest split into
+    `allowed` replica counts (None: every count; 1 is the flat plan itself) that fits, dropped
+    where none does; re-sorted."""
     out = []
     for f in results:
-        plan, best = f.plan, f
+        plan = f.plan
+        best = f if allowed is None or 1 in allowed else None
         if all(st.zero >= 1 for st in plan.pipeline.stages):
             for r in replica_counts(plan.mesh.dp):
+                if allowed is not None and r not in allowed:
+                    continue
                 p = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, dp_replicate=r)).validate()
                 est = estimate(p, cluster, memory_limit_bytes=memory_limit_bytes, model_profile=model_profile)
-                if est.fits and est.step_time_s < best.estimate.step_time_s:
+                if est.fits and (best is None or est.step_time_s < best.estimate.step_time_s):
                     best = dataclasses.replace(f, plan=p, estimate=est)
-        out.append(best)
+        if best is not None:
+            out.append(best)
     return sorted(out, key=lambda f: f.estimate.step_time_s)

@@ -61,7 +61,8 @@ def _search_space(args):
 def _constraints_given(args) -> str:
     """The search constraints on the command line, as typed."""
     parts = []
-    for arg in ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "zero", "recompute", "sequence_parallel"):
+    for arg in ("tp", "pp", "dp", "dp_replicate", "micro_batch", "schedule", "virtual_stages", "zero", "recompute",
+                "sequence_parallel"):
         v = getattr(args, arg)
         if v is not None:
             parts.append(f"--{arg.replace('_', '-')} " + (v if isinstance(v, str) else ",".join(str(x) for x in v)))
@@ -111,7 +112,9 @@ def cmd_search(args) -> int:
         res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER
                else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
         t = time.perf_counter()
-        res.results = with_hsdp(res.results, cluster, limit, mp)  # planner.hsdp
+        flat, res.results = res.results, with_hsdp(res.results, cluster, limit, mp, args.dp_replicate)  # planner.hsdp
+        if flat and not res.results:  # what the flat plans needed says nothing of the split ones
+            res.min_required_bytes = None
         res.elapsed_s += time.perf_counter() - t
         if shown[0]:
             print("\r\033[K", end="", file=sys.stderr, flush=True)

@@ -149,3 +149,19 @@ def test_the_search_splits_dp_into_replicas_where_the_profile_prices_that_faster
     assert plan.mesh.dp_replicate in replica_counts(32) and found["step_time_s"] < flat.step_time_s
     assert found["step_time_s"] == pytest.approx(estimate(plan, profile).step_time_s)
     assert found["alternatives"][0]["estimate"]["step_time_s"] >= found["step_time_s"]
+
+
+def test_the_search_keeps_to_the_replica_counts_it_is_given(tmp_path, capsys):
+    base = ["search", "--model", "llama2-7b", "--nodes", "4", "--global-batch", "64", "--tp", "1", "--pp", "1",
+            "--top", "2", "--json", "--cluster"]
+
+    def replicas(cluster, allowed):
+        assert main(base + [cluster, "--dp-replicate", allowed, "-o", str(tmp_path / "p.json")]) == 0
+        found = json.loads(capsys.readouterr().out)
+        return [Plan.from_json((tmp_path / "p.json").read_text()).mesh.dp_replicate] + [
+            a["degrees"]["dp_replicate"] for a in found["alternatives"]]
+    assert replicas(str(slow_large_groups(tmp_path)), "1") == [1, 1]  # flat only, where HSDP is faster
+    assert set(replicas("dgx-a100-80gb", "4,8")) <= {4, 8}  # split only, where it is slower
+    assert main(base + ["dgx-a100-80gb", "--dp-replicate", "3"]) == 3  # 3 does not divide dp 32
+    err = capsys.readouterr().err
+    assert "under --tp 1 --pp 1 --dp-replicate 3" in err and "least memory" not in err
