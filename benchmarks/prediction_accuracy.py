@@ -73,10 +73,12 @@ PLANS = {
     "w4-pp4-1f1b": ("tiny", 4, dict(micro_batch=1, pp=4, schedule="1f1b")),
     "w4-pp2-dp2-gpipe": ("tiny", 4, dict(micro_batch=2, pp=2, schedule="gpipe", zero=0)),
     "w4-pp2-dp2-zbv-zero3": ("tiny", 4, dict(micro_batch=1, pp=2, schedule="zbv", zero=3)),
+    "w4-hsdp-zero3": ("tiny", 4, dict(micro_batch=2, zero=3, dp_replicate=2)),  # 2 replicas x 2 shards
     # a larger CPU-sized model (zoo "small": 8 layers, hidden 512, ~28M parameters)
     "small-w2-zero1": ("small", 2, dict(micro_batch=2, zero=1)),
     "small-w2-tp2": ("small", 2, dict(micro_batch=2, tp=2)),
     "small-w4-dp4-zero3": ("small", 4, dict(micro_batch=1, zero=3)),
+    "small-w4-hsdp-zero3": ("small", 4, dict(micro_batch=1, zero=3, dp_replicate=2)),
     "small-w4-pp4-1f1b": ("small", 4, dict(micro_batch=1, pp=4, schedule="1f1b")),
     "small-w4-pp2-tp2-1f1b": ("small", 4, dict(micro_batch=1, pp=2, tp=2, schedule="1f1b")),
 }
