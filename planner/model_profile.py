@@ -47,13 +47,13 @@ world size.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
-from planner.plan import SP_SAVED_INPUTS, split_backward
+from planner.model import ConfigError, ModelConfig
+from planner.model_profile_checks import check_model_profile
+from planner.plan import split_backward
 
 if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this module's users
     from planner.cluster import ClusterSpec
@@ -61,7 +61,6 @@ if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this
     from planner.plan import Plan, Stage
 
 FORMAT_VERSION = 1
-LAYER_KINDS = ("embedding", "block", "head")
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles" / "models"
 
 
@@ -120,10 +119,6 @@ def fit_segments(sizes, factor_bytes, times, tol: float = 0.15) -> list:
         up_to = (sizes[j - 1] * sizes[j]) ** 0.5 if j < n else None
         out.append((up_to, a, bw))
     return out
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -303,77 +298,24 @@ def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: tuple, plan_ranks: l
 
 
 def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
-    """Parse and check a model profile; every error is one line naming the field."""
-    def need(cond, fld, msg):
-        if not cond:
-            raise ConfigError(f"{source}: {fld}: {msg}")
-
-    need(isinstance(d, dict), "profile", "expected a JSON object")
-    fv = d.get("format_version")
-    need(fv == FORMAT_VERSION, "format_version",
-         f"{fv!r} is not supported (this trident reads {FORMAT_VERSION}); re-run `trident profile model`")
-    for key in ("name", "model", "seq_len", "dtype", "cluster_profile", "entries"):
-        need(key in d, key, "missing")
+    """Parse and check a model profile; every error is one line naming the field
+    (planner.model_profile_checks)."""
+    check_model_profile(d, source, FORMAT_VERSION)
     try:
         model = ModelConfig.from_dict(d["model"], where="model")
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    need(isinstance(d["seq_len"], int) and d["seq_len"] > 0, "seq_len", f"{d['seq_len']!r} must be a positive integer")
-    need(d["dtype"] in ("fp32", "bf16", "fp16"), "dtype", f"{d['dtype']!r}; use fp32, bf16 or fp16")
-    need(d.get("param_dtype", "fp32") in ("fp32", "bf16", "fp16"), "param_dtype",
-         f"{d.get('param_dtype')!r}; use fp32, bf16 or fp16 (the dtype the measured parameters are held in)")
-    need(d.get("sp_saved_inputs", "gathered") in SP_SAVED_INPUTS, "sp_saved_inputs",
-         f"{d.get('sp_saved_inputs')!r}; use shard or gathered (what sequence parallelism kept when measured)")
-    procs = d.get("processes", 1)
-    need(isinstance(procs, int) and procs > 0, "processes", f"{procs!r} must be a positive integer")
-    cp = d["cluster_profile"]
-    need(isinstance(cp, dict) and isinstance(cp.get("name"), str) and isinstance(cp.get("hash", ""), str),
-         "cluster_profile", "expected {\"name\": ..., \"hash\": ...}")
-    need(isinstance(d["entries"], list) and d["entries"], "entries", "expected a non-empty list of layer measurements")
     entries = {}
-    for i, e in enumerate(d["entries"]):
-        w = f"entries[{i}]"
-        need(isinstance(e, dict), w, "expected an object")
-        need(e.get("layer") in LAYER_KINDS, f"{w}.layer", f"{e.get('layer')!r}; use one of {', '.join(LAYER_KINDS)}")
-        need(isinstance(e.get("tp"), int) and not isinstance(e.get("tp"), bool) and e["tp"] > 0, f"{w}.tp",
-             f"{e.get('tp')!r} must be a positive integer")
-        need(isinstance(e.get("sequence_parallel", False), bool), f"{w}.sequence_parallel", "must be true or false")
+    for e in d["entries"]:
         rec = e.get("recompute", "none")
-        need(rec in RECOMPUTE_MODES, f"{w}.recompute", f"{rec!r}; use one of {', '.join(RECOMPUTE_MODES)}")
-        fits = []
-        for fld in ("forward_s", "backward_s", "activation_bytes"):
-            v = e.get(fld)
-            need(isinstance(v, list) and len(v) == 2 and all(_num(x) for x in v), f"{w}.{fld}",
-                 f"{v!r} must be a fit [a, b] of a + b * micro_batch")
-            fits.append(tuple(float(x) for x in v))
-        for fld in ("param_bytes", "grad_bytes"):
-            need(_num(e.get(fld)) and e[fld] >= 0, f"{w}.{fld}", f"{e.get(fld)!r} must be a non-negative number")
-        opt = e.get("optimizer_s", 0.0)
-        need(_num(opt) and opt >= 0, f"{w}.optimizer_s", f"{opt!r} must be a non-negative number")
         key = (e["layer"], e["tp"], bool(e.get("sequence_parallel", False)), rec)
-        need(key not in entries, w, f"duplicates the measurement of {key}")
-        dpm = e.get("data_parallel", {})
-        need(isinstance(dpm, dict), f"{w}.data_parallel", "expected an object")
-        for z, v in dpm.items():
-            if z in ("dp", "micro_batch"):
-                need(isinstance(v, int) and v > 0, f"{w}.data_parallel.{z}", f"{v!r} must be a positive integer")
-                continue
-            need(z in ("zero0", "zero1", "zero3") and isinstance(v, dict), f"{w}.data_parallel.{z}",
-                 "expected zero0, zero1 or zero3 with forward_s, backward_s, backward_sync_s, optimizer_s")
-            for fld in ("forward_s", "backward_s", "backward_sync_s", "optimizer_s"):
-                need(_num(v.get(fld)) and v[fld] >= 0, f"{w}.data_parallel.{z}.{fld}",
-                     f"{v.get(fld)!r} must be a non-negative number")
-        entries[key] = LayerFit(*fits, float(e["param_bytes"]), float(e["grad_bytes"]), float(opt),
-                                e.get("points", []), dpm)
-    pipe = d.get("pipeline", {})
-    need(isinstance(pipe, dict), "pipeline", "expected an object of schedule -> {overhead_per_op_s}")
-    for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zbv"):
-        if sched in pipe:
-            v = pipe[sched].get("overhead_per_op_s") if isinstance(pipe[sched], dict) else None
-            need(_num(v) and v >= 0, f"pipeline.{sched}.overhead_per_op_s", f"{v!r} must be a non-negative number")
-    return ModelProfile(name=str(d["name"]), model=model, seq_len=d["seq_len"], dtype=d["dtype"], processes=procs,
-                        cluster_name=cp["name"], cluster_hash=cp.get("hash", ""),
-                        micro_batches=list(d.get("micro_batches", [])), entries=entries, pipeline=pipe,
+        fits = [tuple(float(x) for x in e[fld]) for fld in ("forward_s", "backward_s", "activation_bytes")]
+        entries[key] = LayerFit(*fits, float(e["param_bytes"]), float(e["grad_bytes"]), float(e.get("optimizer_s", 0.0)),
+                                e.get("points", []), e.get("data_parallel", {}))
+    cp = d["cluster_profile"]
+    return ModelProfile(name=d["name"], model=model, seq_len=d["seq_len"], dtype=d["dtype"],
+                        processes=d.get("processes", 1), cluster_name=cp["name"], cluster_hash=cp.get("hash", ""),
+                        micro_batches=list(d.get("micro_batches", [])), entries=entries, pipeline=d.get("pipeline", {}),
                         param_dtype=d.get("param_dtype", "fp32"), sp_saved_inputs=d.get("sp_saved_inputs", "gathered"),
                         raw=d)
 

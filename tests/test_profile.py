@@ -198,6 +198,15 @@ def test_a_bad_model_profile_gives_one_line_naming_the_field(model_profile, tmp_
         (lambda d: d["entries"][2].update(param_bytes=-1), ["entries[2].param_bytes"]),
         (lambda d: d["model"].update(hidden="big"), ["model.hidden"]),
         (lambda d: d.update(param_dtype="int8"), ["param_dtype"]),
+        # found by fuzzing (session 27): a traceback, a hang, a forged second error line, inf
+        (lambda d: d.update(micro_batches=None), ["micro_batches"]),
+        (lambda d: d.update(micro_batches=[1, "a"]), ["micro_batches"]),
+        (lambda d: d["entries"][2].setdefault("data_parallel", {}).update(dp=10**18), ["data_parallel.dp"]),
+        (lambda d: d.update(name="tiny\ntrident: error: forged"), ["name", "one line"]),
+        (lambda d: d.update(processes=True), ["processes"]),
+        (lambda d: d.update(format_version=True), ["format_version"]),
+        (lambda d: d["entries"][1].update(forward_s=[1e300, 1e300]), ["entries[1].forward_s", "at most"]),
+        (lambda d: d["entries"][0].update(param_bytes=1e308), ["entries[0].param_bytes"]),
     ]:
         bad = copy.deepcopy(good)
         mutate(bad)

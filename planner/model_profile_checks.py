@@ -1,0 +1,107 @@
+"""The checks of a model profile's JSON (planner.model_profile, as `trident profile model` writes
+it): each error is one line naming the field and what it must be. Beyond types, figures are
+bounded: a measured time or a fit's coefficient above MAX_SECONDS, a byte count above MAX_BYTES
+or more processes than one host runs are not measurements, and would price steps at inf (or
+absurdly) further on."""
+from __future__ import annotations
+
+import math
+
+from planner.model import RECOMPUTE_MODES, ConfigError
+from planner.plan import SP_SAVED_INPUTS
+
+MAX_SECONDS = 1e6  # as planner.compare.MAX_STEP_S
+MAX_BYTES = 2.0 ** 64
+MAX_PROCESSES = 1024  # planner.cluster.MAX_DEVICES_PER_NODE: the profiling run is one host's
+LAYER_KINDS = ("embedding", "block", "head")
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+DP_EXTRAS = ("forward_s", "backward_s", "backward_sync_s", "optimizer_s")
+
+
+def is_num(v, high: float = math.inf) -> bool:
+    """A finite number (not a bool) of magnitude at most `high`."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= high
+
+
+def is_count(v, high: int) -> bool:
+    """An integer (not a bool) from 1 to `high`."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= high
+
+
+def check_model_profile(d, source: str, format_version: int) -> None:
+    """ConfigError "SOURCE: FIELD: what is wrong" for the first wrong field of `d`."""
+    def need(cond, fld, msg):
+        if not cond:
+            raise ConfigError(f"{source}: {fld}: {msg}")
+
+    need(isinstance(d, dict), "profile", "expected a JSON object")
+    fv = d.get("format_version")
+    need(is_count(fv, format_version) and fv == format_version, "format_version",
+         f"{fv!r} is not supported (this trident reads {format_version}); re-run `trident profile model`")
+    for key in ("name", "model", "seq_len", "dtype", "cluster_profile", "entries"):
+        need(key in d, key, "missing")
+    name = d["name"]
+    need(isinstance(name, str) and name.isprintable() and 0 < len(name) <= 200, "name",
+         "must be a non-empty printable string of one line")
+    need(is_count(d["seq_len"], 2**31 - 1), "seq_len", f"{d['seq_len']!r} must be a positive integer")
+    need(d["dtype"] in DTYPE_NAMES, "dtype", f"{d['dtype']!r}; use fp32, bf16 or fp16")
+    need(d.get("param_dtype", "fp32") in DTYPE_NAMES, "param_dtype",
+         f"{d.get('param_dtype')!r}; use fp32, bf16 or fp16 (the dtype the measured parameters are held in)")
+    need(d.get("sp_saved_inputs", "gathered") in SP_SAVED_INPUTS, "sp_saved_inputs",
+         f"{d.get('sp_saved_inputs')!r}; use shard or gathered (what sequence parallelism kept when measured)")
+    procs = d.get("processes", 1)
+    need(is_count(procs, MAX_PROCESSES), "processes",
+         f"{procs!r} must be a positive integer, at most {MAX_PROCESSES} (the processes of the profiling run)")
+    mbs = d.get("micro_batches", [])
+    need(isinstance(mbs, list) and all(is_count(b, 2**31 - 1) for b in mbs), "micro_batches",
+         f"{mbs!r} must be a list of the positive micro-batch sizes measured")
+    cp = d["cluster_profile"]
+    need(isinstance(cp, dict) and isinstance(cp.get("name"), str) and isinstance(cp.get("hash", ""), str),
+         "cluster_profile", "expected {\"name\": ..., \"hash\": ...}")
+    need(isinstance(d["entries"], list) and d["entries"], "entries", "expected a non-empty list of layer measurements")
+    seen = set()
+    for i, e in enumerate(d["entries"]):
+        key = _check_entry(e, f"entries[{i}]", procs, need)
+        need(key not in seen, f"entries[{i}]", f"duplicates the measurement of {key}")
+        seen.add(key)
+    pipe = d.get("pipeline", {})
+    need(isinstance(pipe, dict), "pipeline", "expected an object of schedule -> {overhead_per_op_s}")
+    for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zbv"):
+        if sched in pipe:
+            v = pipe[sched].get("overhead_per_op_s") if isinstance(pipe[sched], dict) else None
+            need(is_num(v, MAX_SECONDS) and v >= 0, f"pipeline.{sched}.overhead_per_op_s",
+                 f"{v!r} must be a non-negative number of seconds, at most {MAX_SECONDS:g}")
+
+
+def _check_entry(e, w: str, procs: int, need) -> tuple:
+    """Check one layer measurement; returns its key (layer, tp, sequence parallel, recompute)."""
+    need(isinstance(e, dict), w, "expected an object")
+    need(e.get("layer") in LAYER_KINDS, f"{w}.layer", f"{e.get('layer')!r}; use one of {', '.join(LAYER_KINDS)}")
+    need(is_count(e.get("tp"), MAX_PROCESSES), f"{w}.tp",
+         f"{e.get('tp')!r} must be a positive integer, at most {MAX_PROCESSES}")
+    need(isinstance(e.get("sequence_parallel", False), bool), f"{w}.sequence_parallel", "must be true or false")
+    rec = e.get("recompute", "none")
+    need(rec in RECOMPUTE_MODES, f"{w}.recompute", f"{rec!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+    for fld, high in (("forward_s", MAX_SECONDS), ("backward_s", MAX_SECONDS), ("activation_bytes", MAX_BYTES)):
+        v = e.get(fld)
+        need(isinstance(v, list) and len(v) == 2 and all(is_num(x, high) for x in v), f"{w}.{fld}",
+             f"{v!r} must be a fit [a, b] of a + b * micro_batch, each at most {high:g} in size")
+    for fld in ("param_bytes", "grad_bytes"):
+        need(is_num(e.get(fld), MAX_BYTES) and e[fld] >= 0, f"{w}.{fld}",
+             f"{e.get(fld)!r} must be a non-negative number of bytes, at most {MAX_BYTES:g}")
+    opt = e.get("optimizer_s", 0.0)
+    need(is_num(opt, MAX_SECONDS) and opt >= 0, f"{w}.optimizer_s",
+         f"{opt!r} must be a non-negative number of seconds, at most {MAX_SECONDS:g}")
+    dpm = e.get("data_parallel", {})
+    need(isinstance(dpm, dict), f"{w}.data_parallel", "expected an object")
+    for z, v in dpm.items():
+        if z in ("dp", "micro_batch"):
+            high = procs if z == "dp" else 2**31 - 1  # its data-parallel group is of the run's processes
+            need(is_count(v, high), f"{w}.data_parallel.{z}", f"{v!r} must be a positive integer, at most {high}")
+            continue
+        need(z in ("zero0", "zero1", "zero3") and isinstance(v, dict), f"{w}.data_parallel.{z}",
+             f"expected zero0, zero1 or zero3 with {', '.join(DP_EXTRAS)}")
+        for fld in DP_EXTRAS:
+            need(is_num(v.get(fld), MAX_SECONDS) and v[fld] >= 0, f"{w}.data_parallel.{z}.{fld}",
+                 f"{v.get(fld)!r} must be a non-negative number of seconds, at most {MAX_SECONDS:g}")
+    return e["layer"], e["tp"], bool(e.get("sequence_parallel", False)), rec
