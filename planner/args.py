@@ -43,6 +43,14 @@ def nonempty(text: str) -> str:
     return text
 
 
+def profile_name(text: str) -> str:
+    """A profile's --name: one printable line (profiles refuse others, planner.model_profile_checks)."""
+    if not text.strip() or not text.isprintable() or len(text) > 200:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a non-empty printable name of one line, at most 200 "
+                                         "characters")
+    return text
+
+
 def positive_number(text: str) -> float:
     try:
         v = float(text)

@@ -271,8 +271,9 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                 or not (is_real(bw) and bw > 0):
             raise ConfigError(f"{source}: tiers.{tier}: a tier is {' or '.join(TIERS)}, an object with a 'link' "
                               "string and a positive 'bandwidth_bytes_per_s'; fix it or leave it out")
-    if not d["name"].strip():
-        raise ConfigError(f"{source}: name is empty; name the cluster (plans refer to it by name)")
+    if not d["name"].strip() or not d["name"].isprintable() or len(d["name"]) > 200:
+        raise ConfigError(f"{source}: name must be a non-empty printable string of one line, at most 200 "
+                          "characters (plans refer to the cluster by it)")
     dpn = d["devices_per_node"]
     if not is_int(dpn) or dpn < 1:
         raise ConfigError(f"{source}: devices_per_node {dpn!r} must be a positive integer")

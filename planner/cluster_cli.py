@@ -26,7 +26,7 @@ import copy
 import json
 from pathlib import Path
 
-from planner.args import nonempty, number_in, positive_int
+from planner.args import nonempty, number_in, positive_int, profile_name
 from planner.cluster import COLLECTIVES, PROFILE_DIR, TIERS, cluster_from_dict, read_profile
 from planner.model import ConfigError
 
@@ -192,7 +192,7 @@ def register(sub) -> None:
     d.add_argument("base", help="shipped profile name or a profile JSON path")
     d.add_argument("-o", "--output", type=nonempty, required=True,
                    help="the derived profile's path (use with --cluster)")
-    d.add_argument("--name", help="the profile's name (default: the output file's stem)")
+    d.add_argument("--name", type=profile_name, help="the profile's name (default: the output file's stem)")
     d.add_argument("--nic-gbps", type=number_in(0.001, 1e6, " Gb/s"), help="line rate of each inter-node NIC, Gb/s")
     d.add_argument("--nics-per-node", type=positive_int,
                    help="inter-node NICs a node (default: one per device)")

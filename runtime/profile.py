@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from planner.model_profile import fit_alpha_beta, fit_segments
-from planner.args import OneLineParser
+from planner.args import OneLineParser, profile_name
 from runtime.comm_sweep import (OPS, Progress, mean_over_ranks, group_layout, group_points, node_key, overlap_ratio,
                                 per_node_of, sizes_for, sweep)
 from runtime.device import current
@@ -272,7 +272,7 @@ def parse_args(argv):
     sub = ap.add_subparsers(dest="what", required=True)
     c = sub.add_parser("cluster", help="measure devices and collectives")
     c.add_argument("-o", "--out", required=True)
-    c.add_argument("--name", default=None, help="profile name (default cpu-gloo-N)")
+    c.add_argument("--name", type=profile_name, default=None, help="profile name (default cpu-gloo-N)")
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
     m = sub.add_parser("model", help="measure per-layer times and bytes of a model")
     m.add_argument("--model", required=True)
@@ -283,7 +283,7 @@ def parse_args(argv):
     m.add_argument("--repeats", type=int, default=7)
     m.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="compute dtype, as the runtime trains (default: bf16 on GPUs, fp32 on the CPU)")
-    m.add_argument("--name", default=None)
+    m.add_argument("--name", type=profile_name, default=None)
     m.add_argument("-o", "--out", required=True)
     return ap.parse_args(argv)
 

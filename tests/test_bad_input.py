@@ -202,3 +202,17 @@ def test_a_profile_too_slow_to_price_is_one_line(capsys, tmp_path):
     line = one_line_error(capsys, main, ["plan", "--model", "tiny", "--cluster", str(path), "--gpus", "16",
                                          "--global-batch", "16", "--micro-batch", "1", "--tp", "2", "--pp", "2"])[1]
     assert "is too small to compute with" in line
+
+
+def test_profile_names_are_one_printable_line(capsys, tmp_path):
+    """A newline in a profile's name would print a second (forgeable) `trident: error:` line in
+    every message that names the profile: refused when read, and as --name when written."""
+    from planner.cluster import PROFILE_DIR
+    d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
+    d["name"] = "a100\ntrident: error: forged"
+    path = tmp_path / "nl.json"
+    path.write_text(json.dumps(d))
+    assert "name must be a non-empty printable string of one line" in one_line_error(
+        capsys, main, ["cluster", "show", str(path)])[1]
+    assert "argument --name" in one_line_error(capsys, main, ["cluster", "derive", "dgx-a100-80gb", "--nic-gbps", "100",
+                                                              "--name", "a\nb", "-o", str(tmp_path / "x.json")])[1]

@@ -89,7 +89,7 @@ PROFILE_CASES = [
     (("device", "memory_bytes"), 10**400, r"device\.memory_bytes: an integer of 401 digits is out of range"),
     (("devices_per_node",), 2**64, r"devices_per_node: an integer of 20 digits is out of range"),
     (("device", "name"), "\udc80", r"device\.name: '\\udc80' is not Unicode text"),
-    (("name",), " ", r"name is empty"),
+    (("name",), " ", r"name must be a non-empty printable string"),
     (("devices_per_node",), 2048, r"devices_per_node 2048 is more than 1024"),
     (("collectives", "broadcast"), {}, r"collectives\.broadcast: unknown field"),
     (("collectives", "all_reduce", "pcie"), {}, r"collectives\.all_reduce\.pcie: unknown field"),
