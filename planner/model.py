@@ -79,7 +79,8 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"model.{fld}: {msg}")
 
-        need(isinstance(self.name, str) and self.name, "name", f"is {self.name!r}; it must be a non-empty string")
+        need(isinstance(self.name, str) and self.name and self.name.isprintable() and len(self.name) <= 200, "name",
+             f"is {self.name!r}; it must be a non-empty printable string of one line, at most 200 characters")
         need(self.arch in ARCHS, "arch", f"is {self.arch!r}; use one of {', '.join(ARCHS)}")
         sizes = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len")
         for f in sizes + (("head_dim",) if self.head_dim is not None else ()):
@@ -366,7 +367,12 @@ def load_model(spec: str) -> ModelConfig:
     if isinstance(data, dict) and "model_type" in data:
         name = path.resolve().parent.name if path.name == "config.json" else path.stem
         from planner.hf_config import from_hf_config
-        return from_hf_config(data, name=name or "hf-model", where=str(path))
+        return from_hf_config(data, name=_named(name, "hf-model"), where=str(path))
     if isinstance(data, dict) and "name" not in data:
-        data = {"name": path.stem, **data}
+        data = {"name": _named(path.stem, "model"), **data}
     return ModelConfig.from_dict(data, where=str(path))
+
+
+def _named(name: str, default: str) -> str:
+    """A name taken from a file or directory name, or `default` where that is no printable line."""
+    return name if name and name.isprintable() and len(name) <= 200 else default

@@ -46,8 +46,9 @@ def check(plan) -> None:
         _need(_is_int(v) and v > 0, f"cluster.{name}", f"{v!r} must be a positive integer")
     for name in ("name", "device", "profile_hash"):
         v = getattr(c, name)
-        _need(isinstance(v, str) and (v or name == "profile_hash"), f"cluster.{name}",
-              f"{v!r} must be a{'' if name == 'profile_hash' else ' non-empty'} string")
+        _need(isinstance(v, str) and (v or name == "profile_hash") and v.isprintable() and len(v) <= 200,
+              f"cluster.{name}", f"{v!r} must be a{'' if name == 'profile_hash' else ' non-empty'} printable string "
+              "of one line, at most 200 characters")
     for dim in MESH_DIMS:
         v = mesh.size(dim)
         _need(_is_int(v) and v > 0, f"mesh.{dim}", f"{v!r} must be a positive integer")

@@ -216,3 +216,17 @@ def test_profile_names_are_one_printable_line(capsys, tmp_path):
         capsys, main, ["cluster", "show", str(path)])[1]
     assert "argument --name" in one_line_error(capsys, main, ["cluster", "derive", "dgx-a100-80gb", "--nic-gbps", "100",
                                                               "--name", "a\nb", "-o", str(tmp_path / "x.json")])[1]
+    # a model's name (from its JSON, or from a file name that is no printable line: "model") and a plan's cluster
+    model = {"name": "m\ntrident: error: forged", "arch": "llama", "layers": 2, "hidden": 64, "ffn_hidden": 128,
+             "heads": 4, "kv_heads": 4, "vocab": 256, "seq_len": 32, "tie_embeddings": False}
+    (tmp_path / "m.json").write_text(json.dumps(model))
+    plan = ["plan", "--cluster", "dgx-a100-80gb", "--gpus", "1", "--global-batch", "2", "--micro-batch", "1"]
+    assert "model.name: is 'm\\ntrident" in one_line_error(capsys, main, [*plan, "--model", str(tmp_path / "m.json")])[1]
+    del model["name"]
+    (tmp_path / "m\nx.json").write_text(json.dumps(model))
+    assert main([*plan, "--model", str(tmp_path / "m\nx.json"), "-o", str(tmp_path / "p.json")]) == 0
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["model"]["name"] == "model"
+    d["cluster"]["name"] = "a\nb"
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    assert "cluster.name: 'a\\nb' must be" in one_line_error(capsys, main, ["estimate", str(tmp_path / "p.json")])[1]

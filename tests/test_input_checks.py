@@ -167,7 +167,7 @@ MODEL_CASES = [
     ("model", {"tie_embeddings": "no"}, r"model\.tie_embeddings: is 'no'; it must be true or false"),
     ("model", {"tie_embeddings": "false"}, r"model\.tie_embeddings: is 'false'"),
     ("model", {"qkv_bias": 1}, r"model\.qkv_bias: is 1"),
-    ("model", {"name": 5}, r"model\.name: is 5; it must be a non-empty string"),
+    ("model", {"name": 5}, r"model\.name: is 5; it must be a non-empty printable string"),
     ("model", {"hidden": 128.0}, r"model\.hidden: is 128\.0; it must be a positive integer"),
     ("model", {"layers": True}, r"model\.layers: is True"),
     ("model", {"heads": "8"}, r"model\.heads: is '8'"),
