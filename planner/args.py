@@ -45,8 +45,9 @@ def nonempty(text: str) -> str:
 
 def profile_name(text: str) -> str:
     """A profile's --name: one printable line (profiles refuse others, planner.model_profile_checks)."""
-    if not text.strip() or not text.isprintable() or len(text) > 200:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a non-empty printable name of one line, at most 200 "
+    from planner.model import MAX_NAME, is_one_line
+    if not (is_one_line(text) and text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a non-empty printable name of one line, at most {MAX_NAME} "
                                          "characters")
     return text
 

@@ -37,7 +37,7 @@ import networkx as nx
 import numpy as np
 
 from planner.device import DeviceSpec, _curve, _interp, _num, device_from_dict  # noqa: F401 (DeviceSpec: re-exported)
-from planner.model import ConfigError, is_int, is_real
+from planner.model import MAX_NAME, ConfigError, is_int, is_one_line, is_real
 from planner.profile_checks import (PROFILE_KEYS, check_finite, check_keys, check_node_of_rank, check_segments,
                                     decimal, read_json)
 
@@ -271,8 +271,8 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                 or not (is_real(bw) and bw > 0):
             raise ConfigError(f"{source}: tiers.{tier}: a tier is {' or '.join(TIERS)}, an object with a 'link' "
                               "string and a positive 'bandwidth_bytes_per_s'; fix it or leave it out")
-    if not d["name"].strip() or not d["name"].isprintable() or len(d["name"]) > 200:
-        raise ConfigError(f"{source}: name must be a non-empty printable string of one line, at most 200 "
+    if not (is_one_line(d["name"]) and d["name"].strip()):
+        raise ConfigError(f"{source}: name must be a non-empty printable string of one line, at most {MAX_NAME} "
                           "characters (plans refer to the cluster by it)")
     dpn = d["devices_per_node"]
     if not is_int(dpn) or dpn < 1:

@@ -46,6 +46,15 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+MAX_NAME = 200  # characters of a name that messages print (a model's, a profile's, a cluster's)
+
+
+def is_one_line(v) -> bool:
+    """A name messages can print: a non-empty printable string of one line, at most MAX_NAME long
+    (a newline would start a second, forgeable, error line)."""
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME and v.isprintable()
+
+
 def is_real(v) -> bool:
     """A finite JSON number (not a bool, NaN or infinity)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -79,8 +88,8 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"model.{fld}: {msg}")
 
-        need(isinstance(self.name, str) and self.name and self.name.isprintable() and len(self.name) <= 200, "name",
-             f"is {self.name!r}; it must be a non-empty printable string of one line, at most 200 characters")
+        need(is_one_line(self.name), "name",
+             f"is {self.name!r}; it must be a non-empty printable string of one line, at most {MAX_NAME} characters")
         need(self.arch in ARCHS, "arch", f"is {self.arch!r}; use one of {', '.join(ARCHS)}")
         sizes = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len")
         for f in sizes + (("head_dim",) if self.head_dim is not None else ()):
@@ -375,4 +384,4 @@ def load_model(spec: str) -> ModelConfig:
 
 def _named(name: str, default: str) -> str:
     """A name taken from a file or directory name, or `default` where that is no printable line."""
-    return name if name and name.isprintable() and len(name) <= 200 else default
+    return name if is_one_line(name) else default

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 
-from planner.model import RECOMPUTE_MODES, ConfigError
+from planner.args import MAX_ARG
+from planner.cluster import MAX_DEVICES_PER_NODE as MAX_PROCESSES  # the profiling run is one host's
+from planner.compare import MAX_STEP_S as MAX_SECONDS
+from planner.model import MAX_NAME, RECOMPUTE_MODES, ConfigError, is_int, is_one_line, is_real
 from planner.plan import SP_SAVED_INPUTS
 
-MAX_SECONDS = 1e6  # as planner.compare.MAX_STEP_S
 MAX_BYTES = 2.0 ** 64
-MAX_PROCESSES = 1024  # planner.cluster.MAX_DEVICES_PER_NODE: the profiling run is one host's
 LAYER_KINDS = ("embedding", "block", "head")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 DP_EXTRAS = ("forward_s", "backward_s", "backward_sync_s", "optimizer_s")
@@ -20,12 +21,12 @@ DP_EXTRAS = ("forward_s", "backward_s", "backward_sync_s", "optimizer_s")
 
 def is_num(v, high: float = math.inf) -> bool:
     """A finite number (not a bool) of magnitude at most `high`."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= high
+    return is_real(v) and abs(v) <= high
 
 
 def is_count(v, high: int) -> bool:
     """An integer (not a bool) from 1 to `high`."""
-    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= high
+    return is_int(v) and 0 < v <= high
 
 
 def check_model_profile(d, source: str, format_version: int) -> None:
@@ -41,9 +42,8 @@ def check_model_profile(d, source: str, format_version: int) -> None:
     for key in ("name", "model", "seq_len", "dtype", "cluster_profile", "entries"):
         need(key in d, key, "missing")
     name = d["name"]
-    need(isinstance(name, str) and name.isprintable() and 0 < len(name) <= 200, "name",
-         "must be a non-empty printable string of one line")
-    need(is_count(d["seq_len"], 2**31 - 1), "seq_len", f"{d['seq_len']!r} must be a positive integer")
+    need(is_one_line(name), "name", f"must be a non-empty printable string of one line, at most {MAX_NAME} characters")
+    need(is_count(d["seq_len"], MAX_ARG), "seq_len", f"{d['seq_len']!r} must be a positive integer")
     need(d["dtype"] in DTYPE_NAMES, "dtype", f"{d['dtype']!r}; use fp32, bf16 or fp16")
     need(d.get("param_dtype", "fp32") in DTYPE_NAMES, "param_dtype",
          f"{d.get('param_dtype')!r}; use fp32, bf16 or fp16 (the dtype the measured parameters are held in)")
@@ -53,7 +53,7 @@ def check_model_profile(d, source: str, format_version: int) -> None:
     need(is_count(procs, MAX_PROCESSES), "processes",
          f"{procs!r} must be a positive integer, at most {MAX_PROCESSES} (the processes of the profiling run)")
     mbs = d.get("micro_batches", [])
-    need(isinstance(mbs, list) and all(is_count(b, 2**31 - 1) for b in mbs), "micro_batches",
+    need(isinstance(mbs, list) and all(is_count(b, MAX_ARG) for b in mbs), "micro_batches",
          f"{mbs!r} must be a list of the positive micro-batch sizes measured")
     cp = d["cluster_profile"]
     need(isinstance(cp, dict) and isinstance(cp.get("name"), str) and isinstance(cp.get("hash", ""), str),
@@ -96,7 +96,7 @@ def _check_entry(e, w: str, procs: int, need) -> tuple:
     need(isinstance(dpm, dict), f"{w}.data_parallel", "expected an object")
     for z, v in dpm.items():
         if z in ("dp", "micro_batch"):
-            high = procs if z == "dp" else 2**31 - 1  # its data-parallel group is of the run's processes
+            high = procs if z == "dp" else MAX_ARG  # its data-parallel group is of the run's processes
             need(is_count(v, high), f"{w}.data_parallel.{z}", f"{v!r} must be a positive integer, at most {high}")
             continue
         need(z in ("zero0", "zero1", "zero3") and isinstance(v, dict), f"{w}.data_parallel.{z}",

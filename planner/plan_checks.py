@@ -2,7 +2,7 @@
 names the field and says what to change."""
 from __future__ import annotations
 
-from planner.model import RECOMPUTE_MODES, ATTENTION_KERNELS, is_real
+from planner.model import MAX_NAME, RECOMPUTE_MODES, ATTENTION_KERNELS, is_one_line, is_real
 from planner.plan import (DTYPES, GRAD_ACCUMULATION, MESH_DIMS, RECV_BUFFERS, SCHEDULES, SP_SAVED_INPUTS, P2P_MODES,
                           _is_int, _need)
 from planner.pointwise import ELEMENTWISE_KERNELS
@@ -46,9 +46,9 @@ def check(plan) -> None:
         _need(_is_int(v) and v > 0, f"cluster.{name}", f"{v!r} must be a positive integer")
     for name in ("name", "device", "profile_hash"):
         v = getattr(c, name)
-        _need(isinstance(v, str) and (v or name == "profile_hash") and v.isprintable() and len(v) <= 200,
+        _need(is_one_line(v) or (name == "profile_hash" and v == ""),
               f"cluster.{name}", f"{v!r} must be a{'' if name == 'profile_hash' else ' non-empty'} printable string "
-              "of one line, at most 200 characters")
+              f"of one line, at most {MAX_NAME} characters")
     for dim in MESH_DIMS:
         v = mesh.size(dim)
         _need(_is_int(v) and v > 0, f"mesh.{dim}", f"{v!r} must be a positive integer")

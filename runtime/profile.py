@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import statistics
 import sys
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from planner.model_profile import fit_alpha_beta, fit_segments
 from planner.args import OneLineParser, profile_name
+from planner.profile_checks import decimal
 from runtime.comm_sweep import (OPS, Progress, mean_over_ranks, group_layout, group_points, node_key, overlap_ratio,
                                 per_node_of, sizes_for, sweep)
 from runtime.device import current
@@ -336,7 +336,7 @@ def launch(argv) -> int:
     nproc = "4"
     if "--nproc-per-node" in argv:
         i = argv.index("--nproc-per-node")
-        if i + 1 >= len(argv) or not re.fullmatch(r"[0-9]+", argv[i + 1]) or int(argv[i + 1]) < 1:
+        if i + 1 >= len(argv) or not decimal(argv[i + 1]) or int(argv[i + 1]) < 1:
             print("trident: error: --nproc-per-node needs a positive integer", file=sys.stderr)
             return 2
         nproc = argv[i + 1]
