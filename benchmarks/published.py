@@ -21,7 +21,7 @@ Held out (reported apart, no target): Korthikanti et al. 2022's Megatron-LM iter
 MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3), bf16, with and without
 activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 runs of Llama 2
 13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
-built on. Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
+built on; and Llama 3 405B's context-parallel row (heldout_llama3_cp.csv). Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
 cluster trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 
     python benchmarks/published.py [--csv PATH] [--heldout PATH ...] [--json]
@@ -60,6 +60,10 @@ MOSAICML_CSV = ROOT / "benchmarks" / "heldout_mosaicml.csv"
 # tokens per second per GPU, so step time = local batch x sequence length / WPS. The interconnect
 # is not stated; priced as DGX A100 nodes (8 GPUs, a 200 Gb/s NIC per GPU).
 TORCHTITAN_CSV = ROOT / "benchmarks" / "heldout_torchtitan.csv"
+# Llama 3 405B's long-context row (Dubey et al. 2024, arXiv 2407.21783, Table 4): 16,384 H100s,
+# TP 8, CP 16, PP 16, DP 8, sequences of 131,072 tokens, 16M tokens a batch (128 sequences), 380
+# TFLOP/s per GPU, 38% MFU; the two 8,192-token rows of that table are in the main CSV
+LLAMA3_CP_CSV = ROOT / "benchmarks" / "heldout_llama3_cp.csv"
 # BigScience's BLOOM (github.com/bigscience-workshop/bigscience at 9e64ede, train/tr11-176B-ml/):
 # every "Sec/it" row of chronicles-prequel.md with NHIDDEN 14336 and 64 heads (February 2022,
 # fp16; each the second iteration of a run, as that file says), its rows with the final 70 layers
@@ -179,7 +183,7 @@ def candidates(row, model, gpus, framework: bool = True):
     runtime would run it (none of the framework options of RUN_SETTINGS); its configuration
     (degrees, micro-batch, virtual stages) and memory (receive buffers in flight, as the published
     engines held them) stay the published ones, so that it still fits where it fitted."""
-    tp, pp, dp = int(row["tp"]), int(row["pp"]), int(row["dp"])
+    tp, pp, dp, cp = int(row["tp"]), int(row["pp"]), int(row["dp"]), int(row.get("cp") or 1)
     gbs = int(row["global_batch"])
     per_dp = gbs // dp
     known = RUN_SETTINGS.get((row["source"], row["model"]), {})
@@ -202,7 +206,7 @@ def candidates(row, model, gpus, framework: bool = True):
     for b, v, rec, zero in itertools.product(mbs, vs, recs, zeros):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
-        yield dict(micro_batch=b, virtual_stages=v, recompute=rec, zero=zero, tp=tp, pp=pp, dp=dp,
+        yield dict(micro_batch=b, virtual_stages=v, recompute=rec, zero=zero, tp=tp, pp=pp, dp=dp, cp=cp,
                    schedule=sched, global_batch=gbs, **how)
 
 
@@ -251,7 +255,7 @@ def predict_rows(rows) -> list[dict]:
         c, est, plan = best
         err = (est.step_time_s - pub) / pub
         out.append(dict(source=row["source"], model=row["model"], gpus=int(row["gpus"]),
-                        tp=c["tp"], pp=c["pp"], dp=c["dp"], micro_batch=c["micro_batch"], v=c["virtual_stages"],
+                        tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], micro_batch=c["micro_batch"], v=c["virtual_stages"],
                         recompute=c["recompute"], sp=row["sequence_parallel"] == "true", zero=c["zero"],
                         published_step_s=pub, predicted_step_s=est.step_time_s,
                         published_tflops=(float(row["published_tflops_per_gpu"]) if row["published_tflops_per_gpu"]
@@ -269,7 +273,7 @@ def summary(out) -> tuple[float, float]:
 def show(out, title: str, targets: str):
     import pandas as pd
     df = pd.DataFrame(out)
-    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "micro_batch", "v", "recompute", "sp", "zero",
+    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "cp", "micro_batch", "v", "recompute", "sp", "zero",
                         "published_step_s", "predicted_step_s", "published_tflops", "predicted_tflops",
                         "bubble", "fits", "error", "note") if c in df]
     print(title)
@@ -283,7 +287,7 @@ def show(out, title: str, targets: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
-    ap.add_argument("--heldout", nargs="*", default=[str(HELDOUT_CSV), str(MOSAICML_CSV), str(TORCHTITAN_CSV)],
+    ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")

@@ -43,15 +43,15 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
                order: list | None = None, stages: list | None = None, lockstep: bool = False,
                recv_buffers: str = "preallocated", p2p: str = "full", dp_replicate: int = 1,
-               **training_overrides) -> Plan:
-    """A validated hand-made plan. `dp` defaults to world / (tp * pp); `stages` defaults to an
-    even split. Raises ConfigError naming the field on any inconsistency."""
+               cp: int = 1, **training_overrides) -> Plan:
+    """A validated hand-made plan. `dp` defaults to world / (tp * pp * cp); `stages` defaults to an
+    even split; `order` to pp, dp, (cp,) tp. Raises ConfigError naming the field on any inconsistency."""
     world = nodes * devices_per_node
     if dp is None:
-        if world % (tp * pp):
-            raise ConfigError(f"mesh: tp x pp = {tp * pp} does not divide the {world} GPUs; "
-                              "pick degrees whose product divides the GPU count")
-        dp = world // (tp * pp)
+        if world % (tp * pp * cp):
+            raise ConfigError(f"mesh: tp x pp{' x cp' if cp > 1 else ''} = {tp * pp * cp} does not divide the "
+                              f"{world} GPUs; pick degrees whose product divides the GPU count")
+        dp = world // (tp * pp * cp)
     if pp == 1:
         virtual_stages = 1  # a schedule with one stage has nothing to interleave
     if schedule == "interleaved-1f1b" and virtual_stages == 1 and pp > 1:
@@ -66,7 +66,8 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                           **{"master_weights": dtype != "fp32", **training_overrides}),
         cluster=ClusterRef(name=cluster_name, nodes=nodes, devices_per_node=devices_per_node,
                            device=device, profile_hash=profile_hash),
-        mesh=Mesh(pp=pp, dp=dp, tp=tp, order=list(order) if order else ["pp", "dp", "tp"], dp_replicate=dp_replicate),
+        mesh=Mesh(pp=pp, dp=dp, tp=tp, order=list(order) if order else ["pp", "dp"] + ["cp"] * (cp != 1) + ["tp"],
+                  dp_replicate=dp_replicate, cp=cp),
         pipeline=Pipeline(schedule=schedule, virtual_stages=virtual_stages, micro_batches=mb_count,
                           stages=stages if stages is not None else even_stages(
                               model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1),

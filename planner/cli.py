@@ -94,7 +94,7 @@ def cmd_plan(args) -> int:
         recv_buffers=args.recv_buffers, p2p=args.p2p, overlap_grad_reduce=not args.no_overlap_grad_reduce,
         async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
-        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate)
+        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp)
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
         if asked:
@@ -107,7 +107,7 @@ def cmd_plan(args) -> int:
         print(f"\nwrote {args.output}")
     _plot(args, plan, est, cluster)
     written = f" ({args.output} is written for `trident run --force`)" if args.output else ""
-    return _fits_or_say(est, "raise --zero, --tp or --pp, use --recompute, or lower --micro-batch" + written)
+    return _fits_or_say(est, "raise --zero, --tp, --pp or --cp, use --recompute, or lower --micro-batch" + written)
 
 
 def _fits_or_say(est, fix: str) -> int:
@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=positive_int, required=True, help="sequences per micro-batch")
     p.add_argument("--tp", type=positive_int, default=1)
     p.add_argument("--pp", type=positive_int, default=1)
-    p.add_argument("--dp", type=positive_int, default=None, help="default: GPUs / (tp x pp)")
+    p.add_argument("--dp", type=positive_int, default=None, help="default: GPUs / (tp x pp x cp)")
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context parallelism: each sequence split over this many ranks (1: none)")
     p.add_argument("--dp-replicate", type=positive_int, default=1,
                    help="HSDP: ZeRO shards over dp / this many ranks and all-reduces across the copies (1: none)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")

@@ -45,6 +45,19 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
     return 2 * ar, 2 * ar
 
 
+def cp_comm(cluster: ClusterSpec, kind: str, kv_bytes: float, cp_ranks, recompute: str) -> tuple[float, float]:
+    """(forward, backward) seconds of context-parallel communication for one layer and
+    micro-batch, all-gathered K and V (Llama 3, Dubey et al. 2024, section 3.3.2: each CP rank
+    all-gathers the keys and values of the whole sequence and attends its own queries to them,
+    the all-gather exposed on the critical path): a block's forward all-gathers `kv_bytes` (K and V
+    of the whole sequence, this rank's heads), its backward reduce-scatters their gradients, after
+    gathering them again where the attention is recomputed (selective or full)."""
+    if kind != "block" or len(cp_ranks) <= 1:
+        return 0.0, 0.0
+    ag = cluster.collective_time("all_gather", kv_bytes, cp_ranks)
+    return ag, cluster.collective_time("reduce_scatter", kv_bytes, cp_ranks) + (ag if recompute != "none" else 0.0)
+
+
 def regathers(training, recompute: str, split: bool = False) -> int:
     """How many times a layer's backward all-gathers its kept shards again (tp_comm's `regather`):
     once, the runtime's default (training.sp_saved_inputs "shard"), unless the layer is fully
@@ -67,7 +80,7 @@ def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool) -> floa
     groups = []
     if mesh.tp > 1:
         groups.append(mesh.group("tp", pp=pp_rank, dp=0))
-    if mesh.dp_shard > 1 and fsdp:
+    if mesh.zero_shards > 1 and fsdp:
         groups.append(mesh.shard_group(pp=pp_rank, tp=0))
     return sum(cluster.collective_time("all_reduce", SCALAR_BYTES, g) for g in groups)
 

@@ -104,8 +104,10 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         model_profile.check_plan(plan)
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     cluster = cluster.shaped_as(plan.cluster.nodes, plan.cluster.devices_per_node)
-    dp, tp, pp, v, mbs = mesh.dp, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
-    shard = mesh.dp_shard  # the ranks ZeRO shards over (dp, or HSDP's shard group)
+    # `dp`: the ranks that hold a stage's parameters and add up its gradients (dp x cp); `shard`: those
+    # ZeRO shards over (dp, or HSDP's shard group, x cp)
+    dp, tp, pp, v, mbs = mesh.grad_ranks, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
+    shard = mesh.zero_shards
     e = DTYPES[t.dtype]
     gb = model_state_bytes(t)[1]
     bw = cluster.device.memory_bytes_per_s
@@ -122,6 +124,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         comp_b = sum(c.bwd_compute_s for c in costs)
         tpc_f = sum(c.fwd_tp_s for c in costs)
         tpc_b = sum(c.bwd_tp_s for c in costs)
+        cpc_f, cpc_b = sum(c.fwd_cp_s for c in costs), sum(c.bwd_cp_s for c in costs)
         params = sum(c.params for c in costs)
         grad_total = params * gb
         zero3_f = zero3_b = zero3_w = 0.0
@@ -166,7 +169,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             zero3_b = zero3_b if measured_dp else ag
         # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
         # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
-        act_msg = e * t.micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)
+        act_msg = e * plan.rank_micro_batch * t.seq_len * m.hidden / (tp if st.sequence_parallel else 1)
         scatter = pipe.p2p == "scatter-gather" and tp > 1 and not st.sequence_parallel
 
         def transfer(peer: int) -> float:
@@ -178,13 +181,14 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         nxt, prev = si + 1 < len(pipe.stages), si > 0
         send = transfer(plan.stage_rank(si + 1)) if nxt and plan.stage_rank(si + 1) != r else 0.0
         send_back = transfer(plan.stage_rank(si - 1)) if prev and plan.stage_rank(si - 1) != r else 0.0
-        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + zero3_f + copy_f + pipe_op,
-                                      bwd_s=comp_b + tpc_b + zero3_b + zero3_w + copy_b + pipe_op * (2 if split else 1),
+        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + cpc_f + zero3_f + copy_f + pipe_op,
+                                      bwd_s=comp_b + tpc_b + cpc_b + zero3_b + zero3_w + copy_b + pipe_op * (2 if split else 1),
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync,
                                       bwd_weight_s=sum(c.bwd_weight_s for c in costs) + zero3_w
                                       + (pipe_op if split else 0.0)))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
                                fwd_compute_s=comp_f, bwd_compute_s=comp_b, fwd_tp_s=tpc_f, bwd_tp_s=tpc_b,
+                               **({"fwd_cp_s": cpc_f, "bwd_cp_s": cpc_b} if mesh.cp > 1 else {}),
                                zero3_gather_exposed_s=(zero3_f + zero3_b + zero3_w) * mbs, grad_sync_s=sync,
                                fsdp_copy_s=(copy_f + copy_b) * mbs, fsdp_copy_step_s=copy_step,
                                params=params, optimizer_s=sum(c.optimizer_s for c in costs),
@@ -225,19 +229,21 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     mine = [stage_info[i] for i in plan.stages_of_rank(r)]
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
+    cp_time = sum((si.get("fwd_cp_s", 0.0) + si.get("bwd_cp_s", 0.0)) * mbs for si in mine)
     zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
     pipe_overhead = (3 if split_backward(pipe.schedule, pp) else 2) * pipe_op * mbs * len(mine)  # F, B or F, I, W
     copies = sum(si["fsdp_copy_s"] for si in mine)
-    busy = compute + tp_time + zero3 + copies + pipe_overhead
+    busy = compute + tp_time + cp_time + zero3 + copies + pipe_overhead
     if how["sharing"] is not None and busy > 0:  # operations ran at the shared speed: scale to the played time
         f = tl0.busy_s[r] / busy
-        compute, tp_time, zero3, copies, pipe_overhead, busy = (
-            x * f for x in (compute, tp_time, zero3, copies, pipe_overhead, busy))
+        compute, tp_time, cp_time, zero3, copies, pipe_overhead, busy = (
+            x * f for x in (compute, tp_time, cp_time, zero3, copies, pipe_overhead, busy))
     bubble = _residue(tl0.compute_end_s[r], busy)
     p2p = _residue(tl.compute_end_s[r], tl0.compute_end_s[r])
     dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
     optimizer = per_rank[r][0]
-    time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, "dp_comm_exposed_s": dp_exposed,
+    time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, **({"cp_comm_s": cp_time} if mesh.cp > 1 else {}),
+                      "dp_comm_exposed_s": dp_exposed,
                       "fsdp_copy_s": copies + per_rank[r][2],
                       "pipeline_bubble_s": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
                       "critical_pp_rank": r}

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.cluster import ClusterSpec
-from planner.comm import ASYNC_TP_HIDDEN, regathers, tp_comm
+from planner.comm import ASYNC_TP_HIDDEN, cp_comm, regathers, tp_comm
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
@@ -30,6 +30,8 @@ class LayerCost:
     optimizer_s: float = 0.0  # measured optimizer step on the layer's parameters (model profile only)
     dp_measured: dict | None = None  # measured data-parallel extras of the layer (model profile only)
     bwd_weight_s: float = 0.0  # the part of bwd_compute_s that computes weight gradients (see layer_cost)
+    fwd_cp_s: float = 0.0  # context-parallel K/V all-gather (planner.comm.cp_comm)
+    bwd_cp_s: float = 0.0  # its gradients' reduce-scatter, and the all-gather again where recomputed
 
 
 
@@ -58,7 +60,10 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         from planner.model_profile import profiled_layer_cost
         return profiled_layer_cost(plan, cluster, index, stage, tp_ranks, model_profile)
     m, t = plan.model, plan.training
-    b, s, tp, sp = t.micro_batch, t.seq_len, plan.mesh.tp, stage.sequence_parallel
+    # under context parallelism a rank computes 1 / cp of each sequence's tokens: a fraction of a
+    # sequence's linear layers, its queries' rows of the attention (against all keys: 1 / cp of it)
+    cp = getattr(plan.mesh, "cp", 1)
+    b, s, tp, sp = t.micro_batch / cp, t.seq_len, plan.mesh.tp, stage.sequence_parallel
     e, dropout, kind, rec = DTYPES[t.dtype], t.dropout > 0, m.layer_kind(index), stage.recompute[index - stage.start]
     # fused attention (not a library GEMM), at its rate for this sequence length and head size
     rate = (cluster.device.attention_flops_per_s(t.dtype, s, m.dim_per_head, t.attention)
@@ -80,7 +85,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         mm_b = 2 * mm_f
     else:
         mm_f = mm_b = 0.0
-    dp = getattr(plan.mesh, "dp", 1)  # without it the runtime computes by autocast on float32 weights
+    dp = getattr(plan.mesh, "dp", 1) * cp  # without data parallelism (dp x cp = 1) the runtime computes by autocast on float32 weights
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
                                    t.attention, autocast=casts_weights(t, dp))
     again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
@@ -121,9 +126,14 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
               dropout=dropout, attention=t.attention)
     held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
-    act = m.activation_bytes(index, recompute=rec, **kw) + held[0]
-    replay = m.activation_bytes(index, recompute="none", **kw) + held[1] - act if rec != "none" else 0.0
-    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad)
+    # the whole sequence's K and V, all-gathered over the CP group (cp_comm), which the attention
+    # keeps for its backward beside this rank's own
+    kv = 2 * e * b * cp * s * m.kv_dim / tp if kind == "block" and cp > 1 else 0.0
+    cp_f, cp_b = cp_comm(cluster, kind, kv, plan.mesh.group("cp", **plan.mesh.coords(tp_ranks[0])) if kv else [], rec)
+    gathered = kv * (cp - 1) / cp
+    act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered if rec == "none" else 0.0)
+    replay = m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered - act if rec != "none" else 0.0
+    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b)
 
 
 def replicated_params(model: ModelConfig, kind: str) -> int:

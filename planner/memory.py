@@ -165,7 +165,7 @@ def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
     last = len(pipe.stages) - 1
     if pipe.recv_buffers != "preallocated" or last == 0:
         return 0.0
-    msg = DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.hidden
+    msg = DTYPES[t.dtype] * plan.rank_micro_batch * t.seq_len * m.hidden
     return sum(((i > 0) + (i < last)) * pipe.micro_batches * msg
                / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids)
 
@@ -179,7 +179,7 @@ def stage_output_bytes(plan: Plan, i: int) -> float:
     pipe, t, m = plan.pipeline, plan.training, plan.model
     if pipe.recv_buffers != "preallocated" or i == len(pipe.stages) - 1:
         return 0.0
-    return (DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.hidden
+    return (DTYPES[t.dtype] * plan.rank_micro_batch * t.seq_len * m.hidden
             / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1))
 
 
@@ -282,8 +282,9 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     per stage, its "params" and per-layer "costs" (planner.layers.LayerCost). Each rank's
     other_parts says what its other holds (OTHER_PARTS)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
-    # `dp` is the ranks ZeRO shards over: all of dp, or HSDP's shard group (at least 2, as dp is)
-    dp, tp, pp, v, mbs = mesh.dp_shard, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
+    # `dp` is the ranks ZeRO shards over: all of dp, or HSDP's shard group (at least 2, as dp is),
+    # times cp (planner.mesh.Mesh.zero_shards)
+    dp, tp, pp, v, mbs = mesh.zero_shards, mesh.tp, mesh.pp, pipe.virtual_stages, pipe.micro_batches
     e = DTYPES[t.dtype]
     pb, gb, ob = model_state_bytes(t, dp)
     spb = sharded_param_bytes(t)
@@ -296,7 +297,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         zero = {i: 0.0 for i in range(len(pipe.stages))}
         split = None
         if two:
-            tokens = t.micro_batch * t.seq_len  # held from each I to its W
+            tokens = plan.rank_micro_batch * t.seq_len  # held from each I to its W
             split = {**zero, **{i: sum(held_i_to_w_bytes(m, j, tp, tokens, e, c.replay_bytes, r)
                                        for j, c, r in zip(range(pipe.stages[i].start, pipe.stages[i].end),
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
@@ -348,10 +349,10 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
                 replicated += P * pb
         held_other, transient_bytes = fsdp_held + replicated + recv, sum(transient_parts)
-        act_grad = backward_flow_bytes(m, t, tp, any(pipe.stages[i].sequence_parallel for i in ids), dp, t.micro_batch)
+        act_grad = backward_flow_bytes(m, t, tp, any(pipe.stages[i].sequence_parallel for i in ids), dp, plan.rank_micro_batch)
         head_logits, tied, tied_end = 0.0, 0.0, 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
-            head_logits = m.loss_bytes(t.micro_batch, t.seq_len, tp, e)[1]
+            head_logits = m.loss_bytes(plan.rank_micro_batch, t.seq_len, tp, e)[1]
             if m.tie_embeddings and 0 in ids:
                 tied, tied_end = tied_matrix_grad_bytes(m, tp, gb, mbs)
         # the loss's logits and float32 work run in the head's forward (runtime/loss.py), a block's

@@ -237,7 +237,7 @@ class ModelConfig:
         each costs 2 M N K FLOPs and reads M K + K N, writes M N elements. Attention scores and
         context are batched over micro_batch * heads / tp (the unfused form; see cost.py for fused)."""
         t, tokens, h, d = tp, micro_batch * seq_len, self.hidden, self.dim_per_head
-        heads = micro_batch * self.heads // t
+        heads = micro_batch * (self.heads // t)
         qkv = (self.q_dim + 2 * self.kv_dim) // t
         out = [(1, tokens, qkv, h), (1, tokens, h, self.q_dim // t)]
         if self.arch == "gpt":

@@ -201,6 +201,9 @@ class ModelProfile:
         if plan.training.seq_len != self.seq_len:
             raise ConfigError(f"model profile {self.name}: measured at seq_len {self.seq_len} but the plan uses "
                               f"{plan.training.seq_len}; profile with --seq-len {plan.training.seq_len}")
+        if plan.mesh.cp > 1:
+            raise ConfigError(f"model profile {self.name}: measured without context parallelism but the plan has "
+                              f"mesh.cp={plan.mesh.cp}; estimate it without --model-profile (the analytic model)")
         if plan.training.dtype != self.dtype:
             raise ConfigError(f"model profile {self.name}: measured in {self.dtype} but the plan computes in "
                               f"{plan.training.dtype}")

@@ -7,9 +7,7 @@ prediction assumed (which cluster profile priced it, and the prediction itself).
 Conventions:
 - Layers are numbered as in planner.model: 0 = embedding, 1..L = blocks, L+1 = final norm + head.
   A stage owns the half-open range `layers = [start, end)`.
-- `mesh.order` lists the mesh dimensions from outermost to innermost; a rank's coordinates are
-  its digits in that mixed radix (Megatron's RankGenerator idea). ["pp", "dp", "tp"] keeps each TP
-  group on consecutive ranks, so inside a node.
+- `mesh`: degrees and rank order, planner.mesh (context parallelism `cp` there too).
 - With `virtual_stages` v > 1 (interleaved 1F1B) there are pp * v stages (model chunks); chunk i
   lives on pipeline rank i % pp, as torch.distributed.pipelining's interleaved schedules expect.
   ZB-V (`zbv`) has two chunks per rank placed in a V: chunk i on rank i for i < pp, else on rank
@@ -24,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner.mesh import Mesh
 from planner.model import ConfigError, ModelConfig, is_int as _is_int
 from planner.profile_checks import check_finite, unreadable
 
@@ -55,8 +53,7 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs"),
-                 "pipeline": ("lockstep", "recv_buffers", "p2p"), "mesh": ("dp_replicate",)}
-MESH_DIMS = ("pp", "dp", "tp")
+                 "pipeline": ("lockstep", "recv_buffers", "p2p"), "mesh": ("dp_replicate", "cp")}
 
 
 def _default(cls, name: str):
@@ -141,64 +138,6 @@ class ClusterRef:
 
 
 @dataclass
-class Mesh:
-    pp: int
-    dp: int
-    tp: int
-    order: list = field(default_factory=lambda: ["pp", "dp", "tp"])  # outermost -> innermost
-    # HSDP (torchtitan's data_parallel_replicate_degree): dp_replicate groups of dp / dp_replicate
-    # consecutive dp coordinates; ZeRO shards within a group, the groups all-reduce their shards
-    dp_replicate: int = 1
-
-    @property
-    def dp_shard(self) -> int:  # the ranks ZeRO shards over: dp without HSDP
-        return self.dp // self.dp_replicate
-
-    def size(self, dim: str) -> int:
-        return getattr(self, dim)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    def coords(self, rank: int) -> dict:
-        """Coordinates {pp, dp, tp} of a global rank."""
-        out = {}
-        for dim in reversed(self.order):
-            n = self.size(dim)
-            out[dim] = rank % n
-            rank //= n
-        return out
-
-    def rank(self, **coords) -> int:
-        r = 0
-        for dim in self.order:
-            r = r * self.size(dim) + coords[dim]
-        return r
-
-    def group(self, dim: str, **coords) -> range:
-        """The ranks of the `dim` group through the rank at `coords` (`dim`'s own coordinate
-        ignored): rank(**coords, dim=i) for each i, an arithmetic progression."""
-        base = self.rank(**{**coords, dim: 0})
-        stride = math.prod(self.size(d) for d in self.order[self.order.index(dim) + 1:])
-        return range(base, base + stride * self.size(dim), stride)
-
-    def shard_group(self, **coords) -> range:
-        """The dp ranks through `coords` that ZeRO shards over (all of dp without HSDP)."""
-        g, s = self.group("dp", **coords), self.dp_shard
-        first = coords.get("dp", 0) // s * s
-        return g[first:first + s]
-
-    def replicate_group(self, **coords) -> range:
-        """The dp ranks through `coords` that hold the same shard (HSDP's replicas)."""
-        return self.group("dp", **coords)[coords.get("dp", 0) % self.dp_shard::self.dp_shard]
-
-    def groups(self, dim: str) -> list[list[int]]:
-        """Every group of ranks that differ only in coordinate `dim` (e.g. the TP groups), by first rank."""
-        return [list(self.group(dim, **c)) for c in map(self.coords, range(self.world_size)) if c[dim] == 0]
-
-
-@dataclass
 class Stage:
     layers: list  # [start, end), half-open
     zero: int = 0
@@ -250,6 +189,12 @@ class Plan:
     format_version: int = FORMAT_VERSION
 
     # ------------------------------------------------------------ helpers
+    @property
+    def rank_micro_batch(self) -> float:
+        """The share of a micro-batch one rank computes, in sequences: micro_batch, over cp under
+        context parallelism (each rank holds 1 / cp of every sequence's tokens)."""
+        return self.training.micro_batch / self.mesh.cp
+
     def stage_rank(self, stage_index: int) -> int:
         """Pipeline rank that holds model chunk `stage_index` (stage_rank below)."""
         return stage_rank(self.pipeline.schedule, self.mesh.pp, stage_index)

@@ -3,7 +3,8 @@ names the field and says what to change."""
 from __future__ import annotations
 
 from planner.model import MAX_NAME, RECOMPUTE_MODES, ATTENTION_KERNELS, is_one_line, is_real
-from planner.plan import (DTYPES, GRAD_ACCUMULATION, MESH_DIMS, RECV_BUFFERS, SCHEDULES, SP_SAVED_INPUTS, P2P_MODES,
+from planner.mesh import MESH_DIMS
+from planner.plan import (DTYPES, GRAD_ACCUMULATION, RECV_BUFFERS, SCHEDULES, SP_SAVED_INPUTS, P2P_MODES,
                           _is_int, _need)
 from planner.pointwise import ELEMENTWISE_KERNELS
 
@@ -49,19 +50,27 @@ def check(plan) -> None:
         _need(is_one_line(v) or (name == "profile_hash" and v == ""),
               f"cluster.{name}", f"{v!r} must be a{'' if name == 'profile_hash' else ' non-empty'} printable string "
               f"of one line, at most {MAX_NAME} characters")
-    for dim in MESH_DIMS:
+    for dim in MESH_DIMS + ("cp",):
         v = mesh.size(dim)
         _need(_is_int(v) and v > 0, f"mesh.{dim}", f"{v!r} must be a positive integer")
+    dims = MESH_DIMS + ("cp",) if mesh.cp > 1 else MESH_DIMS
     _need(isinstance(mesh.order, list) and all(isinstance(d, str) for d in mesh.order)
-          and sorted(mesh.order) == sorted(MESH_DIMS), "mesh.order",
-          f"{mesh.order!r} must list pp, dp and tp once each, outermost first")
+          and sorted(mesh.order) in (sorted(dims), sorted(MESH_DIMS + ("cp",))), "mesh.order",
+          f"{mesh.order!r} must list {', '.join(dims)} once each, outermost first"
+          + (" (cp > 1: add cp, e.g. pp, dp, cp, tp)" if mesh.cp > 1 else ""))
+    # causal attention is balanced by giving CP rank i sequence chunks i and 2 cp - 1 - i
+    # (Llama 3, Dubey et al. 2024, section 3.3.2; torchtitan's load balancing): 2 cp chunks
+    _need(mesh.cp == 1 or t.seq_len % (2 * mesh.cp) == 0, "mesh.cp",
+          f"{mesh.cp}: the sequence ({t.seq_len} tokens) must split into 2 x cp = {2 * mesh.cp} equal chunks; "
+          "pick a cp whose double divides training.seq_len")
     r = mesh.dp_replicate
     _need(_is_int(r) and r > 0, "mesh.dp_replicate", f"{r!r} must be a positive integer (1: no HSDP)")
-    _need(mesh.dp % r == 0 and (r == 1 or mesh.dp // r >= 2), "mesh.dp_replicate",
-          f"{r} must divide dp={mesh.dp} and leave a shard group of at least 2 (dp / dp_replicate); "
+    _need(mesh.dp % r == 0 and (r == 1 or mesh.dp // r * mesh.cp >= 2), "mesh.dp_replicate",
+          f"{r} must divide dp={mesh.dp} and leave a shard group of at least 2 (dp / dp_replicate x cp); "
           "pick a divisor of dp below it, or 1")
     _need(mesh.world_size == c.world_size, "mesh",
-          f"pp*dp*tp = {mesh.pp}*{mesh.dp}*{mesh.tp} = {mesh.world_size} but the cluster has "
+          f"pp*dp*{'cp*' if mesh.cp > 1 else ''}tp = {mesh.pp}*{mesh.dp}*{f'{mesh.cp}*' if mesh.cp > 1 else ''}"
+          f"{mesh.tp} = {mesh.world_size} but the cluster has "
           f"{c.world_size} GPUs ({c.nodes} nodes x {c.devices_per_node}); make the degrees multiply to {c.world_size}")
     _need(mesh.tp <= c.devices_per_node, "mesh.tp",
           f"{mesh.tp} is larger than a node ({c.devices_per_node} devices); TP groups must stay inside a node")

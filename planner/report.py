@@ -32,7 +32,7 @@ def describe_plan(plan: Plan) -> str:
     hsdp = f" (HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards)" if mesh.dp_replicate > 1 else ""
     return (f"{m.name} ({m.num_parameters() / 1e9:,.2f} B params) on {plan.cluster.nodes} x "
             f"{plan.cluster.devices_per_node} {plan.cluster.device} ({plan.cluster.name})\n"
-            f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
+            f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp}{f' cp={mesh.cp}' if mesh.cp > 1 else ''} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
@@ -45,6 +45,7 @@ def estimate_table(est: Estimate) -> str:
         ("step time", f"{est.step_time_s:.4g} s"),
         ("  compute", f"{tb['compute_s']:.4g} s"),
         ("  TP communication", f"{tb['tp_comm_s']:.4g} s"),
+        *([("  CP communication (K/V gathers)", f"{tb['cp_comm_s']:.4g} s")] if "cp_comm_s" in tb else []),
         ("  DP/FSDP communication (exposed)", f"{tb['dp_comm_exposed_s']:.4g} s"),
         ("  FSDP buffer copies", f"{tb.get('fsdp_copy_s', 0.0):.4g} s"),
         ("  pipeline bubble", f"{tb['pipeline_bubble_s']:.4g} s"),

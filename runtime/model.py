@@ -67,6 +67,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.kv_dim, bias=bias_qkv)
         self.wo = nn.Linear(cfg.q_dim, cfg.hidden, bias=cfg.arch == "gpt")
         self.selective_recompute = False  # checkpoint only the attention core (SDPA)
+        self.context = None  # context parallelism: runtime.context_parallel.ContextParallel
 
     def forward(self, x, cos=None, sin=None):
         b, s, _ = x.shape
@@ -76,10 +77,11 @@ class Attention(nn.Module):
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        core = _sdpa if self.context is None else self.context.attend  # the latter gathers K and V
         if self.selective_recompute and torch.is_grad_enabled():
-            out = checkpoint(_sdpa, q, k, v, use_reentrant=False)
+            out = checkpoint(core, q, k, v, use_reentrant=False)
         else:
-            out = _sdpa(q, k, v)
+            out = core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -134,11 +136,11 @@ class Embedding(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.arch == "gpt" else None
 
-    def forward(self, ids):
+    def forward(self, ids, positions=None):
         h = self.tok_embeddings(ids)
         if self.pos_embeddings is not None:
-            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
-            h = h + self.pos_embeddings(pos)
+            pos = torch.arange(ids.shape[1], device=ids.device) if positions is None else positions
+            h = h + self.pos_embeddings(pos.unsqueeze(0).expand(ids.shape[0], -1))
         return h
 
 
@@ -170,20 +172,25 @@ class Transformer(nn.Module):
                                   "stages; tied embeddings need them on one pp rank (set it false or pp=1)")
             if owns_embedding:
                 self.layers[str(end - 1)].output.weight = self.layers["0"].tok_embeddings.weight
+        self.positions = None  # the tokens' positions where not 0..s-1 (context parallelism)
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         if cfg.arch == "llama":
             self.rope_cos, self.rope_sin = rope_tables(cfg)
 
     def init_buffers(self, device) -> None:
-        """Compute the RoPE tables (buffers are computed, never random)."""
+        """Compute the RoPE tables (buffers are computed, never random), rows in `positions` order."""
         if self.cfg.arch == "llama":
             self.rope_cos, self.rope_sin = rope_tables(self.cfg, device=device)
+            if self.positions is not None:
+                self.rope_cos, self.rope_sin = self.rope_cos[self.positions], self.rope_sin[self.positions]
 
     def forward(self, x):
         for layer in self.layers.values():
             if isinstance(layer, Block):
                 x = layer(x, self.rope_cos, self.rope_sin)
+            elif isinstance(layer, Embedding):
+                x = layer(x, self.positions)
             else:
                 x = layer(x)
         return x

@@ -107,7 +107,7 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
     loss of one micro-batch; the schedule divides gradients by the number of micro-batches
     (scale_grads), so they are those of the mean over the rank's batch."""
     n_stages = len(plan.pipeline.stages)
-    sharded = plan.mesh.dp > 1
+    sharded = plan.mesh.grad_ranks > 1  # data parallelism wraps the chunks (dp x cp)
     stages = [_Stage(chunk, sid, n_stages, device, group=pp_group, zero=plan.pipeline.stages[sid].zero if sharded else 0)
               for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]

@@ -29,8 +29,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     """Read and check a plan against this launch; ConfigError (one line) on anything wrong."""
     plan = Plan.read(path)
     if plan.mesh.world_size != world:
-        raise ConfigError(f"{path}: the plan needs {plan.mesh.world_size} processes (pp*dp*tp = "
-                          f"{plan.mesh.pp}*{plan.mesh.dp}*{plan.mesh.tp}) but {world} were launched; "
+        m = plan.mesh
+        raise ConfigError(f"{path}: the plan needs {m.world_size} processes (pp*dp*cp*tp = "
+                          f"{m.pp}*{m.dp}*{m.cp}*{m.tp}) but {world} were launched; "
                           f"use torchrun --nproc-per-node {plan.mesh.world_size} (or `trident run`)")
     if plan.prediction and plan.prediction.get("fits") is False and not args.force:
         raise ConfigError(f"{path}: the prediction says this plan does not fit in device memory; "
@@ -60,9 +61,11 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     if len(sp) > 1:
         raise ConfigError("pipeline.stages[*].sequence_parallel: the runtime needs the same value on every stage "
                           "(stage boundaries carry sequence-sharded activations under SP)")
-    if sp == {True} and t.seq_len % plan.mesh.tp:
-        raise ConfigError(f"training.seq_len: {t.seq_len} is not divisible by tp={plan.mesh.tp}, which sequence "
-                          "parallelism needs")
+    local = t.seq_len // plan.mesh.cp  # a rank's tokens of a sequence (context parallelism: mesh.cp)
+    if sp == {True} and local % plan.mesh.tp:
+        raise ConfigError(f"training.seq_len: {f'its {local} tokens a CP rank' if plan.mesh.cp > 1 else t.seq_len} "
+                          f"{'are' if plan.mesh.cp > 1 else 'is'} not divisible by tp={plan.mesh.tp}, which "
+                          "sequence parallelism needs")
     for flag, where in (("--checkpoint-dir", args.checkpoint_dir), ("--trace", getattr(args, "trace", None))):
         check_dir(flag, where)
     if args.checkpoint_every and not args.checkpoint_dir:

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from planner.model import ConfigError
 from planner.args import OneLineParser
 from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
+from runtime.context_parallel import ContextParallel, apply_context_parallel
 from runtime.data import local_rows, make_source
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
@@ -75,10 +77,19 @@ def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
     planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards)."""
     dims = [d for dim in m.order for d in (("dp_replicate", "dp_shard") if dim == "dp" and m.dp_replicate > 1
                                            else (dim,))]
-    sizes = {"pp": m.pp, "dp": m.dp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard}
+    sizes = {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard}
     mesh = DeviceMesh(device_type, torch.arange(m.world_size).reshape([sizes[d] for d in dims]),
                       mesh_dim_names=tuple(dims))
-    return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
+    # context parallelism: the CP ranks hold the same parameters, so ZeRO shards over dp (HSDP's
+    # shard group) x cp and gradients add up over them too (torchtitan's dp_shard_cp)
+    if m.cp == 1:
+        return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
+    if m.dp_replicate == 1:
+        return mesh, mesh["dp", "cp"]._flatten("dp_cp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh, mesh["dp_replicate", "dp_shard_cp"]
 
 
 class Trainer:
@@ -91,6 +102,10 @@ class Trainer:
         self.pp_rank = self.mesh["pp"].get_local_rank()
         self.dp_rank = m.coords(dist.get_rank())["dp"]  # of the batch: HSDP's replica x shard_size + shard
         self.tp_rank = self.mesh["tp"].get_local_rank()
+        self.context = None  # context parallelism (runtime.context_parallel)
+        if m.cp > 1:
+            self.context = ContextParallel(self.mesh["cp"].get_group(), m.cp, m.coords(dist.get_rank())["cp"],
+                                           plan.training.seq_len, device)
         self.stage_ids = plan.stages_of_rank(self.pp_rank)
         self.n_stages = len(plan.pipeline.stages)
         self.dtype = compute_dtype(plan, args, device)
@@ -117,6 +132,8 @@ class Trainer:
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies
         init_weights(chunk, self.plan.training.seed)
+        if self.context is not None:
+            apply_context_parallel(chunk, self.context)
         kinds = {type(p).__name__ for p in chunk.parameters()}
         assert len(kinds) == 1, f"stage {sid} mixes parameter kinds {kinds}; foreach AdamW needs one kind"
         return chunk
@@ -149,6 +166,8 @@ class Trainer:
         """One optimizer step on the global batch [global_batch, seq_len + 1]; returns its mean loss."""
         plan = self.plan
         inputs, targets = local_rows(batch, self.dp_rank, plan.mesh.dp)
+        if self.context is not None:
+            inputs, targets = self.context.local_tokens(inputs), self.context.local_tokens(targets)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         n_micro = plan.pipeline.micro_batches
         local_loss = torch.zeros((), dtype=torch.float64)
@@ -173,11 +192,12 @@ class Trainer:
         # gradient clipping and the optimizer step on this rank, less the wait for the other
         # pipeline ranks in the gradient norm's all-reduce
         self.optimizer_s = time.perf_counter() - t_opt - timing.get("pp_wait_s", 0.0)
-        # the loss of the step: mean over data-parallel ranks of the last stage's loss
+        # the loss of the step: mean over data-parallel (and CP: equal token counts) ranks of the last
+        # stage's loss
         owner = self.n_stages - 1 in self.stage_ids and self.tp_rank == 0
         total = torch.tensor([float(local_loss) if owner else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
-        return float(total) / plan.mesh.dp
+        return float(total) / plan.mesh.grad_ranks
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of a micro-batch from this rank's vocabulary slice of the logits."""
@@ -278,7 +298,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "plan": str(plan_path),
         "plan_hash": plan_hash,
         "world_size": world,
-        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp, "order": plan.mesh.order,
+        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "cp": plan.mesh.cp, "tp": plan.mesh.tp, "order": plan.mesh.order,
                  "dp_replicate": plan.mesh.dp_replicate},
         "schedule": plan.pipeline.schedule,
         "dtype": trainer.dtype,
