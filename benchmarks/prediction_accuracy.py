@@ -74,6 +74,11 @@ PLANS = {
     "w4-pp2-dp2-gpipe": ("tiny", 4, dict(micro_batch=2, pp=2, schedule="gpipe", zero=0)),
     "w4-pp2-dp2-zbv-zero3": ("tiny", 4, dict(micro_batch=1, pp=2, schedule="zbv", zero=3)),
     "w4-hsdp-zero3": ("tiny", 4, dict(micro_batch=2, zero=3, dp_replicate=2)),  # 2 replicas x 2 shards
+    # context parallelism: each sequence over 2 ranks (the twins of w2-dp2, w4-dp4 and w4-tp2-dp2)
+    "w2-cp2": ("tiny", 2, dict(micro_batch=4, zero=0, cp=2)),
+    "w4-cp2-dp2": ("tiny", 4, dict(micro_batch=4, zero=0, cp=2)),
+    "w4-cp2-tp2-zero1": ("tiny", 4, dict(micro_batch=4, tp=2, zero=1, cp=2)),
+    "small-w4-cp2-dp2-zero3": ("small", 4, dict(micro_batch=2, zero=3, cp=2)),
     # a larger CPU-sized model (zoo "small": 8 layers, hidden 512, ~28M parameters)
     "small-w2-zero1": ("small", 2, dict(micro_batch=2, zero=1)),
     "small-w2-tp2": ("small", 2, dict(micro_batch=2, tp=2)),

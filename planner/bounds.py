@@ -89,7 +89,7 @@ class Bounds:
         wtot = w(lc["emb"]) + w(lc["head"]) + self.L * min(w(lc["blk"][r]) for r in self.modes)
         head = tied_head(ctx.model, lc["head"], cfg.tp) if ctx.model.tie_embeddings else lc["head"]  # at least
         P = lc["emb"].params + head.params + self.L * lc["blk"]["none"].params
-        dp, mbs, p = cfg.dp, cfg.micro_batches, cfg.pp
+        dp, mbs, p = cfg.shards, cfg.micro_batches, cfg.pp
         # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
         # parameters (alpha + beta P), and for v = 1 each rank has one stage.
         ag, ar, rs, _ = ctx.collectives(cfg)
@@ -149,7 +149,7 @@ class Bounds:
         blk = [lc["blk"][r] for r in self.modes]
         t0 = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
-        tokens = cfg.micro_batch * ctx.train.seq_len  # held from I to W per block (menu's held_iw)
+        tokens = cfg.rank_micro_batch * ctx.train.seq_len  # held from I to W per block (menu's held_iw)
         h = np.array([held_i_to_w_bytes(ctx.model, 1, cfg.tp, tokens, ctx.e, x.replay_bytes, r)
                       for r, x in zip(self.modes, blk)])
         mbs = cfg.micro_batches
@@ -245,7 +245,7 @@ class Bounds:
         Collectives at their latency-free slope (ClusterSpec.seconds_per_byte), a lower bound of
         their time."""
         ctx, cfg = self.ctx, self.cfg
-        dp, mbs, e = cfg.dp, cfg.micro_batches, ctx.e
+        dp, mbs, e = cfg.shards, cfg.micro_batches, ctx.e
         shape = ctx.collectives(cfg)[3]
         slope = (lambda op: ctx.cluster.seconds_per_byte(op, shape)) if dp > 1 else (lambda op: 0.0)  # noqa: E731
         s_ag, s_ar, s_rs = slope("all_gather"), slope("all_reduce"), slope("reduce_scatter")

@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", type=int_list(), default=None, help="tensor-parallel degrees, e.g. 1,2,4")
     c.add_argument("--pp", type=int_list(), default=None, help="pipeline-parallel degrees")
     c.add_argument("--dp", type=int_list(), default=None, help="data-parallel degrees")
+    c.add_argument("--cp", type=int_list(), default=None,
+                   help="context-parallel degrees (default: 1 and those leaving a rank at least 8192 tokens)")
     c.add_argument("--dp-replicate", type=int_list(), default=None,
                    help="HSDP replica counts (planner/hsdp.py; 1: flat data parallelism)")
     c.add_argument("--micro-batch", type=int_list(), default=None, help="sequences per micro-batch")

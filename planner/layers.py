@@ -62,7 +62,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     m, t = plan.model, plan.training
     # under context parallelism a rank computes 1 / cp of each sequence's tokens: a fraction of a
     # sequence's linear layers, its queries' rows of the attention (against all keys: 1 / cp of it)
-    cp = getattr(plan.mesh, "cp", 1)
+    cp = plan.mesh.cp
     b, s, tp, sp = t.micro_batch / cp, t.seq_len, plan.mesh.tp, stage.sequence_parallel
     e, dropout, kind, rec = DTYPES[t.dtype], t.dropout > 0, m.layer_kind(index), stage.recompute[index - stage.start]
     # fused attention (not a library GEMM), at its rate for this sequence length and head size
@@ -85,7 +85,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         mm_b = 2 * mm_f
     else:
         mm_f = mm_b = 0.0
-    dp = getattr(plan.mesh, "dp", 1) * cp  # without data parallelism (dp x cp = 1) the runtime computes by autocast on float32 weights
+    dp = plan.mesh.grad_ranks  # without data parallelism (dp x cp = 1) the runtime computes by autocast on float32 weights
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
                                    t.attention, autocast=casts_weights(t, dp))
     again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
@@ -126,14 +126,23 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
               dropout=dropout, attention=t.attention)
     held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
-    # the whole sequence's K and V, all-gathered over the CP group (cp_comm), which the attention
-    # keeps for its backward beside this rank's own
-    kv = 2 * e * b * cp * s * m.kv_dim / tp if kind == "block" and cp > 1 else 0.0
-    cp_f, cp_b = cp_comm(cluster, kind, kv, plan.mesh.group("cp", **plan.mesh.coords(tp_ranks[0])) if kv else [], rec)
-    gathered = kv * (cp - 1) / cp
+    cp_f, cp_b, gathered = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered if rec == "none" else 0.0)
     replay = m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered - act if rec != "none" else 0.0
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b)
+
+
+def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: str, tp_ranks: list) -> tuple:
+    """(forward s, backward s, bytes) of a layer's context parallelism per micro-batch: its K/V
+    collectives (planner.comm.cp_comm) over the CP group of the rank that leads `tp_ranks`, and
+    the bytes of the other CP ranks' K and V that its attention keeps for the backward beside this
+    rank's own, where it is not recomputed (a replay holds them again). Zeros without it."""
+    m, t, cp = plan.model, plan.training, plan.mesh.cp
+    if cp == 1 or m.layer_kind(index) != "block":
+        return 0.0, 0.0, 0.0
+    kv = 2 * DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.kv_dim / plan.mesh.tp  # the whole sequence's
+    fwd, bwd = cp_comm(cluster, "block", kv, plan.mesh.group("cp", **plan.mesh.coords(tp_ranks[0])), recompute)
+    return fwd, bwd, kv * (cp - 1) / cp
 
 
 def replicated_params(model: ModelConfig, kind: str) -> int:

@@ -37,7 +37,7 @@ class Menus:
     def _menu_key(self, k, emb, head):
         """What a menu depends on: the data-parallel group by its shape, not by the mesh order that made it."""
         cfg, ctx = self.cfg, self.ctx
-        return (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
+        return (cfg.tp, cfg.micro_batch, cfg.cp, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
                 self.zeros, self.modes, ctx.space.recompute_granularity, k, emb, head, self.split, self.fb)
 
     def menus(self, ks, emb, head):
@@ -97,7 +97,7 @@ class Menus:
         # layer's weight-gradient inputs, and each fully recomputed block's replay
         held_iw = np.zeros(len(kid))
         if split:
-            tokens = cfg.micro_batch * ctx.train.seq_len
+            tokens = cfg.rank_micro_batch * ctx.train.seq_len
             held = lambda j: held_i_to_w_bytes(model, j, cfg.tp, tokens, ctx.e, 0.0, "none")  # noqa: E731
             cb2 = np.concatenate([p[0][:, 2] for p in parts])
             held_iw += karr[kid] * held(1) + emb * held(0) + head * held(self.L + 1) + cb2 * blk[2].replay_bytes
@@ -173,7 +173,7 @@ class Menus:
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
         e_sum = lambda a: sum(getattr(x, a) for x in ends)  # noqa: E731
         root = sum(x.params for x in ends)
-        dp, e, mbs = cfg.dp, ctx.e, cfg.micro_batches
+        dp, e, mbs = cfg.shards, ctx.e, cfg.micro_batches
         tied = emb and head and model.tie_embeddings
         if tied:
             tied_bytes, tied_end = tied_matrix_grad_bytes(model, cfg.tp, ctx.gb, cfg.micro_batches)

@@ -201,9 +201,6 @@ class ModelProfile:
         if plan.training.seq_len != self.seq_len:
             raise ConfigError(f"model profile {self.name}: measured at seq_len {self.seq_len} but the plan uses "
                               f"{plan.training.seq_len}; profile with --seq-len {plan.training.seq_len}")
-        if plan.mesh.cp > 1:
-            raise ConfigError(f"model profile {self.name}: measured without context parallelism but the plan has "
-                              f"mesh.cp={plan.mesh.cp}; estimate it without --model-profile (the analytic model)")
         if plan.training.dtype != self.dtype:
             raise ConfigError(f"model profile {self.name}: measured in {self.dtype} but the plan computes in "
                               f"{plan.training.dtype}")
@@ -219,13 +216,15 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     most the whole measured time). The TP term is that measured share plus the difference between
     the cluster profile's prediction at the plan's TP ranks and at the measured ones: the same
     figure as measured for a group on the measured tier, more for a group spanning nodes.
-    Activation and parameter bytes are the measured ones."""
+    Activation and parameter bytes are the measured ones. Under context parallelism (measured
+    without) a rank computes 1 / cp of each sequence: the fits at micro_batch / cp, with the K/V
+    collectives and kept bytes of planner.layers.context_parallel_parts."""
     from planner.comm import regathers, tp_comm
-    from planner.layers import LayerCost, layer_cost
+    from planner.layers import LayerCost, context_parallel_parts, layer_cost
     from planner.plan import DTYPES
     from planner.precision import grad_bytes, optimizer_step_bytes, sp_gathered_bytes
     m, t = plan.model, plan.training
-    b, s, sp = t.micro_batch, t.seq_len, stage.sequence_parallel
+    b, s, sp = t.micro_batch / plan.mesh.cp, t.seq_len, stage.sequence_parallel
     e = DTYPES[t.dtype]
     kind = m.layer_kind(index)
     rec = stage.recompute[index - stage.start]
@@ -250,13 +249,14 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     # the plan's sequence parallelism may keep its gathered inputs otherwise than the measured one
     gathered = [sp_gathered_bytes(m, tt, index, r, b, s, plan.mesh.tp, sp, replay=rec == "full" and r == "none")
                 for tt in (t, measured_t) for r in (rec, "none")]
-    act = fit.activations(b) + gathered[0] - gathered[2]
+    cp_f, cp_b, kv = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
+    act = fit.activations(b) + gathered[0] - gathered[2] + (kv if rec == "none" else 0.0)
     replay = 0.0
     if rec != "none":
-        none = profile.lookup(kind, plan.mesh.tp, sp, "none").activations(b) + gathered[1] - gathered[3]
+        none = profile.lookup(kind, plan.mesh.tp, sp, "none").activations(b) + gathered[1] - gathered[3] + kv
         replay = max(0.0, none - act)
     dpm = None
-    if plan.mesh.dp > 1:
+    if plan.mesh.grad_ranks > 1:
         base = profile.lookup(kind, plan.mesh.tp, sp, "none")
         dpm = base.dp_overhead(stage.zero)
         if dpm:
@@ -266,14 +266,15 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
             dpm = dp_at_plan_ranks(dpm, cluster, stage.zero, (params * e, params * grad_bytes(t)), dp_ranks,
                                    [i * plan.mesh.tp for i in range(measured)])
             if stage.zero >= 1:  # its optimizer stepped 1 / measured of the parameters: the plan's share
-                more = params * optimizer_step_bytes(t) * (1 / plan.mesh.dp_shard - 1 / measured)
+                more = params * optimizer_step_bytes(t) * (1 / plan.mesh.zero_shards - 1 / measured)
                 dpm = dict(dpm, optimizer_s=max(0.0, dpm["optimizer_s"] + more / cluster.device.memory_bytes_per_s))
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
     wshare = 0.0
     if plan.pipeline.schedule == "zbv":  # the weights' share of the measured backward, as the analytic
         analytic = layer_cost(plan, cluster, index, stage, tp_ranks)  # model splits it (measured whole)
         wshare = analytic.bwd_weight_s / analytic.bwd_compute_s if analytic.bwd_compute_s > 0 else 0.0
-    return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, params, opt, dpm, bwd_weight_s=bwd * wshare)
+    return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, params, opt, dpm, bwd_weight_s=bwd * wshare,
+                     fwd_cp_s=cp_f, bwd_cp_s=cp_b)
 
 
 def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: tuple, plan_ranks: list, measured_ranks: list) -> dict:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -51,53 +50,11 @@ from planner.layers import layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
 from planner.partition import Inner
-from planner.plan import DTYPES, SCHEDULES, Mesh, Plan, Training
-from planner.plan_checks import MAX_MICRO_BATCHES
+from planner.plan import DTYPES, Mesh, Plan, Training
 from planner.build import build_plan, even_stages
 from planner.bounds import in_flight_counts
-from planner.stages import TOL, MenuCache, distinct_orders
-
-ORDERS = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
-
-
-@dataclass
-class SearchSpace:
-    """What the search may choose; None means every valid value."""
-    tp: tuple | None = None
-    pp: tuple | None = None
-    dp: tuple | None = None
-    micro_batch: tuple | None = None
-    schedules: tuple = SCHEDULES
-    virtual_stages: tuple = (2, 3, 4, 6, 8)  # chunks per rank for interleaved-1f1b
-    zero: tuple = (0, 1, 2, 3)
-    zero_per_stage: bool = True  # False: one ZeRO level for the whole plan
-    recompute: tuple = RECOMPUTE_MODES
-    recompute_granularity: str = "layer"  # layer (counts per stage) | stage | plan
-    sequence_parallel: tuple = (False, True)
-    orders: tuple = ORDERS
-    uneven: bool = True  # False: only planner.plan.even_stages partitions
-    exhaustive_limit: int = 3000  # inner assignments enumerated exhaustively up to this many
-    max_priced_per_config: int = 6  # full estimates per configuration when not exhaustive
-    # True: a large inner problem keeps its configuration bound as its key after the quick pass
-    # (every configuration that bound cannot rule out gets the full sweep); False: the quick
-    # split's bound, which is not a bound on the other splits (module doc), about 1.5x faster
-    thorough: bool = False
-
-
-@dataclass(frozen=True)
-class Config:
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int
-    micro_batches: int
-    schedule: str
-    v: int
-    sp: bool
-    order: tuple
-    zero: int | None  # None: chosen per stage
-    recompute: str | None  # None: chosen per stage / layer
-
+from planner.stages import TOL, MenuCache
+from planner.configs import Config, SearchSpace, configs, no_configuration  # the outer loop
 
 @dataclass
 class Found:
@@ -120,11 +77,6 @@ class SearchResult:
     @property
     def best(self) -> Found | None:
         return self.results[0] if self.results else None
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def _affine(cluster: ClusterSpec, op: str, ranks: list):
@@ -175,98 +127,33 @@ class Ctx:
         """(all-gather, all-reduce, reduce-scatter) time functions of the data-parallel group of
         pipeline rank 0 (every rank's group has the same shape when TP is innermost), and that
         group's shape (ClusterSpec.group_shape: all the three depend on)."""
-        key = (cfg.tp, cfg.pp, cfg.dp, cfg.order)
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order)
         if key not in self._coll:
-            ranks = Mesh(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp).group("dp", pp=0, tp=0)
+            ranks = Mesh(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp).shard_group(pp=0, tp=0)
             self._coll[key] = tuple(_affine(self.cluster, op, ranks) for op in ("all_gather", "all_reduce", "reduce_scatter")) \
                 + (self.cluster.group_shape(ranks),)
         return self._coll[key]
 
-    def layers(self, tp, b, sp, multi, dp1, split=False):
+    def layers(self, tp, b, sp, multi, dp1, split=False, cp=1):
         """LayerCost of the embedding, the head and a block per recompute mode (`dp1`: without data
         parallelism, where the runtime casts its weights at each use: precision.autocast_cast_bytes;
-        `split`: under a split backward, planner.plan.split_backward)."""
-        key = (tp, b, sp, multi, dp1, split)
+        `split`: under a split backward, planner.plan.split_backward; `cp`: context parallelism,
+        whose K/V collectives count here as the layer's TP communication, exposed as that is)."""
+        key = (tp, b, sp, multi, dp1, split, cp)
         if key not in self._layers:
             m = self.model
-            fake = SimpleNamespace(model=m, training=dataclasses.replace(self.train, micro_batch=b),
-                                   mesh=SimpleNamespace(tp=tp, dp=1 if dp1 else 2, pp=2 if split else 1),
+            mesh = Mesh(pp=2 if split else 1, dp=1 if dp1 else 2, tp=tp, cp=cp, order=["pp", "dp", "cp", "tp"])
+            fake = SimpleNamespace(model=m, training=dataclasses.replace(self.train, micro_batch=b), mesh=mesh,
                                    pipeline=SimpleNamespace(micro_batches=2 if multi else 1,
                                                             schedule="zbv" if split else "1f1b"))
             ranks = list(range(tp))
 
             def lc(i, rec):
-                return layer_cost(fake, self.cluster, i, SimpleNamespace(sequence_parallel=sp, recompute=[rec], start=i), ranks)
+                c = layer_cost(fake, self.cluster, i, SimpleNamespace(sequence_parallel=sp, recompute=[rec], start=i), ranks)
+                return dataclasses.replace(c, fwd_tp_s=c.fwd_tp_s + c.fwd_cp_s, bwd_tp_s=c.bwd_tp_s + c.bwd_cp_s)
             self._layers[key] = dict(emb=lc(0, "none"), head=lc(m.layers + 1, "none"),
                                      blk={r: lc(1, r) for r in RECOMPUTE_MODES})
         return self._layers[key]
-
-
-def _configs(ctx: Ctx, global_batch: int):
-    m, c, sp_ = ctx.model, ctx.cluster, ctx.space
-    world, dpn, total = c.world_size, c.devices_per_node, m.num_layers_total
-    for tp in _divisors(dpn):
-        if any(x % tp for x in (m.heads, m.kv_heads, m.ffn_hidden)) or (sp_.tp and tp not in sp_.tp) or world % tp:
-            continue
-        for pp in _divisors(world // tp):
-            if pp > total or (sp_.pp and pp not in sp_.pp):
-                continue
-            dp = world // (tp * pp)
-            if global_batch % dp or (sp_.dp and dp not in sp_.dp):
-                continue
-            for b in _divisors(global_batch // dp):
-                if sp_.micro_batch and b not in sp_.micro_batch:
-                    continue
-                mbs = global_batch // (dp * b)
-                if mbs > MAX_MICRO_BATCHES:
-                    continue
-                scheds = []
-                for s in sp_.schedules:
-                    if pp == 1:
-                        scheds += [("1f1b", 1)] if ("1f1b", 1) not in scheds else []
-                    elif s == "interleaved-1f1b":
-                        scheds += [(s, v) for v in sp_.virtual_stages if v > 1 and pp * v <= total and mbs % pp == 0]
-                    elif s == "zbv":
-                        if 2 * pp <= total:
-                            scheds.append((s, 2))
-                    elif s == "gpipe" or mbs >= pp:  # 1F1B needs a micro-batch per stage (planner.plan)
-                        scheds.append((s, 1))
-                sps = [x for x in sp_.sequence_parallel if tp > 1 or not x] or [False]
-                orders = distinct_orders(c, tp, pp, dp, sp_.orders) if (pp > 1 and dp > 1) else sp_.orders[:1]
-                zeros = [None] if sp_.zero_per_stage else (sp_.zero if dp > 1 else sp_.zero[:1])
-                recs = sp_.recompute if sp_.recompute_granularity == "plan" else [None]
-                for (sched, v), sp, order, z, r in itertools.product(scheds, sps, orders, zeros, recs):
-                    yield Config(tp, pp, dp, b, mbs, sched, v, sp, tuple(order), z, r)
-
-
-# the user's constraints on a search (SearchSpace fields), by the command-line option that sets them
-CONSTRAINTS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "micro_batch": "--micro-batch", "schedules": "--schedule",
-               "virtual_stages": "--virtual-stages", "sequence_parallel": "--sequence-parallel"}
-
-
-def _no_configuration(ctx: Ctx, global_batch: int) -> str:
-    """Why no configuration exists: the one constraint that, lifted, would admit some (named, with
-    the values that would work), else the problem itself."""
-    m, c, space = ctx.model, ctx.cluster, ctx.space
-    default = SearchSpace()
-    where = f"{global_batch} sequences on {c.world_size} GPUs of {m.name}"
-    given = {f: getattr(space, f) for f in CONSTRAINTS if getattr(space, f) != getattr(default, f)}
-    for field in given:
-        lifted = Ctx(m, c, ctx.train, ctx.limit, dataclasses.replace(space, **{field: getattr(default, field)}))
-        cfgs = list(_configs(lifted, global_batch))
-        if not cfgs:
-            continue
-        attr = {"schedules": "schedule", "virtual_stages": "v", "sequence_parallel": "sp"}.get(field, field)
-        ok = sorted({getattr(cfg, attr) for cfg in cfgs if field != "virtual_stages" or cfg.v > 1})
-        show = lambda vals: ", ".join("on" if v is True else "off" if v is False else str(v) for v in vals)  # noqa: E731
-        return (f"{CONSTRAINTS[field]}: {show(given[field])} admits no configuration of {where} with the other "
-                f"choices; possible: {show(ok) or 'none'}")
-    if given:
-        opts = " ".join(f"{CONSTRAINTS[f]} {','.join(str(v) for v in vals)}" for f, vals in given.items())
-        return f"{opts}: together these admit no configuration of {where}; lift one of them"
-    return (f"global_batch: {global_batch} sequences admit no configuration on {c.world_size} GPUs of {m.name} "
-            f"(dp must divide it, tp the heads, and a data-parallel rank may run at most {MAX_MICRO_BATCHES} "
-            f"micro-batches); use a multiple of the GPU count")
 
 
 def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
@@ -287,12 +174,12 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
     def build(cfg, stages):
         return build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=cluster.nodes,
                           devices_per_node=cluster.devices_per_node, global_batch=global_batch,
-                          micro_batch=cfg.micro_batch, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                          micro_batch=cfg.micro_batch, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
                           schedule=cfg.schedule, virtual_stages=cfg.v, dtype=dtype,
                           profile_hash=cluster.profile_hash, order=list(cfg.order), stages=stages, **training)
 
     bounded, mem_lbs = [], []
-    for cfg in _configs(ctx, global_batch):
+    for cfg in configs(ctx, global_batch):
         res.configs += 1
         lb, mem = Inner(ctx, cfg).config_bound()
         mem_lbs.append((mem, res.configs, cfg))
@@ -301,7 +188,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             continue
         bounded.append((lb, cfg))
     if not res.configs:
-        raise ConfigError(_no_configuration(ctx, global_batch))
+        raise ConfigError(no_configuration(ctx, global_batch))
     bounded.sort(key=lambda x: x[0])
     best: dict = {}  # config -> Found
 

@@ -22,7 +22,7 @@ def _search_row(i, found) -> dict:
     blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
     rec = ",".join(f"{mode}:{blocks.count(mode)}" for mode in ("none", "selective", "full") if blocks.count(mode))
     dp = f"{mesh.dp_replicate}x{mesh.dp_shard}" if mesh.dp_replicate > 1 else mesh.dp  # HSDP: replicas x shards
-    return {"#": i, "tp": mesh.tp, "pp": mesh.pp, "dp": dp, "order": "-".join(mesh.order),
+    return {"#": i, "tp": mesh.tp, "pp": mesh.pp, "dp": dp, "cp": mesh.cp, "order": "-".join(mesh.order),
             "schedule": p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
             "micro-batch": f"{plan.training.micro_batch}x{p.micro_batches}",
             "zero": ",".join(str(z) for z in sorted({st.zero for st in p.stages})),
@@ -41,7 +41,7 @@ def _search_space(args):
     """The choices the search may make, narrowed by the command line's constraints."""
     from planner.search import SearchSpace
     space = SearchSpace()
-    for field, arg in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"),
+    for field, arg in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("micro_batch", "micro_batch"),
                        ("schedules", "schedule"), ("virtual_stages", "virtual_stages"), ("zero", "zero"),
                        ("recompute", "recompute")):
         if getattr(args, arg) is not None:
@@ -61,8 +61,8 @@ def _search_space(args):
 def _constraints_given(args) -> str:
     """The search constraints on the command line, as typed."""
     parts = []
-    for arg in ("tp", "pp", "dp", "dp_replicate", "micro_batch", "schedule", "virtual_stages", "zero", "recompute",
-                "sequence_parallel"):
+    for arg in ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "schedule", "virtual_stages", "zero",
+                "recompute", "sequence_parallel"):
         v = getattr(args, arg)
         if v is not None:
             parts.append(f"--{arg.replace('_', '-')} " + (v if isinstance(v, str) else ",".join(str(x) for x in v)))
@@ -144,6 +144,7 @@ def cmd_search(args) -> int:
     if args.json:
         out = best.estimate.to_dict()
         out["alternatives"] = [{"degrees": {"tp": f.plan.mesh.tp, "pp": f.plan.mesh.pp, "dp": f.plan.mesh.dp,
+                                            "cp": f.plan.mesh.cp,
                                             "dp_replicate": f.plan.mesh.dp_replicate,
                                             "order": f.plan.mesh.order, "schedule": f.plan.pipeline.schedule,
                                             "virtual_stages": f.plan.pipeline.virtual_stages,
@@ -155,6 +156,8 @@ def cmd_search(args) -> int:
         return 0
     import pandas as pd
     table = pd.DataFrame([_search_row(i + 1, f) for i, f in enumerate(res.results)])
+    if (table["cp"] == 1).all():  # no context parallelism among them: no column
+        table = table.drop(columns="cp")
     print(describe_plan(best.plan))
     print()
     print(estimate_table(best.estimate))

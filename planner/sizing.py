@@ -77,7 +77,11 @@ def scaling(found) -> list[dict | None]:
 
 
 def columns(found) -> tuple:
-    return (("cluster",) if _several_clusters(found) else ()) + COLUMNS
+    cols = COLUMNS
+    if any(f["result"] and f["result"].best and f["result"].best.plan.mesh.cp > 1 for f in found):
+        # context parallelism in some size's plan: its column
+        cols = cols[:cols.index("dp") + 1] + ("cp",) + cols[cols.index("dp") + 1:]
+    return (("cluster",) if _several_clusters(found) else ()) + cols
 
 
 def rows(found, describe) -> list[dict]:
@@ -98,7 +102,7 @@ def rows(found, describe) -> list[dict]:
             continue
         est = res.best.estimate
         d = describe(1, res.best)
-        row.update({k: d[k] for k in ("tp", "pp", "dp", "schedule", "micro-batch", "zero", "recompute")})
+        row.update({k: d[k] for k in ("tp", "pp", "dp", "cp", "schedule", "micro-batch", "zero", "recompute")})
         row.update({"step s": f"{est.step_time_s:.4g}", "tokens/s": f"{est.tokens_per_s:,.0f}",
                     "per GPU vs first": f"{scale['per_gpu_vs_first']:.2f}", "MFU": f"{est.mfu:.1%}",
                     "GPU-h per 1B tokens": f"{scale['gpu_hours_per_billion_tokens']:,.1f}",
@@ -119,7 +123,7 @@ def as_json(found) -> list[dict]:
         out.append({**head, "fits": best is not None,
                     "min_required_bytes": res.min_required_bytes if best is None else best.estimate.required_bytes,
                     "degrees": None if best is None else {"tp": best.plan.mesh.tp, "pp": best.plan.mesh.pp,
-                                                          "dp": best.plan.mesh.dp,
+                                                          "dp": best.plan.mesh.dp, "cp": best.plan.mesh.cp,
                                                           "schedule": best.plan.pipeline.schedule,
                                                           "micro_batch": best.plan.training.micro_batch},
                     **(scale or {}), "estimate": None if best is None else best.estimate.to_dict()})

@@ -76,10 +76,10 @@ class StageCosts(Menus, Bounds):
         self.L = m.layers
         self.S = cfg.pp * cfg.v
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
-        self.zeros = tuple(z) if cfg.dp > 1 else (min(z),)
+        self.zeros = tuple(z) if cfg.shards > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
         self.split = split_backward(cfg.schedule, cfg.pp)  # I and W apart (zbv)
-        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1, self.split)
+        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.shards == 1, self.split, cfg.cp)
         self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
         self.stages_of = [[] for _ in range(cfg.pp)]
         for s, r in enumerate(self.rank_of):
@@ -90,10 +90,10 @@ class StageCosts(Menus, Bounds):
         t = ctx.train
         # processes sharing fewer compute units than there are of them (planner.schedule.Sharing):
         # the machine does at most max(slots, 1) process-seconds of the operations' work a second
-        slots, world = ctx.cluster.compute_slots, cfg.pp * cfg.dp * cfg.tp
-        self.share = max(slots, 1.0) / (cfg.tp * cfg.dp) if (slots is not None and slots < world) else None
-        self.act_grad = backward_flow_bytes(m, t, cfg.tp, cfg.sp, cfg.dp, cfg.micro_batch)
-        self.head_logits = m.loss_bytes(cfg.micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
+        slots, world = ctx.cluster.compute_slots, cfg.pp * cfg.shards * cfg.tp
+        self.share = max(slots, 1.0) / (cfg.tp * cfg.shards) if (slots is not None and slots < world) else None
+        self.act_grad = backward_flow_bytes(m, t, cfg.tp, cfg.sp, cfg.shards, cfg.rank_micro_batch)
+        self.head_logits = m.loss_bytes(cfg.rank_micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
 
     def setup(self):
         """Collective costs of the data-parallel group and the activations in flight."""
@@ -101,7 +101,7 @@ class StageCosts(Menus, Bounds):
         self.flight, self.maxcnt, _ = self.ctx.in_flight(self.cfg)
         cfg = self.cfg
         msg = self._message()
-        mesh = SimpleNamespace(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
+        mesh = SimpleNamespace(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp)
         p2p = [self.ctx.cluster.p2p_time(msg, _rank(mesh, r, 0, 0), _rank(mesh, (r + 1) % cfg.pp, 0, 0))
                for r in range(cfg.pp)]
         back = [self.ctx.cluster.p2p_time(msg, _rank(mesh, r, 0, 0), _rank(mesh, (r - 1) % cfg.pp, 0, 0))
@@ -123,7 +123,7 @@ class StageCosts(Menus, Bounds):
     def _message(self):
         """Bytes of one micro-batch's activation between stages."""
         cfg, m, t = self.cfg, self.ctx.model, self.ctx.train
-        return self.ctx.e * cfg.micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
+        return self.ctx.e * cfg.rank_micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
 
     def _recv(self):
         """Per stage the runtime's receive buffers, one per micro-batch and neighbour, held all step
@@ -171,7 +171,7 @@ class StageCosts(Menus, Bounds):
         cfg = self.cfg
         split = self.split
         if "_blocks_key" not in self.__dict__:
-            self._blocks_key = (cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.dp == 1, self.modes,
+            self._blocks_key = (cfg.tp, cfg.micro_batch, cfg.cp, cfg.sp, cfg.micro_batches > 1, cfg.shards == 1, self.modes,
                                 self.ctx.space.recompute_granularity if not cfg.recompute else "plan", self.fb)
         key = (*self._blocks_key, k, split)
         if key not in self.ctx._blocks:
@@ -192,8 +192,8 @@ class StageCosts(Menus, Bounds):
     def _state(self, z):
         """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z."""
         ctx, cfg = self.ctx, self.cfg
-        states = (ctx.pb, ctx.gb, ctx.ob) if cfg.dp > 1 else ctx.states_dp1
-        return zero_state_bytes(z, cfg.dp, cfg.micro_batches, *states, ctx.spb)
+        states = (ctx.pb, ctx.gb, ctx.ob) if cfg.shards > 1 else ctx.states_dp1
+        return zero_state_bytes(z, cfg.shards, cfg.micro_batches, *states, ctx.spb)
 
     def _per_param(self, z):
         """Per parameter at ZeRO level z: the bytes the ZeRO paper counts (_state), the seconds of
@@ -202,9 +202,9 @@ class StageCosts(Menus, Bounds):
         memo = self.__dict__.setdefault("_per_param_memo", {})
         if z not in memo:
             ctx, cfg = self.ctx, self.cfg
-            copies = ((x / ctx.bw for x in fsdp_copy_bytes(z, cfg.dp, cfg.micro_batches, ctx.e, ctx.gb))
+            copies = ((x / ctx.bw for x in fsdp_copy_bytes(z, cfg.shards, cfg.micro_batches, ctx.e, ctx.gb))
                       if ctx.train.fsdp_copies else (0.0, 0.0, 0.0))
-            memo[z] = sum(self._state(z)), tuple(copies), sum(step_bytes(ctx.train, z, cfg.dp, 1.0))
+            memo[z] = sum(self._state(z)), tuple(copies), sum(step_bytes(ctx.train, z, cfg.shards, 1.0))
         return memo[z]
 
     def flags(self, s):
@@ -275,25 +275,25 @@ class StageCosts(Menus, Bounds):
 
 
 def _rank(mesh, pp, dp, tp):
-    r, co = 0, {"pp": pp, "dp": dp, "tp": tp}
+    r, co = 0, {"pp": pp, "dp": dp, "tp": tp, "cp": 0}
     for d in mesh.order:
         r = r * getattr(mesh, d) + co[d]
     return r
 
 
-def distinct_orders(cluster, tp: int, pp: int, dp: int, orders) -> list:
+def distinct_orders(cluster, tp: int, pp: int, dp: int, orders, cp: int = 1) -> list:
     """The rank orders (mesh.order) among `orders` that place the mesh differently: an order that
-    puts every (pp, dp, tp) coordinate on the same node as an earlier one does is the same plan to
-    the cost model, which prices groups by the nodes their ranks are on (ClusterSpec.group_shape),
+    puts every (pp, dp, cp, tp) coordinate on the same node as an earlier one does is the same plan
+    to the cost model, which prices groups by the nodes their ranks are on (ClusterSpec.group_shape),
     so it is left out (on one node every order is the first)."""
     seen, out = set(), []
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
-    coords = {"pp": np.arange(pp)[:, None, None], "dp": np.arange(dp)[None, :, None], "tp": np.arange(tp)[None, None, :]}
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    coords = dict(zip(sizes, np.indices(tuple(sizes.values()))))
     for order in orders:
         ranks = 0
-        for d in order:  # _rank over every (pp, dp, tp) coordinate at once
+        for d in order:  # _rank over every (pp, dp, cp, tp) coordinate at once
             ranks = ranks * sizes[d] + coords[d]
-        nodes = cluster.nodes_of(ranks.ravel()).tobytes()  # ranks: (pp, dp, tp), every dim in order
+        nodes = cluster.nodes_of(ranks.ravel()).tobytes()  # ranks: (pp, dp, cp, tp), every dim in order
         if nodes not in seen:
             seen.add(nodes)
             out.append(order)

@@ -44,7 +44,7 @@ class ContextParallel:
         without materializing a mask): (i + 1) and (2 cp - i) chunks of keys, as many pairs on
         every rank."""
         kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # [tokens, 2, b, heads, d]
-        kv = all_gather_single_autograd(kv, 0, self.group)[self.order]  # gathers along dim 0 only
+        kv = all_gather_single_autograd(kv, 0, self.group)[self.order]  # along dim 0 only
         k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # [b, heads, seq_len, d], sequence order
         n, outs = self.n, []
         for half, (c, mask) in enumerate(zip(self.chunks, self.masks)):

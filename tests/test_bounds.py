@@ -11,7 +11,8 @@ import pytest
 from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
 from planner.partition import Inner
 from planner.plan import Training
-from planner.search import Ctx, SearchSpace, _configs
+from planner.configs import configs as _configs
+from planner.search import Ctx, SearchSpace
 from test_search import GiB, shrunk
 
 SHAPES = [(2, 1, 2), (8, 1, 8), (16, 2, 8), (64, 8, 8), (24, 8, 3), (4, 4, 1)]

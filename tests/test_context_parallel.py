@@ -16,7 +16,7 @@ from planner.cost import estimate
 from planner.layers import layer_cost
 from planner.mesh import Mesh
 from planner.model import ConfigError, ZOO
-from planner.model_profile import ModelProfile
+from planner.model_profile import load_model_profile
 from planner.plan import Plan
 from runtime.context_parallel import rank_positions
 from test_runtime import assert_ok, assert_same_losses, losses_of, train, write_plan
@@ -103,20 +103,31 @@ def test_cp_plans_price_the_gathers_and_shard_zero_over_dp_times_cp():
     assert cp4.step_time_s > dp4.step_time_s  # the K/V gathers cross nodes
 
 
-def test_cli_plans_cp_and_a_model_profile_refuses_it(tmp_path, capsys):
+def test_cli_plans_cp(tmp_path, capsys):
     (tmp_path / "m.json").write_text(json.dumps(LONG.to_dict()))
     args = ["plan", "--model", str(tmp_path / "m.json"), "--cluster", "dgx-h100-80gb", "--nodes", "4",
             "--global-batch", "16", "--micro-batch", "1", "--tp", "8", "--cp", "4", "--recompute", "full",
-            "--zero", "1", "-o", str(tmp_path / "p.json")]
+            "--zero", "1"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "cp=4" in out and "CP communication" in out
-    assert main([{"4": "3"}.get(a, a) for a in args[:-2]] + ["--cp", "3"]) == 2  # 3 nodes
+    assert main([{"4": "3"}.get(a, a) for a in args] + ["--cp", "3"]) == 2  # 3 nodes
     assert capsys.readouterr().err.strip().startswith("trident: error: mesh.cp: 3: the sequence")
-    profile = ModelProfile.__new__(ModelProfile)
-    profile.name, profile.model, profile.seq_len, profile.dtype = "p", LONG, LONG.seq_len, "bf16"
-    with pytest.raises(ConfigError, match=r"mesh.cp=4; estimate it without --model-profile"):
-        profile.check_plan(Plan.read(tmp_path / "p.json"))
+
+
+def test_a_model_profile_prices_a_cp_rank_at_its_share_of_the_micro_batch(model_profile, cluster_profile):
+    """Measured without context parallelism: the fits at micro_batch / cp, the K/V collectives added."""
+    mp, cluster = load_model_profile(str(model_profile)), load_cluster(str(cluster_profile))
+    kw = dict(cluster_name=cluster.name, device=cluster.device.name, nodes=1, devices_per_node=2, global_batch=8,
+              seq_len=32, dtype="fp32")
+    cp2 = build_plan(ZOO["tiny"], micro_batch=2, cp=2, **kw)
+    cost = layer_cost(cp2, cluster, 1, cp2.pipeline.stages[0], [0], mp)
+    fit = mp.lookup("block", 1, False, "none")
+    assert cost.fwd_compute_s + cost.fwd_tp_s == pytest.approx(fit.forward(1))  # one sequence's worth of tokens
+    kv = 2 * 4 * 2 * 32 * ZOO["tiny"].kv_dim  # fp32 K and V of two whole sequences
+    assert cost.activation_bytes == pytest.approx(fit.activations(1) + kv / 2)
+    assert cost.fwd_cp_s == pytest.approx(cluster.collective_time("all_gather", kv, [0, 1]))
+    assert estimate(cp2, cluster, model_profile=mp).breakdown["time"]["cp_comm_s"] > 0
 
 
 STEPS = 3
@@ -155,3 +166,48 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
             # measured 0.82-1.026 of the predictions (cp2-full 1.026, its dp-2 twin 0.996; HISTORY
             # session 28); the HSDP tests' band
             assert 0.75 * pred <= measured <= 1.03 * pred, (p.stem, stage, measured / pred)
+
+
+# -------------------------------------------------------------------- the search
+def test_the_search_considers_cp_where_a_rank_keeps_8192_tokens_and_equals_enumeration():
+    from planner.configs import cp_degrees
+    from planner.search import SearchSpace, search
+    from test_search import check_same, plan_level, shrunk
+    assert cp_degrees(8192) == [1] and cp_degrees(16384) == [1, 2] and cp_degrees(131072) == [1, 2, 4, 8, 16]
+    # every configuration and partition, CP 1 and 2, on two 2-GPU nodes (CP groups across nodes too)
+    space = SearchSpace(cp=(1, 2), zero=(0, 3), zero_per_stage=False, recompute=("none", "full"),
+                        recompute_granularity="plan", virtual_stages=(2,), sequence_parallel=(False, True))
+    picks = []
+    for seq, limit in ((4096, 80.0), (8192, 2.0), (8192, 3.0)):  # the best is CP 2, not, CP 2
+        model = dataclasses.replace(shrunk(3), seq_len=seq)
+        best = check_same(model, H100.shaped_as(2, 2), 2, seq, limit * 2**30, space, plan_level((0, 3), ("none", "full")))
+        picks.append(best.plan.mesh.cp)
+    assert picks == [2, 1, 2]
+    # a 32k-token model on 32 GPUs: by default the search finds a CP plan faster than any without
+    best = search(LONG, H100.shaped_as(4, 8), global_batch=32).best
+    flat = search(LONG, H100.shaped_as(4, 8), global_batch=32, space=SearchSpace(cp=(1,))).best
+    assert best.plan.mesh.cp > 1 and best.estimate.step_time_s < flat.estimate.step_time_s
+    assert best.estimate.step_time_s == pytest.approx(estimate(best.plan, H100.shaped_as(4, 8)).step_time_s)
+
+
+def test_search_cp_option(tmp_path, capsys):
+    (tmp_path / "m.json").write_text(json.dumps(LONG.to_dict()))
+    assert main(["search", "--model", str(tmp_path / "m.json"), "--cluster", "dgx-h100-80gb", "--nodes", "4",
+                 "--global-batch", "32", "--cp", "2", "--tp", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {a["degrees"]["cp"] for a in out["alternatives"]} == {2}
+
+
+def test_a_cp_run_resumes_from_its_checkpoint_exactly(tmp_path):
+    import shutil
+    plan = write_plan(tmp_path, "cp2-zero3", world=2, cp=2, zero=3)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert_ok(train(2, "--plan", plan, "--steps", 4, "--checkpoint-dir", straight, "--checkpoint-every", 2,
+                    "--out", tmp_path / "straight.json"))
+    resumed.mkdir()
+    shutil.copytree(straight / "step-2", resumed / "step-2")
+    assert_ok(train(2, "--plan", plan, "--steps", 4, "--checkpoint-dir", resumed, "--resume",
+                    "--out", tmp_path / "resumed.json"))
+    got, want = losses_of(tmp_path / "resumed.json"), losses_of(tmp_path / "straight.json")
+    assert len(got) == 2
+    assert_same_losses(got, want[2:], "resumed")

@@ -62,12 +62,12 @@ _PRICED = {}  # brute_force's priced problems
 
 def _every_estimate(model, cluster, gbs, seq, space, per_stage_options, **training):
     world, dpn = cluster.world_size, cluster.devices_per_node
-    for tp, pp in itertools.product(divisors(dpn), divisors(world)):
-        if world % (tp * pp) or any(x % tp for x in (model.heads, model.kv_heads, model.ffn_hidden)):
+    for tp, pp, cp in itertools.product(divisors(dpn), divisors(world), space.cp or (1,)):
+        if world % (tp * pp * cp) or any(x % tp for x in (model.heads, model.kv_heads, model.ffn_hidden)) or seq % (2 * cp):
             continue
         if pp > model.layers + 2 or (space.tp and tp not in space.tp) or (space.pp and pp not in space.pp):
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         if gbs % dp:
             continue
         for b in divisors(gbs // dp):
@@ -80,17 +80,18 @@ def _every_estimate(model, cluster, gbs, seq, space, per_stage_options, **traini
                 scheds += [("interleaved-1f1b", v) for v in space.virtual_stages if pp * v <= model.layers + 2]
             if pp > 1 and "zbv" in space.schedules and 2 * pp <= model.layers + 2:
                 scheds += [("zbv", 2)]
-            orders = space.orders if (pp > 1 and dp > 1) else space.orders[:1]
+            orders = [(*o[:-1], "cp", o[-1]) for o in space.orders] if cp > 1 else space.orders  # CP just outside TP
+            orders = orders if (pp > 1 and dp > 1) else orders[:1]
             sps = [s for s in space.sequence_parallel if tp > 1 or not s] or [False]
             for (sched, v), order, sp in itertools.product(scheds, orders, sps):
                 S = pp * v
                 for sizes in compositions(model.layers, S):
-                    for per in per_stage_options(S, dp, sizes):
+                    for per in per_stage_options(S, dp * cp, sizes):
                         if sched == "zbv" and any(isinstance(r, tuple) and len(set(r)) > 1 for _, r in per):
                             continue  # the search recomputes one mode a stage under zbv
                         plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name,
                                           nodes=cluster.nodes, devices_per_node=dpn, global_batch=gbs, micro_batch=b,
-                                          seq_len=seq, tp=tp, pp=pp, dp=dp, schedule=sched, virtual_stages=v,
+                                          seq_len=seq, tp=tp, pp=pp, dp=dp, cp=cp, schedule=sched, virtual_stages=v,
                                           order=list(order), stages=stages_of(model, sizes, [(*x, sp) for x in per]),
                                           **training)
                         yield estimate(plan, cluster)
@@ -302,7 +303,8 @@ def test_menus_built_together_are_those_built_one_block_count_at_a_time():
 
     from planner.partition import Inner
     from planner.plan import Training
-    from planner.search import Ctx, _configs
+    from planner.configs import configs as _configs
+    from planner.search import Ctx
 
     model, cluster = ZOO["gpt3-175b"], A100.with_nodes(16)
     train = Training(global_batch=256, micro_batch=1, seq_len=model.seq_len, dtype="bf16", master_weights=True)
