@@ -19,7 +19,7 @@ from planner.model import ConfigError, ZOO
 from planner.model_profile import load_model_profile
 from planner.plan import Plan
 from runtime.context_parallel import rank_positions
-from test_runtime import assert_ok, assert_same_losses, losses_of, train, write_plan
+from test_runtime import assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train, write_plan
 
 H100 = load_cluster("dgx-h100-80gb")
 LONG = dataclasses.replace(ZOO["llama3-8b"], name="llama3-8b-32k", seq_len=32768)
@@ -199,15 +199,4 @@ def test_search_cp_option(tmp_path, capsys):
 
 
 def test_a_cp_run_resumes_from_its_checkpoint_exactly(tmp_path):
-    import shutil
-    plan = write_plan(tmp_path, "cp2-zero3", world=2, cp=2, zero=3)
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert_ok(train(2, "--plan", plan, "--steps", 4, "--checkpoint-dir", straight, "--checkpoint-every", 2,
-                    "--out", tmp_path / "straight.json"))
-    resumed.mkdir()
-    shutil.copytree(straight / "step-2", resumed / "step-2")
-    assert_ok(train(2, "--plan", plan, "--steps", 4, "--checkpoint-dir", resumed, "--resume",
-                    "--out", tmp_path / "resumed.json"))
-    got, want = losses_of(tmp_path / "resumed.json"), losses_of(tmp_path / "straight.json")
-    assert len(got) == 2
-    assert_same_losses(got, want[2:], "resumed")
+    assert_resumes_exactly(write_plan(tmp_path, "cp2-zero3", world=2, cp=2, zero=3), tmp_path, steps=4)

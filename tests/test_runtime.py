@@ -384,17 +384,17 @@ def test_bf16_fsdp_holds_what_the_planner_counts_for_mixed_precision(tmp_path):
         assert losses_of(out / f"{name}.json") == pytest.approx(want, rel=2e-4), name
 
 
-# -------------------------------------------------------------------- checkpoints
 def test_resume_gives_the_losses_of_an_uninterrupted_run(plans, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    plan = plans["zero3-dp2-full"]
-    assert_ok(train(2, "--plan", plan, "--steps", 6, "--checkpoint-dir", straight, "--checkpoint-every", 3,
+    assert_resumes_exactly(plans["zero3-dp2-full"], tmp_path, steps=6)
+
+
+def assert_resumes_exactly(plan, tmp_path, steps: int, nproc: int = 2):  # a run checkpointed halfway, resumed
+    half, straight, resumed = steps // 2, tmp_path / "straight", tmp_path / "resumed"
+    assert_ok(train(nproc, "--plan", plan, "--steps", steps, "--checkpoint-dir", straight, "--checkpoint-every", half,
                     "--out", tmp_path / "straight.json"))
-    resumed.mkdir()
-    shutil.copytree(straight / "step-3", resumed / "step-3")
-    assert_ok(train(2, "--plan", plan, "--steps", 6, "--checkpoint-dir", resumed, "--resume",
+    shutil.copytree(straight / f"step-{half}", resumed / f"step-{half}")  # only the halfway checkpoint
+    assert_ok(train(nproc, "--plan", plan, "--steps", steps, "--checkpoint-dir", resumed, "--resume",
                     "--out", tmp_path / "resumed.json"))
-    want = losses_of(tmp_path / "straight.json")
-    got = losses_of(tmp_path / "resumed.json")
-    assert len(got) == 3
-    assert_same_losses(got, want[3:], "resumed")
+    got, want = losses_of(tmp_path / "resumed.json"), losses_of(tmp_path / "straight.json")
+    assert len(got) == steps - half and len(want) == steps
+    assert_same_losses(got, want[half:], "resumed")
