@@ -15,7 +15,8 @@ Conventions:
 - ZeRO level per stage: 0 = plain data parallel (parameters, gradients and optimizer state
   replicated), 1 = optimizer state sharded over dp, 2 = gradients too, 3 = parameters too
   (FSDP, resharded after forward). With `mesh.dp_replicate` R > 1 (HSDP) "dp" there means a shard
-  group of dp / R consecutive dp coordinates, whose shards the R groups all-reduce.
+  group of dp / R consecutive dp coordinates, whose shards the R groups all-reduce; with `mesh.cp`
+  C > 1 (context parallelism) it spans C times as many ranks, the CP ranks of each dp coordinate.
 """
 from __future__ import annotations
 
