@@ -123,8 +123,9 @@ def profiles(out: Path, world: int, model: str, reuse: bool) -> tuple[Path, Path
     seq, _, mbs, repeats = MODELS[model]
     if not (reuse and m.exists()):
         tps = ",".join(str(t) for t in (1, 2, 4) if t <= world and (t < 4 or model == "tiny"))
+        cps = sorted({kw.get("cp", 1) for mdl, w, kw in PLANS.values() if (mdl, w) == (model, world)})
         torchrun(world, "runtime.profile", "model", "--model", model, "--cluster-profile", c, "--seq-len", seq,
-                 "--micro-batches", mbs, "--tp", tps, "--repeats", repeats, "-o", m)
+                 "--micro-batches", mbs, "--tp", tps, "--cp", ",".join(map(str, cps)), "--repeats", repeats, "-o", m)
     return c, m
 
 

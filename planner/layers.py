@@ -132,16 +132,19 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b)
 
 
-def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: str, tp_ranks: list) -> tuple:
+def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: str, tp_ranks: list,
+                           cp_ranks: list | None = None) -> tuple:
     """(forward s, backward s, bytes) of a layer's context parallelism per micro-batch: its K/V
-    collectives (planner.comm.cp_comm) over the CP group of the rank that leads `tp_ranks`, and
+    collectives (planner.comm.cp_comm) over the CP group of the rank that leads `tp_ranks` (or on
+    `cp_ranks`), and
     the bytes of the other CP ranks' K and V that its attention keeps for the backward beside this
     rank's own, where it is not recomputed (a replay holds them again). Zeros without it."""
     m, t, cp = plan.model, plan.training, plan.mesh.cp
     if cp == 1 or m.layer_kind(index) != "block":
         return 0.0, 0.0, 0.0
     kv = 2 * DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.kv_dim / plan.mesh.tp  # the whole sequence's
-    fwd, bwd = cp_comm(cluster, "block", kv, plan.mesh.group("cp", **plan.mesh.coords(tp_ranks[0])), recompute)
+    ranks = cp_ranks if cp_ranks is not None else plan.mesh.group("cp", **plan.mesh.coords(tp_ranks[0]))
+    fwd, bwd = cp_comm(cluster, "block", kv, ranks, recompute)
     return fwd, bwd, kv * (cp - 1) / cp
 
 

@@ -28,6 +28,9 @@ Times are per layer, per micro-batch, on one device, and include the layer's ten
 communication as the runtime issues it (DTensor collectives on the profiled cluster);
 `backward_s` includes the replay of a recomputed block. `optimizer_s` is the runtime's gradient
 clipping and AdamW step on the layer's parameters. `layer` is embedding | block | head.
+A block entry with `"cp": C` (`trident profile model --cp 1,C`) was measured under context
+parallelism: C ranks (0, tp, 2 tp, ...) each computing its share of every sequence, its K/V
+collectives inside, at `micro_batch` sequences split over them (profiled_layer_cost).
 Entries without recomputation may carry `data_parallel`: {"dp": D, "micro_batch": mb, "zero0" |
 "zero1" | "zero3": {forward_s, backward_s, backward_sync_s, optimizer_s}}, the layer wrapped as
 the runtime wraps it (replicate, FSDP2 without / with resharding after forward) on a dp group of
@@ -37,7 +40,7 @@ parameters (replacing `optimizer_s`).
 An optional top-level `pipeline`: {"gpipe" | "1f1b" | "interleaved-1f1b": {"overhead_per_op_s": x,
 "step_s": ...}} is
 the measured per-operation overhead of torch.distributed.pipelining beyond compute and transfers
-(runtime.profile_model.measure_pipeline), added to every forward and backward of a pipelined plan.
+(runtime.profile_pipeline.measure_pipeline), added to every forward and backward of a pipelined plan.
 
 `processes` matters on a machine whose "devices" are processes sharing CPU cores: every rank of
 a `profile model` launch measures at once, so the times are those of a device when that many
@@ -161,7 +164,7 @@ class ModelProfile:
     cluster_name: str
     cluster_hash: str
     micro_batches: list
-    entries: dict  # (layer, tp, sp, recompute) -> LayerFit
+    entries: dict  # (layer, tp, sp, recompute, cp) -> LayerFit
     pipeline: dict = field(default_factory=dict)  # schedule -> {"overhead_per_op_s": ...}
     # the dtype of the parameters whose bytes were measured: the runtime keeps float32 weights and
     # computes in bf16 by autocast, so param_bytes count 4 bytes a parameter in bf16 profiles too
@@ -172,10 +175,14 @@ class ModelProfile:
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)
 
-    def lookup(self, layer: str, tp: int, sequence_parallel: bool, recompute: str) -> LayerFit:
+    def lookup(self, layer: str, tp: int, sequence_parallel: bool, recompute: str, cp: int = 1) -> LayerFit | None:
+        """The layer's measurement; under context parallelism (`cp` > 1) a block measured at that
+        cp (its K/V collectives on ranks 0, tp, 2 tp, ... included), else None."""
         sp = bool(sequence_parallel) and tp > 1
         rec = recompute if layer == "block" else "none"
-        key = (layer, tp, sp, rec)
+        if cp > 1:
+            return self.entries.get((layer, tp, sp, rec, cp)) if layer == "block" else None
+        key = (layer, tp, sp, rec, 1)
         if key not in self.entries:
             raise ConfigError(f"model profile {self.name}: no measurement of the {layer} at tp={tp}, "
                               f"sequence_parallel={sp}, recompute={rec}; re-run `trident profile model` with "
@@ -224,11 +231,15 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     from planner.plan import DTYPES
     from planner.precision import grad_bytes, optimizer_step_bytes, sp_gathered_bytes
     m, t = plan.model, plan.training
-    b, s, sp = t.micro_batch / plan.mesh.cp, t.seq_len, stage.sequence_parallel
+    cp, tp = plan.mesh.cp, plan.mesh.tp
+    b, s, sp = t.micro_batch / cp, t.seq_len, stage.sequence_parallel  # b: the rank's share, in sequences
     e = DTYPES[t.dtype]
     kind = m.layer_kind(index)
     rec = stage.recompute[index - stage.start]
-    fit = profile.lookup(kind, plan.mesh.tp, sp, rec)
+    # a block measured under the plan's context parallelism (its K/V collectives on ranks 0, tp,
+    # 2 tp, ... inside), at the plan's micro-batch; else the layer measured whole, at the rank's share
+    measured_cp = profile.lookup(kind, tp, sp, rec, cp) if cp > 1 else None
+    fit, fb = (measured_cp, t.micro_batch) if measured_cp else (profile.lookup(kind, tp, sp, rec), b)
     params = fit.param_bytes / DTYPES[profile.param_dtype]  # the measured parameter bytes, in elements
     msg = e * b * s * m.hidden
     # the profile measured TP on consecutive ranks 0..tp-1 (runtime.profile_model), inside a node
@@ -240,20 +251,30 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     if rec == "full":
         prof_b += prof_f
         tp_b += tp_f
-    fwd, bwd = fit.forward(b), fit.backward(b)
+    fwd, bwd = fit.forward(fb), fit.backward(fb)
     in_f, in_b = min(prof_f, fwd), min(prof_b, bwd)  # the measured time's TP share
     fwd, bwd = fwd - in_f, bwd - in_b  # compute
     # the plan's TP communication: the measured share, plus what the plan's tier costs beyond the
     # tier it was measured on (a TP group spanning nodes), or less where the plan's tier is faster
     tp_f, tp_b = max(0.0, in_f + tp_f - prof_f), max(0.0, in_b + tp_b - prof_b)
+    cp_f, cp_b, kv = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
+    if measured_cp:  # its K/V collectives likewise: the measured share moved to the plan's CP group
+        pf, pb, _ = context_parallel_parts(plan, cluster, index, rec, tp_ranks, list(range(0, cp * tp, tp)))
+        in_cf, in_cb = min(pf, fwd), min(pb, bwd)
+        fwd, bwd = fwd - in_cf, bwd - in_cb
+        cp_f, cp_b, kv = max(0.0, in_cf + cp_f - pf), max(0.0, in_cb + cp_b - pb), 0.0  # K/V kept: measured
     # the plan's sequence parallelism may keep its gathered inputs otherwise than the measured one
     gathered = [sp_gathered_bytes(m, tt, index, r, b, s, plan.mesh.tp, sp, replay=rec == "full" and r == "none")
                 for tt in (t, measured_t) for r in (rec, "none")]
-    cp_f, cp_b, kv = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
-    act = fit.activations(b) + gathered[0] - gathered[2] + (kv if rec == "none" else 0.0)
+    act = fit.activations(fb) + gathered[0] - gathered[2] + (kv if rec == "none" else 0.0)
     replay = 0.0
     if rec != "none":
-        none = profile.lookup(kind, plan.mesh.tp, sp, "none").activations(b) + gathered[1] - gathered[3] + kv
+        none_fit, nb = ((profile.lookup(kind, tp, sp, "none", cp), fb) if measured_cp
+                        else (profile.lookup(kind, tp, sp, "none"), b))
+        if none_fit is None:
+            raise ConfigError(f"model profile {profile.name}: the block at cp={cp} is measured with recompute={rec} "
+                              f"but not without; re-run `trident profile model` with --cp {cp}")
+        none = none_fit.activations(nb) + gathered[1] - gathered[3] + kv
         replay = max(0.0, none - act)
     dpm = None
     if plan.mesh.grad_ranks > 1:
@@ -312,7 +333,7 @@ def model_profile_from_dict(d, source: str = "model profile") -> ModelProfile:
     entries = {}
     for e in d["entries"]:
         rec = e.get("recompute", "none")
-        key = (e["layer"], e["tp"], bool(e.get("sequence_parallel", False)), rec)
+        key = (e["layer"], e["tp"], bool(e.get("sequence_parallel", False)), rec, e.get("cp", 1))
         fits = [tuple(float(x) for x in e[fld]) for fld in ("forward_s", "backward_s", "activation_bytes")]
         entries[key] = LayerFit(*fits, float(e["param_bytes"]), float(e["grad_bytes"]), float(e.get("optimizer_s", 0.0)),
                                 e.get("points", []), e.get("data_parallel", {}))

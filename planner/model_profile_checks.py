@@ -74,12 +74,15 @@ def check_model_profile(d, source: str, format_version: int) -> None:
 
 
 def _check_entry(e, w: str, procs: int, need) -> tuple:
-    """Check one layer measurement; returns its key (layer, tp, sequence parallel, recompute)."""
+    """Check one layer measurement; returns its key (layer, tp, sequence parallel, recompute, cp)."""
     need(isinstance(e, dict), w, "expected an object")
     need(e.get("layer") in LAYER_KINDS, f"{w}.layer", f"{e.get('layer')!r}; use one of {', '.join(LAYER_KINDS)}")
     need(is_count(e.get("tp"), MAX_PROCESSES), f"{w}.tp",
          f"{e.get('tp')!r} must be a positive integer, at most {MAX_PROCESSES}")
     need(isinstance(e.get("sequence_parallel", False), bool), f"{w}.sequence_parallel", "must be true or false")
+    cp = e.get("cp", 1)  # a block measured under context parallelism (runtime.profile_model)
+    need(is_count(cp, MAX_PROCESSES) and (cp == 1 or e.get("layer") == "block"), f"{w}.cp",
+         f"{cp!r} must be a positive integer, at most {MAX_PROCESSES}, and above 1 only for a block")
     rec = e.get("recompute", "none")
     need(rec in RECOMPUTE_MODES, f"{w}.recompute", f"{rec!r}; use one of {', '.join(RECOMPUTE_MODES)}")
     for fld, high in (("forward_s", MAX_SECONDS), ("backward_s", MAX_SECONDS), ("activation_bytes", MAX_BYTES)):
@@ -104,4 +107,4 @@ def _check_entry(e, w: str, procs: int, need) -> tuple:
         for fld in DP_EXTRAS:
             need(is_num(v.get(fld), MAX_SECONDS) and v[fld] >= 0, f"{w}.data_parallel.{z}.{fld}",
                  f"{v.get(fld)!r} must be a non-negative number of seconds, at most {MAX_SECONDS:g}")
-    return e["layer"], e["tp"], bool(e.get("sequence_parallel", False)), rec
+    return e["layer"], e["tp"], bool(e.get("sequence_parallel", False)), rec, cp

@@ -280,6 +280,7 @@ def parse_args(argv):
     m.add_argument("--seq-len", type=int, required=True)
     m.add_argument("--micro-batches", default="1,2,4")
     m.add_argument("--tp", default="1")
+    m.add_argument("--cp", default="1", help="context-parallel degrees to measure the block at too, e.g. 1,2")
     m.add_argument("--repeats", type=int, default=7)
     m.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="compute dtype, as the runtime trains (default: bf16 on GPUs, fp32 on the CPU)")

@@ -62,6 +62,11 @@ def check_args(args, world: int) -> None:
                 raise ConfigError(f"--tp: {tp} does not divide model.{fld}={getattr(model, fld)}")
         if tp > 1 and args.seq_len % tp:
             raise ConfigError(f"--seq-len: {args.seq_len} is not divisible by tp={tp} (sequence parallelism)")
+    args.cps = sorted({1, *_ints(args.cp, "--cp")})  # every layer is measured without it too
+    for cp in args.cps:
+        if world % cp or args.seq_len % (2 * cp):
+            raise ConfigError(f"--cp: {cp} must divide the {world} processes launched and its double the "
+                              f"sequence ({args.seq_len} tokens)")
     if args.repeats < 3:
         raise ConfigError(f"--repeats: {args.repeats}; use at least 3")
     # the runtime computes in the plan's dtype on a GPU and in float32 on the CPU unless told
@@ -98,13 +103,16 @@ def _build(cfg, kind: str, tp_mesh, sp: bool, rec: str, dp_mesh=None, zero: int 
     return chunk
 
 
-def _inputs(cfg, kind: str, mb: int, s: int, tp: int, tp_rank: int, sp: bool):
-    """The layer's input, the same on every rank of a TP group (sequence-sharded under SP)."""
+def _inputs(cfg, kind: str, mb: int, s: int, tp: int, tp_rank: int, sp: bool, context=None):
+    """The layer's input, the same on every rank of a TP group (sequence-sharded under SP; under
+    context parallelism the rank's tokens)."""
     g = torch.Generator().manual_seed(1000 + mb)
     ids = torch.randint(0, cfg.vocab, (mb, s), generator=g).to(current())
     if kind == "embedding":
         return ids, None
     x = torch.randn(mb, s, cfg.hidden, generator=g).to(current())
+    if context is not None:
+        x, ids = context.local_tokens(x), context.local_tokens(ids)
     if sp and tp > 1:
         x = x.chunk(tp, dim=1)[tp_rank].contiguous()
     return x.requires_grad_(True), ids
@@ -231,11 +239,17 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
     tp_mesh = mesh2d["tp"]
     tp = tp_mesh.size()
     chunk = _build(cfg, kind, tp_mesh, sp, rec, dtype=dtype)
+    cp, context = 1, None
+    if "cp" in mesh2d.mesh_dim_names:  # a block under context parallelism (runtime.context_parallel)
+        from runtime.context_parallel import ContextParallel, apply_context_parallel
+        cp = mesh2d["cp"].size()
+        context = ContextParallel(mesh2d["cp"].get_group(), cp, mesh2d["cp"].get_local_rank(), s, current())
+        apply_context_parallel(chunk, context)
     params = list(chunk.parameters())
     loss = _loss_fn(tp_mesh)
     points = []
     for mb in mbs:
-        x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
+        x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp, context)
 
         def forward():
             with _amp(dtype):
@@ -272,11 +286,11 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
         p[1], p[2] = float(vals[2 * i]), float(vals[2 * i + 1])
     xs = [p[0] for p in points]
     dp = {}
-    if mesh2d["dp"].size() > 1 and rec == "none":
+    if mesh2d["dp"].size() > 1 and rec == "none" and cp == 1:
         dp = {"data_parallel": measure_data_parallel(cfg, kind, mesh2d, sp, s, mbs[0], repeats, points[0][1:3],
                                                      dtype)}
     return {
-        "layer": kind, "tp": tp, "sequence_parallel": sp, "recompute": rec,
+        "layer": kind, "tp": tp, "sequence_parallel": sp, "recompute": rec, **({"cp": cp} if cp > 1 else {}),
         "forward_s": list(fit_linear(xs, [p[1] for p in points])),
         "backward_s": list(fit_linear(xs, [p[2] for p in points])),
         "activation_bytes": list(fit_linear(xs, [p[3] for p in points])),
@@ -286,79 +300,31 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
     }
 
 
-def measure_pipeline(world: int, cluster, repeats: int, cfg, seq: int, block_s: tuple, m: int = 8,
-                     dtype: str = "fp32") -> dict:
-    """Overhead per pipeline operation of torch.distributed.pipelining here, at the model's own
-    scale: two-rank pipelines (all rank pairs at once) of one of the model's blocks per stage, on
-    [1, seq, hidden] micro-batches, run GPipe, 1F1B and interleaved 1F1B (two stages per rank) over
-    m micro-batches; the overhead is the per-operation time that makes the planner's schedule
-    simulator (with `block_s`, the block's measured forward and backward at micro-batch 1, and the
-    cluster profile's send/recv and compute sharing) reproduce the measured step."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from planner.schedule import Sharing, StageTimes, simulate
-    from runtime.model import Transformer, init_weights
-    dev = current()
-    mesh = DeviceMesh(dev.type, torch.arange(world).reshape(world // 2, 2), mesh_dim_names=("dp", "pp"))
-    me = mesh["pp"].get_local_rank()
-    msg = 4 * seq * cfg.hidden
-    send = cluster.p2p_time(msg, 0, 1)
-    sharing = Sharing.of(cluster.compute_slots, world, world // 2, world)
-    out = {"pp": 2, "micro_batches": m, "message_bytes": msg, "layer": "block", "block_s": list(block_s)}
-    for name, cls, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
-                         ("interleaved-1f1b", ScheduleInterleaved1F1B, 2)):
-        stages = []
-        for i in range(v):
-            with torch.device("meta"):
-                block = Transformer(cfg, 1, 2)
-            block.to_empty(device=dev)
-            init_weights(block, me + 2 * i)
-            stages.append(PipelineStage(block, me + 2 * i, 2 * v, dev, group=mesh["pp"].get_group()))
-        sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
-                    scale_grads=True)
-        g = torch.Generator().manual_seed(0)
-        x, t = (torch.randn(m, seq, cfg.hidden, generator=g).to(dev) for _ in range(2))
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            with _amp(dtype):
-                sched.step(x) if me == 0 else sched.step(target=t, losses=[])
-            sync()
-            dist.barrier(group=mesh["pp"].get_group())
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        vals = scalar(statistics.median(times))
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-        measured = float(vals)
-
-        def played(o):
-            st = [StageTimes(block_s[0] + o, block_s[1] + o, send_fwd_s=send, send_bwd_s=send) for _ in range(2 * v)]
-            return simulate(name, 2, v, m, st, sharing=sharing).step_time_s
-        base, slope = played(0.0), (played(1e-3) - played(0.0)) / 1e-3
-        out[name] = {"step_s": measured, "overhead_per_op_s": max(0.0, (measured - base) / slope)}
-    return out
-
-
 def profile_model(args) -> dict | None:
     cfg, world, rank = args.model_config, dist.get_world_size(), dist.get_rank()
     configs = []
     for tp in args.tps:
         for sp in ([False] if tp == 1 else [False, True]):
-            configs += [("embedding", tp, sp, "none"), ("head", tp, sp, "none")]
-            configs += [("block", tp, sp, rec) for rec in ("none", "selective", "full")]
+            configs += [("embedding", tp, sp, "none", 1), ("head", tp, sp, "none", 1)]
+            for cp in args.cps:  # the block also under each context-parallel degree that fits with tp
+                if world % (tp * cp) == 0 and (not sp or args.seq_len // cp % tp == 0):
+                    configs += [("block", tp, sp, rec, cp) for rec in ("none", "selective", "full")]
     from runtime.comm_sweep import Progress
     progress = Progress(len(configs), rank == 0)
-    meshes = {tp: DeviceMesh(current().type, torch.arange(world).reshape(world // tp, tp), mesh_dim_names=("dp", "tp"))
-              for tp in args.tps}
+    meshes = {(tp, cp): DeviceMesh(current().type, torch.arange(world).reshape(world // (tp * cp), cp, tp),
+                                   mesh_dim_names=("dp", "cp", "tp")) if cp > 1 else
+              DeviceMesh(current().type, torch.arange(world).reshape(world // tp, tp), mesh_dim_names=("dp", "tp"))
+              for tp, cp in {(c[1], c[4]) for c in configs}}
     entries = []
-    for kind, tp, sp, rec in configs:
-        entries.append(measure(cfg, kind, meshes[tp], sp, rec, args.mbs, args.seq_len, args.repeats, args.dtype))
-        progress.step(f"{kind} tp={tp}{' sp' if sp else ''} {rec}")
+    for kind, tp, sp, rec, cp in configs:
+        entries.append(measure(cfg, kind, meshes[tp, cp], sp, rec, args.mbs, args.seq_len, args.repeats, args.dtype))
+        progress.step(f"{kind} tp={tp}{' sp' if sp else ''}{f' cp={cp}' if cp > 1 else ''} {rec}")
     pipeline = None
     if world % 2 == 0:  # at micro-batch 1: the runtime's block, unsharded
-        blk = next(e for e in entries if (e["layer"], e["tp"], e["recompute"]) == ("block", 1, "none")) \
+        blk = next(e for e in entries if (e["layer"], e["tp"], e["recompute"], e.get("cp", 1)) == ("block", 1, "none", 1)) \
             if 1 in args.tps else None
         block_s = (sum(blk["forward_s"]), sum(blk["backward_s"])) if blk else None
+        from runtime.profile_pipeline import measure_pipeline
         pipeline = (measure_pipeline(world, args.cluster, args.repeats, cfg, args.seq_len, block_s, dtype=args.dtype)
                     if blk else None)
     if rank != 0:
@@ -388,7 +354,7 @@ def profile_model(args) -> dict | None:
             "optimizer_s": "measured: runtime.optim.clip_grad_norm (local work: reduce=False) + "
                            "AdamW(foreach=True).step on the layer's parameters, as the runtime runs them; "
                            "the norm's all-reduces happen once per step, priced by planner.cost",
-            "pipeline": "measured: runtime.profile_model.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
+            "pipeline": "measured: runtime.profile_pipeline.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
                         "one of the model's blocks per stage at micro-batch 1; the per-operation overhead that makes "
                         "planner.schedule, with the block's measured times, reproduce it)",
             "runtime": f"torch {torch.__version__}, {dist.get_backend()} on {current().type}, {args.dtype}"

@@ -17,6 +17,6 @@ def cluster_profile(tmp_path_factory):
 def model_profile(cluster_profile):
     out = cluster_profile.parent / "tiny.json"
     proc = profile_torchrun(2, "model", "--model", "tiny", "--cluster-profile", cluster_profile, "--seq-len", 32,
-                            "--micro-batches", "1,2", "--tp", "1,2", "--repeats", 3, "-o", out)
+                            "--micro-batches", "1,2", "--tp", "1,2", "--cp", "1,2", "--repeats", 3, "-o", out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out

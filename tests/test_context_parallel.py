@@ -16,7 +16,7 @@ from planner.cost import estimate
 from planner.layers import layer_cost
 from planner.mesh import Mesh
 from planner.model import ConfigError, ZOO
-from planner.model_profile import load_model_profile
+from planner.model_profile import load_model_profile, model_profile_from_dict
 from planner.plan import Plan
 from runtime.context_parallel import rank_positions
 from test_runtime import assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train, write_plan
@@ -115,19 +115,30 @@ def test_cli_plans_cp(tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("trident: error: mesh.cp: 3: the sequence")
 
 
-def test_a_model_profile_prices_a_cp_rank_at_its_share_of_the_micro_batch(model_profile, cluster_profile):
-    """Measured without context parallelism: the fits at micro_batch / cp, the K/V collectives added."""
-    mp, cluster = load_model_profile(str(model_profile)), load_cluster(str(cluster_profile))
+def test_a_model_profile_prices_a_cp_block_as_measured_else_at_its_share(model_profile, cluster_profile):
+    """The session's profile measured the block under CP 2 too (tests/conftest.py): a CP 2 plan's
+    block costs what was measured, its K/V collectives shown apart (on the measured ranks as
+    measured); a profile without that measurement gives the fits at micro_batch / cp plus the
+    collectives and the kept K/V."""
+    measured, cluster = load_model_profile(str(model_profile)), load_cluster(str(cluster_profile))
+    raw = json.loads(model_profile.read_text())
+    plain = model_profile_from_dict({**raw, "entries": [e for e in raw["entries"] if e.get("cp", 1) == 1]})
     kw = dict(cluster_name=cluster.name, device=cluster.device.name, nodes=1, devices_per_node=2, global_batch=8,
               seq_len=32, dtype="fp32")
     cp2 = build_plan(ZOO["tiny"], micro_batch=2, cp=2, **kw)
-    cost = layer_cost(cp2, cluster, 1, cp2.pipeline.stages[0], [0], mp)
-    fit = mp.lookup("block", 1, False, "none")
-    assert cost.fwd_compute_s + cost.fwd_tp_s == pytest.approx(fit.forward(1))  # one sequence's worth of tokens
     kv = 2 * 4 * 2 * 32 * ZOO["tiny"].kv_dim  # fp32 K and V of two whole sequences
-    assert cost.activation_bytes == pytest.approx(fit.activations(1) + kv / 2)
-    assert cost.fwd_cp_s == pytest.approx(cluster.collective_time("all_gather", kv, [0, 1]))
-    assert estimate(cp2, cluster, model_profile=mp).breakdown["time"]["cp_comm_s"] > 0
+    ag = cluster.collective_time("all_gather", kv, [0, 1])
+    fit = measured.lookup("block", 1, False, "none", 2)
+    assert fit is not None and plain.lookup("block", 1, False, "none", 2) is None
+    cost = layer_cost(cp2, cluster, 1, cp2.pipeline.stages[0], [0], measured)
+    assert cost.fwd_compute_s + cost.fwd_cp_s == pytest.approx(fit.forward(2))  # two sequences, split
+    assert cost.fwd_cp_s == pytest.approx(min(ag, fit.forward(2))) and cost.activation_bytes == pytest.approx(fit.activations(2))
+    whole = plain.lookup("block", 1, False, "none")
+    cost = layer_cost(cp2, cluster, 1, cp2.pipeline.stages[0], [0], plain)
+    assert cost.fwd_compute_s == pytest.approx(whole.forward(1))  # one sequence's worth of tokens
+    assert cost.activation_bytes == pytest.approx(whole.activations(1) + kv / 2) and cost.fwd_cp_s == pytest.approx(ag)
+    for mp in (measured, plain):
+        assert estimate(cp2, cluster, model_profile=mp).breakdown["time"]["cp_comm_s"] > 0
 
 
 STEPS = 3

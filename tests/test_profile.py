@@ -207,6 +207,8 @@ def test_a_bad_model_profile_gives_one_line_naming_the_field(model_profile, tmp_
         (lambda d: d.update(format_version=True), ["format_version"]),
         (lambda d: d["entries"][1].update(forward_s=[1e300, 1e300]), ["entries[1].forward_s", "at most"]),
         (lambda d: d["entries"][0].update(param_bytes=1e308), ["entries[0].param_bytes"]),
+        (lambda d: d["entries"][0].update(cp=2), ["entries[0].cp", "only for a block"]),  # entries[0]: the embedding
+        (lambda d: d["entries"][2].update(cp=0), ["entries[2].cp"]),
     ]:
         bad = copy.deepcopy(good)
         mutate(bad)
