@@ -142,7 +142,9 @@ def no_configuration(ctx, global_batch: int) -> str:
     given = {f: getattr(space, f) for f in CONSTRAINTS if getattr(space, f) != getattr(default, f)}
     for field in given:
         lifted = copy.copy(ctx)  # the search's context (planner.search.Ctx) under the lifted space
-        lifted.space = dataclasses.replace(space, **{field: getattr(default, field)})
+        # context parallelism: every degree that could be asked for, not only the default's
+        every = tuple(d for d in divisors(c.world_size) if ctx.train.seq_len % (2 * d) == 0)
+        lifted.space = dataclasses.replace(space, **{field: every if field == "cp" else getattr(default, field)})
         cfgs = list(configs(lifted, global_batch))
         if not cfgs:
             continue

@@ -207,6 +207,11 @@ def test_search_cp_option(tmp_path, capsys):
                  "--global-batch", "32", "--cp", "2", "--tp", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {a["degrees"]["cp"] for a in out["alternatives"]} == {2}
+    # a degree that admits nothing: the ones that would, not only those searched by default
+    assert main(["search", "--model", "llama3-8b", "--cluster", "dgx-h100-80gb", "--nodes", "1", "--global-batch",
+                 "16", "--cp", "3"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--cp: 3 admits no configuration of 16 sequences on 8 GPUs of "
+                                                    "llama3-8b with the other choices; possible: 1, 2, 4, 8")
 
 
 def test_a_cp_run_resumes_from_its_checkpoint_exactly(tmp_path):
