@@ -140,11 +140,11 @@ def no_configuration(ctx, global_batch: int) -> str:
     default = SearchSpace()
     where = f"{global_batch} sequences on {c.world_size} GPUs of {m.name}"
     given = {f: getattr(space, f) for f in CONSTRAINTS if getattr(space, f) != getattr(default, f)}
+    # context parallelism lifted: every degree that could be asked for, not only the default's
+    lift = dict(vars(default), cp=tuple(d for d in divisors(c.world_size) if ctx.train.seq_len % (2 * d) == 0))
     for field in given:
         lifted = copy.copy(ctx)  # the search's context (planner.search.Ctx) under the lifted space
-        # context parallelism: every degree that could be asked for, not only the default's
-        every = tuple(d for d in divisors(c.world_size) if ctx.train.seq_len % (2 * d) == 0)
-        lifted.space = dataclasses.replace(space, **{field: every if field == "cp" else getattr(default, field)})
+        lifted.space = dataclasses.replace(space, **{field: lift[field]})
         cfgs = list(configs(lifted, global_batch))
         if not cfgs:
             continue

@@ -136,9 +136,9 @@ def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: st
                            cp_ranks: list | None = None) -> tuple:
     """(forward s, backward s, bytes) of a layer's context parallelism per micro-batch: its K/V
     collectives (planner.comm.cp_comm) over the CP group of the rank that leads `tp_ranks` (or on
-    `cp_ranks`), and
-    the bytes of the other CP ranks' K and V that its attention keeps for the backward beside this
-    rank's own, where it is not recomputed (a replay holds them again). Zeros without it."""
+    `cp_ranks`), and the bytes of the other CP ranks' K and V that its attention keeps for the
+    backward beside this rank's own, where it is not recomputed (a replay holds them again). Zeros
+    without it."""
     m, t, cp = plan.model, plan.training, plan.mesh.cp
     if cp == 1 or m.layer_kind(index) != "block":
         return 0.0, 0.0, 0.0

@@ -15,16 +15,6 @@ from dataclasses import dataclass, field
 MESH_DIMS = ("pp", "dp", "tp")  # always in the order; "cp" too when cp > 1
 
 
-def _as_range(ranks: list[int]):
-    """`ranks` (sorted) as a range where they are an arithmetic progression, else the list."""
-    if len(ranks) < 2:
-        return range(ranks[0], ranks[0] + 1) if ranks else range(0)
-    step = ranks[1] - ranks[0]
-    if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
-        return range(ranks[0], ranks[-1] + 1, step)
-    return ranks
-
-
 @dataclass
 class Mesh:
     pp: int
@@ -89,8 +79,13 @@ class Mesh:
         shard group (all of dp without HSDP) times the CP group."""
         s = self.dp_shard
         first = coords.get("dp", 0) // s * s
-        return _as_range(sorted(self.rank(**{**coords, "dp": d, "cp": c})
-                                for d in range(first, first + s) for c in range(self.cp)))
+        if self.cp == 1:
+            return self.group("dp", **coords)[first:first + s]
+        if self.order.index("cp") == self.order.index("dp") + 1:  # cp just inside dp: one progression
+            step = self.group("cp", **coords).step
+            base = self.rank(**{**coords, "dp": first, "cp": 0})
+            return range(base, base + step * s * self.cp, step)
+        return sorted(self.rank(**{**coords, "dp": d, "cp": c}) for d in range(first, first + s) for c in range(self.cp))
 
     def replicate_group(self, **coords) -> range:
         """The dp ranks through `coords` that hold the same shard (HSDP's replicas)."""
