@@ -117,7 +117,7 @@ class ClusterSpec:
     # cores share them: planner.schedule.Sharing
     compute_slots: float | None = None
     # the collectives' library: "nccl" (GPUs), or "gloo" (CPU processes), whose reduce-scatter
-    # takes a temporary as large as its input (planner.memory.fsdp_extra_parts)
+    # takes a temporary as large as its input (planner.fsdp_memory.fsdp_extra_parts)
     backend: str = "nccl"
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)

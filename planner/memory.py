@@ -1,114 +1,18 @@
 """What a runtime holds on a device beyond the ZeRO paper's accounting of parameters, gradients
-and optimizer state (planner.cost): the buffers of the runtime's FSDP2 and of its pipeline."""
+and optimizer state (planner.cost): the buffers of the runtime's FSDP2 (planner.fsdp_memory) and
+of its pipeline, and a rank's peak."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
+from planner.fsdp_memory import fsdp_extra_parts, fsdp_groups, zero_state_bytes
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import (ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes,
                                optimizer_temp_bytes, sharded_param_bytes)
 from planner.schedule import peak_with_gradients
-
-
-def grads_sharded(zero: int, micro_batches: int) -> bool:
-    """Whether a stage holds its gradients sharded over data parallelism between micro-batches:
-    ZeRO 2 and 3 reduce-scatter every micro-batch's (the ZeRO paper's P_os+g and P_os+g+p);
-    ZeRO 1 accumulates them unsharded and reduces once, after the last."""
-    return zero >= 2
-
-
-def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: float, ob: float,
-                     spb: float) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer-state) bytes per parameter a device holds at a ZeRO level:
-    the ZeRO paper's partitioning of optimizer states (1+), gradients (grads_sharded) and
-    parameters (3: FSDP2's shard, spb bytes each; planner.precision)."""
-    shard = dp if dp > 1 else 1
-    return (spb / shard if zero == 3 and shard > 1 else pb,
-            gb / (shard if grads_sharded(zero, micro_batches) else 1),
-            ob / (shard if zero >= 1 else 1))
-
-
-def fsdp_extra_bytes(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float, shard_pb: float | None = None, split: bool = False,
-                     rs_temp: bool = False) -> float:
-    """Bytes the runtime's ZeRO holds for one stage beyond the ZeRO paper's accounting: the sum of
-    fsdp_extra_parts."""
-    return sum(fsdp_extra_parts(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb, split,
-                                rs_temp))
-
-
-def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float, shard_pb: float | None = None,
-                     split: bool = False, rs_temp: bool = False) -> tuple[float, float]:
-    """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's
-    root module, which holds every parameter outside the blocks: embedding, head, final norm)
-    holds beyond the ZeRO paper's accounting of one stage, per device; `held` all step, `transient`
-    only while the stage computes, so a rank with several stages (interleaved) holds the held
-    bytes of each and the transient bytes of one.
-    ZeRO 1/2 (not resharded after forward): held, the sharded parameters besides the unsharded
-    ones (shard_pb bytes each, default pb; none under mixed precision, where the shard is the
-    float32 master copy the optimizer state counts); transient, the flat reduce-scatter input of
-    one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input); under
-    ZeRO 2 with several micro-batches, a group's gradients and input beside the previous group's
-    input. ZeRO 3: held, the root group unsharded all step (FSDP2 does not reshard the root after
-    forward); transient, its unsharded gradients from the head's backward to the end of the
-    backward, the two largest blocks unsharded at once (current and prefetched), the gather of
-    the next one in flight (its all-gather input, the shard, and flat output, which FSDP2 copies
-    out into the unsharded parameters before freeing it: torch/distributed/fsdp/_fully_shard/
-    _fsdp_collectives.py, foreach_all_gather and foreach_all_gather_copy_out), and one
-    reduce-scatter input. ZeRO 2/3 with several micro-batches reduce-scatter in every backward,
-    and FSDP2 keeps the last input of each until the next: held by every stage of a rank.
-    Under a split backward (`split`: zbv's I and W, runtime.pipeline) ZeRO 2 and 3 compute a
-    chunk's weight gradients at once (W) before reduce-scattering them group by group: the whole
-    chunk's unsharded gradients beside one group's flat input; ZeRO 3 also gathers the whole
-    chunk's blocks for I and for W (torch differentiates with respect to the parameters the module
-    holds then), with one block's gather in flight.
-    `rs_temp`: the collectives' library takes a temporary as large as a reduce-scatter's input
-    while it runs (gloo: measured here, a 16.8 MB reduce_scatter_single peaked 16.8 MB above its
-    buffers, an all-reduce or all-gather of that size 0.005 MB; NCCL reduces in place): one more
-    largest group's gradients in the transient of ZeRO 1-3.
-    Measured on CPU against run.json peaks (benchmarks/prediction_accuracy.py;
-    tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
-    held, transient = _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb)
-    group = max(list(block_params) + [root_params])  # the largest reduce-scatter's parameters
-    if split and zero >= 2 and dp > 1:
-        transient = (sum(block_params) + root_params + group) * gb
-        if zero == 3:
-            transient += (sum(block_params) + max(block_params, default=0.0) / dp) * pb
-    if rs_temp and zero >= 1 and dp > 1:
-        transient += group * gb
-    if zero >= 2 and dp > 1 and (micro_batches > 1 or split):
-        # FSDP2 keeps the last reduce-scatter input of a backward until the stage's next backward
-        # starts reducing: the root's, or the first block's where the stage has no root parameters.
-        # A rank's other stages (interleaved) hold theirs while one computes.
-        retained = (root_params or (block_params[0] if block_params else 0.0)) * gb
-        return held + retained, transient - retained
-    return held, transient
-
-
-def _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb):
-    if dp <= 1:
-        return 0.0, 0.0
-    group = max(list(block_params) + [root_params])
-    if zero == 0:
-        return 0.0, group * gb
-    if zero in (1, 2):
-        rs = group * gb
-        if zero == 2 and micro_batches > 1:
-            # ZeRO 2 reduce-scatters during every backward: a group's unsharded gradients and their
-            # flat input, beside the previous group's input, which FSDP2 keeps until the next
-            # reduce-scatter starts (FSDPCommContext.reduce_scatter_states, at most one; torch
-            # _fsdp_param_group.py post_backward). Groups reduce in backward order: the blocks
-            # last to first, then the root (its post-backward waits for the embedding's gradient).
-            order = sorted(block_params, reverse=True)[:2][::-1] + ([root_params] if root_params else [])
-            rs = max(prev + 2 * cur for prev, cur in zip([0.0] + order, order)) * gb
-        return (sum(block_params) + root_params) * (pb if shard_pb is None else shard_pb) / dp, rs
-    ordered = sorted(block_params, reverse=True) or [0.0]
-    gather = ordered[0] * (1 + 1 / dp)
-    return root_params * pb, (sum(ordered[:2]) + gather) * pb + (root_params + group) * gb
 
 
 def first_backward_binds(schedule: str, pp: int, v: int, micro_batches: int, rank: int) -> bool:
@@ -318,7 +222,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             shard = dp if dp > 1 else 1
             kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
             block_params = [c.params for c, k in zip(si["costs"], kinds) if k == "block"]
-            root_params = sum(c.params for c, k in zip(si["costs"], kinds) if k != "block")
+            ends = {k: c.params for c, k in zip(si["costs"], kinds) if k != "block"}
+            root_params, own = fsdp_groups(m.tie_embeddings, ends.get("embedding"), ends.get("head"))
             ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
             p_bytes, g_bytes, o_bytes = p_bytes + P * ps, g_bytes + P * gs, o_bytes + P * os_
             grads_of[i] = P * gs
@@ -329,7 +234,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
-                                               two, rs_temp)
+                                               two, rs_temp, own)
             if first:
                 block_acts = [c.activation_bytes for c, k in zip(si["costs"], kinds) if k == "block"]
                 first_bytes = float(first_backward_bytes(

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from planner.layers import tied_head
-from planner.memory import (accumulation_bytes, first_backward_bytes, fsdp_extra_parts, held_i_to_w_bytes,
-                            tied_matrix_grad_bytes)
+from planner.fsdp_memory import fsdp_extra_parts, fsdp_groups
+from planner.memory import accumulation_bytes, first_backward_bytes, held_i_to_w_bytes, tied_matrix_grad_bytes
 from planner.model import RECOMPUTE_MODES
 
 # one value per (k, ZeRO level); "transient" is the backward's (FSDP2's buffers and a new accumulated
@@ -172,7 +172,8 @@ class Menus:
         split, model = self.split, ctx.model
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
         e_sum = lambda a: sum(getattr(x, a) for x in ends)  # noqa: E731
-        root = sum(x.params for x in ends)
+        root = sum(x.params for x in ends)  # the stage's parameters beside its blocks
+        groups = fsdp_groups(model.tie_embeddings, ends[0].params if emb else None, ends[-1].params if head else None)
         dp, e, mbs = cfg.shards, ctx.e, cfg.micro_batches
         tied = emb and head and model.tie_embeddings
         if tied:
@@ -216,10 +217,11 @@ class Menus:
             gather = (gathered if z in (1, 2) else 0.0) + copy_s
             parts_z = []
             for k in ks:
-                extra = (z, dp, mbs > 1, split, blk[0].params, k, root)  # all FSDP2's buffers depend on
+                extra = (z, dp, mbs > 1, split, blk[0].params, k, groups)  # all FSDP2's buffers depend on
                 if extra not in ctx._fsdp_extra:
-                    ctx._fsdp_extra[extra] = fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, root, ctx.pb, ctx.gb,
-                                                              ctx.spb, split, ctx.cluster.backend == "gloo")
+                    ctx._fsdp_extra[extra] = fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, groups[0], ctx.pb,
+                                                              ctx.gb, ctx.spb, split, ctx.cluster.backend == "gloo",
+                                                              groups[1])
                 parts_z.append(ctx._fsdp_extra[extra])
             held_b, transient = np.array(parts_z).T
             fsdp = transient

@@ -112,7 +112,7 @@ class Ctx:
         self._combos: dict = {}
         self._coll: dict = {}
         self._coll_times: dict = {}  # (data-parallel group shape, parameters) -> its collectives' times
-        self._fsdp_extra: dict = {}  # planner.memory.fsdp_extra_parts of a stage's blocks and root
+        self._fsdp_extra: dict = {}  # planner.fsdp_memory.fsdp_extra_parts of a stage's blocks and root
         self._blocks: dict = {}
         self._flight: dict = {}
 

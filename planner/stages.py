@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from planner.memory import (backward_flow_bytes, first_backward_binds, first_backward_peak, step_bytes,
-                            zero_state_bytes)
+from planner.fsdp_memory import zero_state_bytes
+from planner.memory import backward_flow_bytes, first_backward_binds, first_backward_peak, step_bytes
 from planner.menus import Menus, _pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES

@@ -204,7 +204,7 @@ def test_pipelining_receive_buffers_are_held_for_every_micro_batch():
 
 
 def test_fsdp2_holds_more_than_the_zero_paper_counts():
-    from planner.memory import fsdp_extra_bytes, fsdp_extra_parts
+    from planner.fsdp_memory import fsdp_extra_bytes, fsdp_extra_parts
     blocks, root = [100.0, 100.0, 100.0], 50.0
     assert fsdp_extra_bytes(3, 1, 1, blocks, root, 2, 4) == 0.0  # no data parallelism: no FSDP
     # ZeRO 0 (replicate): one group's flat all-reduce input while the stage computes
