@@ -45,9 +45,8 @@ def fsdp_groups(tie_embeddings: bool, embedding: float | None, head: float | Non
 def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
                      pb: float, gb: float, shard_pb: float | None = None,
                      split: bool = False, rs_temp: bool = False, own: tuple = (0.0, 0.0)) -> tuple[float, float]:
-    """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block and on the stage's
-    root module, which holds every parameter outside the blocks: embedding, head, final norm)
-    holds beyond the ZeRO paper's accounting of one stage, per device; `held` all step, `transient`
+    """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block, on the embedding
+    and on the head, and on the stage's root module) holds beyond the ZeRO paper's accounting of one stage, per device; `held` all step, `transient`
     only while the stage computes, so a rank with several stages (interleaved) holds the held
     bytes of each and the transient bytes of one. `root_params` are those of the root's group,
     `own` the (embedding, head) parameters in groups of their own (fsdp_groups): the embedding's
@@ -59,19 +58,20 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     float32 master copy the optimizer state counts); transient, the flat reduce-scatter input of
     one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input); under
     ZeRO 2 with several micro-batches, a group's gradients and input beside the previous group's
-    input. ZeRO 3: held, the root group unsharded all step (FSDP2 does not reshard the root after
-    forward); transient, its unsharded gradients from the head's backward to the end of the
-    backward, the two largest blocks unsharded at once (current and prefetched), the gather of
-    the next one in flight (its all-gather input, the shard, and flat output, which FSDP2 copies
-    out into the unsharded parameters before freeing it: torch/distributed/fsdp/_fully_shard/
-    _fsdp_collectives.py, foreach_all_gather and foreach_all_gather_copy_out), and one
-    reduce-scatter input. ZeRO 2/3 with several micro-batches reduce-scatter in every backward,
+    input. ZeRO 3: held, the root's and the head's groups unsharded (FSDP2 does not reshard the
+    root after forward; the runtime keeps the head's to its backward); transient, the root's
+    unsharded gradients from the head's backward to the end of the backward (its post-backward
+    runs last), the two largest blocks (or the embedding) unsharded at once (current and
+    prefetched), the gather of the next one in flight (its all-gather input, the shard, and flat
+    output, which FSDP2 copies out into the unsharded parameters before freeing it: torch/
+    distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather and
+    foreach_all_gather_copy_out), and one reduce-scatter input. ZeRO 2/3 with several micro-batches reduce-scatter in every backward,
     and FSDP2 keeps the last input of each until the next: held by every stage of a rank.
     Under a split backward (`split`: zbv's I and W, runtime.pipeline) ZeRO 2 and 3 compute a
     chunk's weight gradients at once (W) before reduce-scattering them group by group: the whole
     chunk's unsharded gradients beside one group's flat input; ZeRO 3 also gathers the whole
-    chunk's blocks for I and for W (torch differentiates with respect to the parameters the module
-    holds then), with one block's gather in flight.
+    chunk's blocks and embedding for I and for W (torch differentiates with respect to the
+    parameters the module holds then), with one block's gather in flight.
     `rs_temp`: the collectives' library takes a temporary as large as a reduce-scatter's input
     while it runs (gloo: measured here, a 16.8 MB reduce_scatter_single peaked 16.8 MB above its
     buffers, an all-reduce or all-gather of that size 0.005 MB; NCCL reduces in place): one more
