@@ -159,10 +159,15 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, k
     retie(chunk)
 
 
+def holds_tied_pair(chunk: Transformer) -> bool:
+    """Whether the chunk holds both a tied embedding and the head that shares its matrix."""
+    return chunk.cfg.tie_embeddings and "0" in chunk.layers and str(chunk.cfg.layers + 1) in chunk.layers
+
+
 def retie(chunk: Transformer) -> None:
     """Tied embeddings: make the head's projection the embedding's weight again (TP and
     materialization replace parameter objects)."""
-    if chunk.cfg.tie_embeddings and "0" in chunk.layers and str(chunk.cfg.layers + 1) in chunk.layers:
+    if holds_tied_pair(chunk):
         head, emb = chunk.layers[str(chunk.cfg.layers + 1)].output, chunk.layers["0"].tok_embeddings
         if head.weight is not emb.weight:
             head.weight = emb.weight
@@ -206,7 +211,7 @@ def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
         replicate(chunk, mesh=dp_mesh, mp_policy=mp)
         return
     reshard = zero == 3
-    tied = chunk.cfg.tie_embeddings and "0" in chunk.layers and str(chunk.cfg.layers + 1) in chunk.layers
+    tied = holds_tied_pair(chunk)
     for layer in chunk.layers.values():
         if isinstance(layer, Block) or (isinstance(layer, Embedding) and not tied):
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
