@@ -89,7 +89,7 @@ def _residue(total: float, part: float) -> float:
     return d if d > 1e-9 * abs(total) else 0.0
 
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
-             keep_timeline: bool = False, model_profile=None) -> Estimate:
+             keep_timeline: bool = False, model_profile=None, profile_extras: bool = True) -> Estimate:
     """Predict step time, throughput and per-device memory of `plan` on `cluster`.
 
     With `model_profile` (planner.model_profile.ModelProfile, measured on this cluster) the layer
@@ -99,9 +99,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     overhead, the optimizer from its measured per-layer step, and the step adds the
     runtime's own per-step synchronization (runtime_sync_s: the barrier that closes a timed step
     and the loss all-reduce over the world, plus the gradient-norm all-reduce over pp ranks),
-    priced by the cluster profile."""
+    priced by the cluster profile. Without `profile_extras` only the layers come from the model
+    profile (their times and bytes, without their data-parallel extras) and the rest is priced as
+    without one: what the search partitions with (planner.search.search_profiled)."""
     if model_profile is not None:
         model_profile.check_plan(plan)
+    extras = model_profile is not None and profile_extras
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline
     cluster = cluster.shaped_as(plan.cluster.nodes, plan.cluster.devices_per_node)
     # `dp`: the ranks that hold a stage's parameters and add up its gradients (dp x cp); `shard`: those
@@ -112,12 +115,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     gb = model_state_bytes(t)[1]
     bw = cluster.device.memory_bytes_per_s
     stage_times, stage_info = [], []
-    pipe_op = model_profile.pipeline_overhead(pipe.schedule) if (model_profile is not None and pp > 1) else 0.0
+    pipe_op = model_profile.pipeline_overhead(pipe.schedule) if (extras and pp > 1) else 0.0
     for si, st in enumerate(pipe.stages):
         r = plan.stage_rank(si)
         tp_ranks = mesh.group("tp", pp=r, dp=0)
         dp_ranks, rep_ranks = mesh.shard_group(pp=r, tp=0), mesh.replicate_group(pp=r, tp=0)
-        costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile) for i in range(st.start, st.end)]
+        costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile, extras) for i in range(st.start, st.end)]
         if m.tie_embeddings and st.end == m.num_layers_total and r == plan.stage_rank(0):
             costs[-1] = tied_head(m, costs[-1], tp)
         comp_f = sum(c.fwd_compute_s for c in costs)
@@ -205,7 +208,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         mine = [stage_info[i] for i in plan.stages_of_rank(r)]
         opt_params = sum(si["params"] / (shard if si["zero"] >= 1 else 1) for si in mine)
         opt_s = opt_params * optimizer_step_bytes(t) / bw
-        if model_profile is not None:  # measured at dp=1: per-tensor overheads dominate small layers
+        if extras:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
         opt_s += clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine))
         gather = 0.0
@@ -217,7 +220,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         rank_total.append(tl.end_s[r] + opt_s + gather + copies)
         per_rank.append((opt_s, gather, copies))
-    sync = runtime_sync(cluster, mesh) if model_profile is not None else 0.0
+    sync = runtime_sync(cluster, mesh) if extras else 0.0
     rank_total = [x + sync for x in rank_total]
     step = max(rank_total)
     terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
@@ -249,7 +252,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                       "critical_pp_rank": r}
     if how["sharing"] is not None:  # the ranks' processes share this many compute units (CPU cores)
         time_breakdown["compute_slots"] = how["sharing"].slots
-    if model_profile is not None:
+    if extras:
         time_breakdown["runtime_sync_s"] = sync
         time_breakdown["pipeline_overhead_s"] = pipe_overhead
 

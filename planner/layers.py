@@ -55,10 +55,10 @@ def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str) 
 
 
 def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list,
-               model_profile=None) -> LayerCost:
+               model_profile=None, dp_extras: bool = True) -> LayerCost:
     if model_profile is not None:  # measured layers (planner.model_profile)
         from planner.model_profile import profiled_layer_cost
-        return profiled_layer_cost(plan, cluster, index, stage, tp_ranks, model_profile)
+        return profiled_layer_cost(plan, cluster, index, stage, tp_ranks, model_profile, dp_extras)
     m, t = plan.model, plan.training
     # under context parallelism a rank computes 1 / cp of each sequence's tokens: a fraction of a
     # sequence's linear layers, its queries' rows of the attention (against all keys: 1 / cp of it)

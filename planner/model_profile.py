@@ -214,7 +214,7 @@ class ModelProfile:
 
 
 def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list,
-                        profile) -> LayerCost:
+                        profile, dp_extras: bool = True) -> LayerCost:
     """A layer priced from a model profile (planner.model_profile): forward and backward times from
     the measured fits at the plan's micro-batch size. The measured times include the TP collectives
     the runtime issued while they were measured; so that TP communication is not counted twice and
@@ -225,7 +225,9 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     figure as measured for a group on the measured tier, more for a group spanning nodes.
     Activation and parameter bytes are the measured ones. Under context parallelism (measured
     without) a rank computes 1 / cp of each sequence: the fits at micro_batch / cp, with the K/V
-    collectives and kept bytes of planner.layers.context_parallel_parts."""
+    collectives and kept bytes of planner.layers.context_parallel_parts. Without `dp_extras` the
+    layer's measured data-parallel extras are left out, as the search prices data parallelism itself
+    (planner.search.Ctx.layers), and `stage` needs no ZeRO level."""
     from planner.comm import regathers, tp_comm
     from planner.layers import LayerCost, context_parallel_parts, layer_cost
     from planner.plan import DTYPES
@@ -277,7 +279,7 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
         none = none_fit.activations(nb) + gathered[1] - gathered[3] + kv
         replay = max(0.0, none - act)
     dpm = None
-    if plan.mesh.grad_ranks > 1:
+    if dp_extras and plan.mesh.grad_ranks > 1:
         base = profile.lookup(kind, plan.mesh.tp, sp, "none")
         dpm = base.dp_overhead(stage.zero)
         if dpm:

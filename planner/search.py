@@ -55,6 +55,7 @@ from planner.build import build_plan, even_stages
 from planner.bounds import in_flight_counts
 from planner.stages import TOL, MenuCache
 from planner.configs import Config, SearchSpace, configs, no_configuration  # the outer loop
+from planner.schedule import Sharing
 
 @dataclass
 class Found:
@@ -96,8 +97,13 @@ def _affine(cluster: ClusterSpec, op: str, ranks: list):
 class Ctx:
     """Per-search constants and caches."""
 
-    def __init__(self, model, cluster, train: Training, limit, space: SearchSpace):
+    def __init__(self, model, cluster, train: Training, limit, space: SearchSpace, model_profile=None):
         self.model, self.cluster, self.train, self.space = model, cluster, train, space
+        self.profile = model_profile  # its layers price the partitions (search_profiled)
+        # measured layer times are of `processes` sharing the cluster's compute: as work (Sharing.work)
+        sharing = (Sharing.of(cluster.compute_slots, cluster.world_size, 1, model_profile.processes)
+                   if model_profile is not None else None)
+        self.work = sharing.work(1.0) if sharing is not None else 1.0
         dev = cluster.device
         self.limit = limit
         self.lim_eff = (limit - dev.reserved_bytes) / (1 + dev.allocator_overhead_fraction)
@@ -149,8 +155,12 @@ class Ctx:
             ranks = list(range(tp))
 
             def lc(i, rec):
-                c = layer_cost(fake, self.cluster, i, SimpleNamespace(sequence_parallel=sp, recompute=[rec], start=i), ranks)
-                return dataclasses.replace(c, fwd_tp_s=c.fwd_tp_s + c.fwd_cp_s, bwd_tp_s=c.bwd_tp_s + c.bwd_cp_s)
+                c = layer_cost(fake, self.cluster, i, SimpleNamespace(sequence_parallel=sp, recompute=[rec], start=i),
+                               ranks, self.profile, dp_extras=False)
+                w = self.work
+                return dataclasses.replace(c, fwd_compute_s=c.fwd_compute_s * w, bwd_compute_s=c.bwd_compute_s * w,
+                                           bwd_weight_s=c.bwd_weight_s * w, fwd_tp_s=(c.fwd_tp_s + c.fwd_cp_s) * w,
+                                           bwd_tp_s=(c.bwd_tp_s + c.bwd_cp_s) * w)
             self._layers[key] = dict(emb=lc(0, "none"), head=lc(m.layers + 1, "none"),
                                      blk={r: lc(1, r) for r in RECOMPUTE_MODES})
         return self._layers[key]
@@ -158,17 +168,20 @@ class Ctx:
 
 def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
            memory_limit_bytes: float | None = None, dtype: str = "bf16", top: int = 1,
-           space: SearchSpace | None = None, progress=None, cutoff_s: float = math.inf, **training) -> SearchResult:
+           space: SearchSpace | None = None, progress=None, cutoff_s: float = math.inf, model_profile=None,
+           **training) -> SearchResult:
     """The `top` fastest plans (distinct configurations) that fit; see the module doc.
     `progress(done, total, best_step_s)` is called now and then; `training` overrides Training fields;
-    `cutoff_s`: only plans faster than this are wanted (another search's K-th best, planner.sp_modes)."""
+    `cutoff_s`: only plans faster than this are wanted (another search's K-th best, planner.sp_modes);
+    `model_profile`: its layers' times and bytes price the plans (estimate without profile_extras:
+    search_profiled re-prices the plans found with all of it)."""
     t0 = time.perf_counter()
     space = space or SearchSpace()
     seq_len = seq_len or model.seq_len
     limit = memory_limit_bytes if memory_limit_bytes is not None else cluster.device.memory_bytes
     train = Training(global_batch=global_batch, micro_batch=1, seq_len=seq_len, dtype=dtype,
                      master_weights=dtype != "fp32", **training)
-    ctx = Ctx(model, cluster, train, limit, space)
+    ctx = Ctx(model, cluster, train, limit, space, model_profile)
     res = SearchResult(results=[])
 
     def build(cfg, stages):
@@ -200,7 +213,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
     def price(cfg, inner, assign):
         """Estimate an assignment's plan; keep it as the configuration's best if it fits and is faster."""
         plan = inner.to_plan(assign, build)
-        est = estimate(plan, cluster, memory_limit_bytes=limit)
+        est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=model_profile, profile_extras=False)
         res.priced += 1
         mine = best.get(cfg)
         if est.fits and (mine is None or est.step_time_s < mine.estimate.step_time_s):
@@ -260,27 +273,56 @@ def _least_memory(ctx, cfgs, build, tries=8):
         z = max(ctx.space.zero) if cfg.zero is None else cfg.zero
         rec = cfg.recompute or next((r for r in ("full", "selective", "none") if r in ctx.space.recompute), "none")
         stages = even_stages(ctx.model, cfg.pp, cfg.v, z, rec, cfg.sp)
-        est = estimate(build(cfg, stages), ctx.cluster, memory_limit_bytes=ctx.limit)
+        est = estimate(build(cfg, stages), ctx.cluster, memory_limit_bytes=ctx.limit, model_profile=ctx.profile,
+                       profile_extras=False)
         least = est.required_bytes if least is None else min(least, est.required_bytes)
     return least
 
 
-PROFILED_POOL = 32  # analytic finalists re-priced with a model profile
+PROFILED_POOL = 32  # plans found re-priced with all of a model profile
+
+
+def profiled_space(space: SearchSpace, model_profile) -> SearchSpace:
+    """`space` narrowed to what a model profile measured: the TP degrees whose embedding, head and
+    block (in every recompute mode and sequence-parallel setting the space allows) it timed, and
+    micro-batches up to its largest (its fits of time against micro-batch size are not trusted far
+    outside the measured range)."""
+    got = model_profile.entries
+
+    def measured(tp):
+        need = [("embedding", "none"), ("head", "none")] + [("block", r) for r in space.recompute]
+        return all((layer, tp, sp and tp > 1, r, 1) in got for layer, r in need for sp in space.sequence_parallel)
+    tps = tuple(sorted(tp for tp in {k[1] for k in got} if measured(tp) and (space.tp is None or tp in space.tp)))
+    if not tps:
+        raise ConfigError(f"model profile {model_profile.name}: no TP degree{' of --tp' if space.tp else ''} is "
+                          f"measured for every layer and recompute mode searched; re-run `trident profile model` "
+                          f"with --tp {','.join(str(t) for t in space.tp or (1,))}")
+    largest = max(model_profile.micro_batches, default=None)
+    mbs = space.micro_batch
+    if largest is not None:
+        mbs = tuple(b for b in (mbs or range(1, largest + 1)) if b <= largest)
+        if not mbs:
+            raise ConfigError(f"model profile {model_profile.name}: measured micro-batches up to {largest}, below "
+                              f"every --micro-batch allowed; re-run `trident profile model` with --micro-batches "
+                              f"including {min(space.micro_batch)}")
+    return dataclasses.replace(space, tp=tps, micro_batch=mbs)
 
 
 def search_profiled(model: ModelConfig, cluster: ClusterSpec, model_profile, global_batch: int,
-                    top: int = 1, memory_limit_bytes: float | None = None, **kw) -> SearchResult:
-    """The search with measured layer costs (planner.model_profile): the partitions are searched
-    with the analytic costs, and the PROFILED_POOL fastest distinct configurations are re-priced
-    with the model profile, which then ranks them; plans that no longer fit are dropped, and so
-    are plans whose micro-batch is larger than the largest the profile measured (the fits of time
-    against micro-batch size are not trusted far outside the measured range)."""
+                    top: int = 1, memory_limit_bytes: float | None = None, space: SearchSpace | None = None,
+                    **kw) -> SearchResult:
+    """The search with measured layer costs (planner.model_profile), over what the profile measured
+    (profiled_space): the partitions are searched with the layers' measured times and bytes and
+    everything else priced as without a profile (the search's bounds hold for that estimate, whose
+    data-parallel costs the search prices itself); the PROFILED_POOL fastest distinct
+    configurations are then re-priced with all of the profile (its measured data-parallel extras,
+    optimizer step, pipeline and per-step overheads), which ranks them; plans that no longer fit are
+    dropped."""
     from planner.cost import estimate
     res = search(model, cluster, global_batch=global_batch, memory_limit_bytes=memory_limit_bytes,
-                 top=max(top, PROFILED_POOL), **kw)
-    largest = max(model_profile.micro_batches, default=None)
-    kept = [f for f in res.results if largest is None or f.plan.training.micro_batch <= largest] or res.results
-    for f in kept:
+                 top=max(top, PROFILED_POOL), space=profiled_space(space or SearchSpace(), model_profile),
+                 model_profile=model_profile, **kw)
+    for f in res.results:
         f.estimate = estimate(f.plan, cluster, memory_limit_bytes=memory_limit_bytes, model_profile=model_profile)
-    res.results = sorted((f for f in kept if f.estimate.fits), key=lambda f: f.estimate.step_time_s)[:top]
+    res.results = sorted((f for f in res.results if f.estimate.fits), key=lambda f: f.estimate.step_time_s)[:top]
     return res

@@ -107,7 +107,7 @@ def cmd_search(args) -> int:
     def run_search(cluster, top=args.top):
         kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
                   top=top, progress=progress, space=_search_space(args))
-        # with a model profile, the analytic finalists are ranked by the measured layer times
+        # with a model profile, partitioned by the measured layers and ranked by the whole profile
         run = partial(search_profiled, model, cluster, mp) if mp is not None else partial(search, model, cluster)
         res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER
                else run(sp_saved_inputs=args.sp_saved_inputs, **kw))

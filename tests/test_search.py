@@ -44,15 +44,17 @@ def stages_of(model, sizes, per_stage):
     return out
 
 
-def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options, **training):
+def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options, model_profile=None, **training):
     """The fastest fitting plan over every configuration and partition of the restricted space
-    (`training`: Training fields every plan sets). A plan's estimate does not depend on the memory
+    (`training`: Training fields every plan sets; `model_profile`: priced by its layers, as the
+    search with one prices). A plan's estimate does not depend on the memory
     limit (fits is required_bytes <= limit), so each problem is priced once and its fastest fitting
     plan picked for every limit the tests ask about."""
     options = (per_stage_options.__qualname__, *(c.cell_contents for c in per_stage_options.__closure__ or ()))
-    key = repr((model, cluster, gbs, seq, space, options, sorted(training.items())))
+    key = repr((model, cluster, gbs, seq, space, options, sorted(training.items()), id(model_profile)))
     if key not in _PRICED:
-        _PRICED[key] = sorted(_every_estimate(model, cluster, gbs, seq, space, per_stage_options, **training),
+        _PRICED[key] = sorted(_every_estimate(model, cluster, gbs, seq, space, per_stage_options, model_profile,
+                                              **training),
                               key=lambda est: est.step_time_s)
     return next((est for est in _PRICED[key] if est.required_bytes <= limit), None)
 
@@ -60,7 +62,7 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options, **tra
 _PRICED = {}  # brute_force's priced problems
 
 
-def _every_estimate(model, cluster, gbs, seq, space, per_stage_options, **training):
+def _every_estimate(model, cluster, gbs, seq, space, per_stage_options, model_profile=None, **training):
     world, dpn = cluster.world_size, cluster.devices_per_node
     for tp, pp, cp in itertools.product(divisors(dpn), divisors(world), space.cp or (1,)):
         if world % (tp * pp * cp) or any(x % tp for x in (model.heads, model.kv_heads, model.ffn_hidden)) or seq % (2 * cp):
@@ -94,7 +96,7 @@ def _every_estimate(model, cluster, gbs, seq, space, per_stage_options, **traini
                                           seq_len=seq, tp=tp, pp=pp, dp=dp, cp=cp, schedule=sched, virtual_stages=v,
                                           order=list(order), stages=stages_of(model, sizes, [(*x, sp) for x in per]),
                                           **training)
-                        yield estimate(plan, cluster)
+                        yield estimate(plan, cluster, model_profile=model_profile, profile_extras=False)
 
 
 def plan_level(zeros, recs):
@@ -127,9 +129,10 @@ def shrunk(layers, hidden=1024):
                                heads=8, kv_heads=8, vocab=8000, seq_len=1024)
 
 
-def check_same(model, cluster, gbs, seq, limit, space, options, **training):
-    found = search(model, cluster, global_batch=gbs, seq_len=seq, memory_limit_bytes=limit, space=space, **training)
-    want = brute_force(model, cluster, gbs, seq, limit, space, options, **training)
+def check_same(model, cluster, gbs, seq, limit, space, options, model_profile=None, **training):
+    found = search(model, cluster, global_batch=gbs, seq_len=seq, memory_limit_bytes=limit, space=space,
+                   model_profile=model_profile, **training)
+    want = brute_force(model, cluster, gbs, seq, limit, space, options, model_profile, **training)
     if want is None:
         assert found.best is None
     else:
