@@ -36,6 +36,20 @@ def number_in(low: float, high: float, unit: str = ""):
     return parse
 
 
+def non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def non_negative_number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number, 0 or more")
+    return v
+
+
 def nonempty(text: str) -> str:
     """A name or path option given as an empty string (`-o ""`), refused rather than ignored."""
     if not text.strip():

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from types import SimpleNamespace
 
 from planner.cluster import load_cluster
-from planner.args import OneLineParser, choice_list, int_list, nonempty, positive_int, positive_number
+from planner.args import (OneLineParser, choice_list, int_list, non_negative_int, non_negative_number, nonempty,
+                          positive_int, positive_number)
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
-from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
+from planner.plan import LR_DECAYS, SCHEDULES, SP_SAVED_INPUTS, Plan, Training, priced_on
+from planner.plan_checks import check_optimizer
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.report import describe_plan, estimate_table
@@ -94,7 +98,7 @@ def cmd_plan(args) -> int:
         recv_buffers=args.recv_buffers, p2p=args.p2p, overlap_grad_reduce=not args.no_overlap_grad_reduce,
         async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
-        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp)
+        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, **optimizer_settings(args))
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
         if asked:
@@ -152,6 +156,34 @@ def _add_problem_args(p, sizes: bool = False) -> None:
     g.add_argument("--gpus", type=int_list() if sizes else positive_int, help="GPUs in the cluster" + several)
     g.add_argument("--nodes", type=int_list() if sizes else positive_int, help="nodes in the cluster" + several)
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+
+
+def _add_optimizer_args(p) -> None:
+    """The optimizer settings `plan` and `search` write into the plan's training (the runtime's AdamW)."""
+    g = p.add_argument_group("optimizer", "written into the plan for `trident run`; no effect on the prediction")
+    d = Training(global_batch=1, micro_batch=1, seq_len=1)
+    g.add_argument("--lr", type=non_negative_number, default=d.lr, help=f"peak learning rate (default {d.lr:g})")
+    g.add_argument("--weight-decay", type=non_negative_number, default=d.weight_decay,
+                   help=f"AdamW's (default {d.weight_decay:g})")
+    g.add_argument("--grad-clip", type=non_negative_number, default=d.grad_clip,
+                   help=f"clip the gradient norm over the whole model to this (default {d.grad_clip:g})")
+    g.add_argument("--lr-warmup-steps", type=non_negative_int, default=0, help="linear warm-up over the first steps")
+    g.add_argument("--lr-decay", choices=LR_DECAYS, default="constant",
+                   help="after the warm-up, from --lr down to --min-lr at step --lr-decay-steps")
+    g.add_argument("--lr-decay-steps", type=non_negative_int, default=0,
+                   help="the step the decay reaches --min-lr, counted from the first (warm-up included)")
+    g.add_argument("--min-lr", type=non_negative_number, default=0.0, help="the learning rate after the decay")
+
+
+def optimizer_settings(args) -> dict:
+    """The Training fields of _add_optimizer_args, checked (one line naming the option)."""
+    kw = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, lr_warmup_steps=args.lr_warmup_steps,
+              lr_decay=args.lr_decay, lr_decay_steps=args.lr_decay_steps, min_lr=args.min_lr)
+    try:
+        check_optimizer(SimpleNamespace(**kw))
+    except ConfigError as exc:
+        raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
+    return kw
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--plot", type=nonempty, default=None,
                    help="write a picture of the prediction (step terms, memory, timeline)")
+    _add_optimizer_args(p)
     p.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("estimate", help="predict a plan file")
@@ -245,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="price layer times from a measured model profile (`trident profile model`)")
     s.add_argument("--json", action="store_true", help="print the best estimate and the alternatives as JSON")
     s.add_argument("--plot", type=nonempty, default=None, help="write a picture of the best plan's prediction")
+    _add_optimizer_args(s)
     c = s.add_argument_group("constraints", "search only among these values (comma-separated lists; default: all)")
     c.add_argument("--tp", type=int_list(), default=None, help="tensor-parallel degrees, e.g. 1,2,4")
     c.add_argument("--pp", type=int_list(), default=None, help="pipeline-parallel degrees")

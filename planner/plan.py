@@ -50,10 +50,12 @@ RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
 SP_SAVED_INPUTS = ("gathered", "shard")  # see Training.sp_saved_inputs
+LR_DECAYS = ("constant", "linear", "cosine")  # see Training.lr_decay
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
-                              "fsdp_copies", "sp_saved_inputs"),
+                              "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
+                              "min_lr"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p"), "mesh": ("dp_replicate", "cp")}
 
 
@@ -123,6 +125,14 @@ class Training:
     # ColwiseParallel keeps it behind PrepareModuleInput: more memory
     # (planner.precision.sp_gathered_bytes), no second all-gather (planner.comm.tp_comm)
     sp_saved_inputs: str = "shard"
+    # the learning rate of each step (runtime.optim.lr_at; Megatron-LM's --lr-warmup-iters,
+    # --lr-decay-style, --lr-decay-iters, --min-lr): a linear warm-up to lr over the first
+    # lr_warmup_steps steps, then lr_decay ("constant", "linear" or "cosine") down to min_lr at step
+    # lr_decay_steps (counted from the first step, warm-up included), min_lr after it
+    lr_warmup_steps: int = 0
+    lr_decay: str = "constant"
+    lr_decay_steps: int = 0
+    min_lr: float = 0.0
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner.model import MAX_NAME, RECOMPUTE_MODES, ATTENTION_KERNELS, is_one_line, is_real
 from planner.mesh import MESH_DIMS
-from planner.plan import (DTYPES, GRAD_ACCUMULATION, RECV_BUFFERS, SCHEDULES, SP_SAVED_INPUTS, P2P_MODES,
+from planner.plan import (DTYPES, GRAD_ACCUMULATION, LR_DECAYS, RECV_BUFFERS, SCHEDULES, SP_SAVED_INPUTS, P2P_MODES,
                           _is_int, _need)
 from planner.pointwise import ELEMENTWISE_KERNELS
 
@@ -16,6 +16,22 @@ MAX_MICRO_BATCHES = 65536
 
 def _one_of(value, options, path: str) -> None:
     _need(isinstance(value, str) and value in options, path, f"{value!r}; use one of {', '.join(options)}")
+
+
+def check_optimizer(t) -> None:
+    """The optimizer's settings of training `t`: lr, weight decay, clipping and the learning-rate schedule."""
+    for name in ("lr", "weight_decay", "grad_clip"):
+        v = getattr(t, name)
+        _need(is_real(v) and v >= 0, f"training.{name}", f"{v!r} must be a finite non-negative number")
+    for name in ("lr_warmup_steps", "lr_decay_steps"):
+        v = getattr(t, name)
+        _need(_is_int(v) and 0 <= v < 2**63, f"training.{name}", f"{v!r} must be a non-negative integer")
+    _one_of(t.lr_decay, LR_DECAYS, "training.lr_decay")
+    _need(is_real(t.min_lr) and 0 <= t.min_lr <= t.lr, "training.min_lr",
+          f"{t.min_lr!r} must be a finite number from 0 to training.lr ({t.lr!r})")
+    _need(t.lr_decay == "constant" or t.lr_decay_steps > t.lr_warmup_steps, "training.lr_decay_steps",
+          f"{t.lr_decay_steps} must exceed training.lr_warmup_steps ({t.lr_warmup_steps}) under a "
+          f"{t.lr_decay} decay: the step where the learning rate reaches min_lr")
 
 
 def check(plan) -> None:
@@ -36,10 +52,8 @@ def check(plan) -> None:
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")
-    for name in ("lr", "weight_decay", "grad_clip", "dropout"):
-        v = getattr(t, name)
-        _need(is_real(v) and v >= 0, f"training.{name}", f"{v!r} must be a finite non-negative number")
-    _need(t.dropout < 1, "training.dropout", f"{t.dropout} must be below 1")
+    check_optimizer(t)
+    _need(is_real(t.dropout) and 0 <= t.dropout < 1, "training.dropout", f"{t.dropout!r} must be from 0 to below 1")
     _need(t.seq_len <= m.seq_len, "training.seq_len",
           f"{t.seq_len} exceeds the model's seq_len {m.seq_len}; lower it or raise model.seq_len")
     for name in ("nodes", "devices_per_node"):

@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 
 from planner import sizing
-from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, sized
+from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, optimizer_settings, sized
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.hsdp import with_hsdp
@@ -103,10 +103,11 @@ def cmd_search(args) -> int:
                   end="", file=sys.stderr, flush=True)
 
     mp = _model_profile(args)
+    optimizer = optimizer_settings(args)
 
     def run_search(cluster, top=args.top):
         kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
-                  top=top, progress=progress, space=_search_space(args))
+                  top=top, progress=progress, space=_search_space(args), **optimizer)
         # with a model profile, partitioned by the measured layers and ranked by the whole profile
         run = partial(search_profiled, model, cluster, mp) if mp is not None else partial(search, model, cluster)
         res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER

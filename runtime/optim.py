@@ -1,6 +1,8 @@
-"""Gradient clipping over a model however it is split: DTensor shards, pipeline ranks."""
+"""Gradient clipping over a model however it is split (DTensor shards, pipeline ranks), and the
+learning rate of each step."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -46,3 +48,18 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
         coef = max_norm / (total + 1e-6)
         torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
+
+
+def lr_at(t, step: int) -> float:
+    """The learning rate of step `step` (0-based) under training `t`'s schedule (planner.plan.Training):
+    lr (s + 1) / (w + 1) over the w warm-up steps (never 0, as torchtitan's warm-up starts), then
+    from lr to min_lr by lr_decay over steps w .. lr_decay_steps, min_lr after. A function of the
+    step alone, so that a resumed run takes the rates of an uninterrupted one."""
+    w = t.lr_warmup_steps
+    if step < w:
+        return t.lr * (step + 1) / (w + 1)
+    if t.lr_decay == "constant":
+        return t.lr
+    done = min(1.0, (step - w) / (t.lr_decay_steps - w))
+    left = 1.0 - done if t.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return t.min_lr + (t.lr - t.min_lr) * left

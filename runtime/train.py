@@ -37,7 +37,7 @@ from runtime.host_share import compute_slots, other_load
 from runtime.metrics import PeakMemory, environment, gather
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
-from runtime.optim import clip_grad_norm
+from runtime.optim import clip_grad_norm, lr_at
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
 from runtime.trace import traced_step
@@ -162,8 +162,9 @@ class Trainer:
                 if zero in (1, 2):
                     c.set_reshard_after_backward(last)
 
-    def step(self, batch: torch.Tensor) -> float:
-        """One optimizer step on the global batch [global_batch, seq_len + 1]; returns its mean loss."""
+    def step(self, batch: torch.Tensor, step: int = 0) -> float:
+        """Optimizer step `step` (0-based: its learning rate, runtime.optim.lr_at) on the global batch
+        [global_batch, seq_len + 1]; returns its mean loss."""
         plan = self.plan
         inputs, targets = local_rows(batch, self.dp_rank, plan.mesh.dp)
         if self.context is not None:
@@ -184,7 +185,10 @@ class Trainer:
         params = [p for c in self.chunks for p in c.parameters()]
         self.grad_norm = clip_grad_norm(params, plan.training.grad_clip,
                                         self.mesh["pp"].get_group() if plan.mesh.pp > 1 else None, self.device, timing)
+        self.lr = lr_at(plan.training, step)
         for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = self.lr
             opt.step()
             opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -262,7 +266,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
     slots = compute_slots() if device.type == "cpu" and world > 1 else None
-    losses, times, grad_norms, opt_times, trace = [], [], [], [], {}
+    losses, times, grad_norms, opt_times, lrs, trace = [], [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
         ctx = peak.measure() if step == measure_at else contextlib.nullcontext()
@@ -271,7 +275,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         dist.barrier()
         t0 = time.perf_counter()
         with ctx:
-            loss = trainer.step(batch)
+            loss = trainer.step(batch, step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
@@ -279,6 +283,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         opt_times.append(trainer.optimizer_s)
         losses.append(loss)
         grad_norms.append(trainer.grad_norm)
+        lrs.append(trainer.lr)
         if rank == 0:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  {times[-1] * 1000:.0f} ms", flush=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
@@ -306,6 +311,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "steps": len(losses),
         "losses": losses,
         "grad_norms": grad_norms,  # before clipping
+        "learning_rates": lrs,
         "step_times_s": times,
         # per step, the slowest rank's gradient clipping + optimizer step (part of step_times_s)
         "optimizer_times_s": [max(r[i] for r in opt_by_rank) for i in range(len(times))],
