@@ -285,7 +285,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         grad_norms.append(trainer.grad_norm)
         lrs.append(trainer.lr)
         if rank == 0:
-            print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  {times[-1] * 1000:.0f} ms", flush=True)
+            rate = f"  lr {trainer.lr:.3g}" if (t.lr_warmup_steps or t.lr_decay != "constant") else ""
+            print(f"step {step + 1}/{args.steps}  loss {loss:.6f}{rate}  {times[-1] * 1000:.0f} ms", flush=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, trainer.stage_ids,
                       plan_hash, {"next_step": step + 1})
