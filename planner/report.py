@@ -36,7 +36,17 @@ def describe_plan(plan: Plan) -> str:
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
-            f"sequence parallel {'off' if sp == 'off' else f'on (keeps {sp} inputs)'}; stages (layers): {split}")
+            f"sequence parallel {'off' if sp == 'off' else f'on (keeps {sp} inputs)'}; stages (layers): {split}"
+            + _lr_schedule(t))
+
+
+def _lr_schedule(t) -> str:
+    """A line on the plan's learning-rate schedule, where it has one (planner.plan.Training)."""
+    if not t.lr_warmup_steps and t.lr_decay == "constant":
+        return ""
+    warm = f", warm-up {t.lr_warmup_steps} steps" if t.lr_warmup_steps else ""
+    decay = f", {t.lr_decay} decay to {t.min_lr:g} at step {t.lr_decay_steps}" if t.lr_decay != "constant" else ""
+    return f"\nlearning rate {t.lr:g}{warm}{decay}"
 
 
 def estimate_table(est: Estimate) -> str:

@@ -82,3 +82,10 @@ def test_the_runtime_follows_the_schedule_and_resumes_on_it(tmp_path):
     assert losses_of(tmp_path / "resumed.json") == losses_of(tmp_path / "straight.json")[3:]
     sched, flat = losses_of(tmp_path / "straight.json"), losses_of(tmp_path / "const.json")
     assert sched[0] == flat[0] and sched[1] != flat[1]
+
+
+def test_the_plan_summary_shows_a_schedule_only_where_there_is_one():
+    from planner.report import describe_plan
+    assert "learning rate" not in describe_plan(_plan())
+    shown = describe_plan(_plan(lr_warmup_steps=3, lr_decay="linear", lr_decay_steps=9, min_lr=1e-5)).splitlines()[-1]
+    assert shown == "learning rate 0.0003, warm-up 3 steps, linear decay to 1e-05 at step 9"
