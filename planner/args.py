@@ -14,16 +14,43 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def positive_int(text: str) -> int:
+def _int_from(text: str, low: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    if v < low:
+        raise argparse.ArgumentTypeError(f"{v} must be at least {low}")
     if v > MAX_ARG:
         raise argparse.ArgumentTypeError(f"{v} is out of range: at most {MAX_ARG}")
     return v
+
+
+def positive_int(text: str) -> int:
+    return _int_from(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_from(text, 0)
+
+
+def _finite(text: str, ok, what: str) -> float:
+    """A finite number for which ok(v) holds; else a one-line error ending in `what`."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and ok(v)):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number{what}")
+    return v
+
+
+def positive_number(text: str) -> float:
+    return _finite(text, lambda v: v > 0, " above 0")
+
+
+def non_negative_number(text: str) -> float:
+    return _finite(text, lambda v: v >= 0, ", 0 or more")
 
 
 def number_in(low: float, high: float, unit: str = ""):
@@ -34,20 +61,6 @@ def number_in(low: float, high: float, unit: str = ""):
             raise argparse.ArgumentTypeError(f"{text} must be from {low:g} to {high:g}{unit}")
         return v
     return parse
-
-
-def non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else positive_int(text)
-
-
-def non_negative_number(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number, 0 or more")
-    return v
 
 
 def nonempty(text: str) -> str:
@@ -64,16 +77,6 @@ def profile_name(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: give a non-empty printable name of one line, at most {MAX_NAME} "
                                          "characters")
     return text
-
-
-def positive_number(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
-    return v
 
 
 def int_list(low: int = 1, high: int | None = None):

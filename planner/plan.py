@@ -134,6 +134,11 @@ class Training:
     lr_decay_steps: int = 0
     min_lr: float = 0.0
 
+    @property
+    def lr_scheduled(self) -> bool:
+        """Whether the learning rate moves (a warm-up or a decay), not lr at every step."""
+        return bool(self.lr_warmup_steps) or self.lr_decay != "constant"
+
 
 @dataclass
 class ClusterRef:

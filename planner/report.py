@@ -42,7 +42,7 @@ def describe_plan(plan: Plan) -> str:
 
 def _lr_schedule(t) -> str:
     """A line on the plan's learning-rate schedule, where it has one (planner.plan.Training)."""
-    if not t.lr_warmup_steps and t.lr_decay == "constant":
+    if not t.lr_scheduled:
         return ""
     warm = f", warm-up {t.lr_warmup_steps} steps" if t.lr_warmup_steps else ""
     decay = f", {t.lr_decay} decay to {t.min_lr:g} at step {t.lr_decay_steps}" if t.lr_decay != "constant" else ""

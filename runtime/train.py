@@ -162,7 +162,7 @@ class Trainer:
                 if zero in (1, 2):
                     c.set_reshard_after_backward(last)
 
-    def step(self, batch: torch.Tensor, step: int = 0) -> float:
+    def step(self, batch: torch.Tensor, step: int) -> float:
         """Optimizer step `step` (0-based: its learning rate, runtime.optim.lr_at) on the global batch
         [global_batch, seq_len + 1]; returns its mean loss."""
         plan = self.plan
@@ -285,7 +285,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         grad_norms.append(trainer.grad_norm)
         lrs.append(trainer.lr)
         if rank == 0:
-            rate = f"  lr {trainer.lr:.3g}" if (t.lr_warmup_steps or t.lr_decay != "constant") else ""
+            rate = f"  lr {trainer.lr:.3g}" if t.lr_scheduled else ""
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}{rate}  {times[-1] * 1000:.0f} ms", flush=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, trainer.stage_ids,
