@@ -72,17 +72,22 @@ def regathers(training, recompute: str, split: bool = False) -> int:
     return 2 if split else 1
 
 
-def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool) -> float:
-    """Seconds of the all-reduces runtime.optim.clip_grad_norm issues once per step on a rank of
-    pipeline rank `pp_rank`: one scalar per sharded mesh dimension, tp (TP-sharded parameters) and
-    dp (FSDP-sharded parameters, ZeRO >= 1: over the shard group under HSDP, whose replicas hold
-    copies). The pipeline all-reduce is in runtime_sync."""
+def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool, partial_bytes: float = 0.0) -> float:
+    """Seconds of the all-reduces the runtime issues once per step before its optimizer step on a
+    rank of pipeline rank `pp_rank`: runtime.optim.clip_grad_norm's, one scalar per sharded mesh
+    dimension, tp (TP-sharded parameters) and dp (FSDP-sharded parameters, ZeRO >= 1: over the
+    shard group under HSDP, whose replicas hold copies), and reduce_partial_grads' over tp of
+    `partial_bytes` (sequence-parallel norms' gradients without data parallelism). The pipeline
+    all-reduce is in runtime_sync."""
     groups = []
     if mesh.tp > 1:
         groups.append(mesh.group("tp", pp=pp_rank, dp=0))
     if mesh.zero_shards > 1 and fsdp:
         groups.append(mesh.shard_group(pp=pp_rank, tp=0))
-    return sum(cluster.collective_time("all_reduce", SCALAR_BYTES, g) for g in groups)
+    t = sum(cluster.collective_time("all_reduce", SCALAR_BYTES, g) for g in groups)
+    if mesh.tp > 1 and partial_bytes > 0:
+        t += cluster.collective_time("all_reduce", partial_bytes, mesh.group("tp", pp=pp_rank, dp=0))
+    return t
 
 
 def runtime_sync(cluster: ClusterSpec, mesh) -> float:

@@ -154,6 +154,14 @@ def replicated_params(model: ModelConfig, kind: str) -> int:
     return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h, "block": 6 * h if gpt else 2 * h}[kind]
 
 
+def sp_partial_params(model: ModelConfig, kind: str) -> int:
+    """Parameters whose gradients are partial sums over the TP group under sequence parallelism:
+    the norms' (each TP rank normalizes its own tokens). Without data parallelism the runtime
+    all-reduces them once a step (runtime.optim.reduce_partial_grads); FSDP2 reduces them itself."""
+    norm = 2 * model.hidden if model.arch == "gpt" else model.hidden
+    return {"embedding": 0, "head": norm, "block": 2 * norm}[kind]
+
+
 def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
     """Parameters one TP rank holds for a layer: matrices split tp ways (the vocabulary padded to
     a multiple of tp), replicated_params whole."""

@@ -65,3 +65,20 @@ def scalar(x: float, dtype=torch.float64) -> torch.Tensor:
     """A one-element tensor on the current device: what a collective of the current backend takes
     (NCCL reduces GPU tensors only)."""
     return torch.tensor([x], dtype=dtype, device=_CURRENT)
+
+
+def last_level_cache_bytes(device: torch.device | None = None, sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest cache of `device`: a GPU's L2, or the CPU's last level as Linux lists it under
+    `sysfs` (index*/size, e.g. "32768K"); 32 MiB where neither says."""
+    import glob
+    device = device or _CURRENT
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or 32 << 20
+    sizes = []
+    for path in glob.glob(f"{sysfs}/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0) or 32 << 20

@@ -1,5 +1,5 @@
-"""Gradient clipping over a model however it is split (DTensor shards, pipeline ranks), and the
-learning rate of each step."""
+"""Gradient clipping over a model however it is split (DTensor shards, pipeline ranks), the
+reduction of partial gradients before the optimizer step, and the learning rate of each step."""
 from __future__ import annotations
 
 import math
@@ -48,6 +48,37 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
         coef = max_norm / (total + 1e-6)
         torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: list, reduce: bool = True) -> None:
+    """Make every gradient that is a partial sum over mesh dimensions (the norms' weights under
+    sequence parallelism without data parallelism: each TP rank normalized its own tokens; FSDP2
+    reduces them itself) whole, with one all-reduce of all of them per mesh dimension, as
+    Megatron-LM all-reduces its sequence-parallel norms' gradients over the TP group once a step.
+    Left partial, each foreach op of AdamW's step that reads one all-reduces it again (9 of the
+    tiny model's norms on 2 processes: 33.7 against 1.9 ms a step). `reduce=False`: the same
+    placements without the collective (the profiler times the local work)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    groups: dict = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            if any(pl.is_partial() and pl.reduce_op != "sum" for pl in g.placements):
+                raise ValueError(f"a gradient is a partial {g.placements}; only sums are reduced here")
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_partial())
+            groups.setdefault((id(g.device_mesh), dims, g.dtype), []).append(p)
+    for (_, dims, _), ps in groups.items():  # the same order on every rank: parameter order
+        mesh, local = ps[0].grad.device_mesh, [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        for d in dims if reduce else ():
+            dist.all_reduce(flat, group=mesh.get_group(d))
+        offset = 0
+        for p, t in zip(ps, local):
+            whole = [Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
+            p.grad = DTensor.from_local(flat[offset:offset + t.numel()].view_as(t), mesh, whole, run_check=False,
+                                        shape=p.grad.shape, stride=p.grad.stride())
+            offset += t.numel()
 
 
 def lr_at(t, step: int) -> float:

@@ -37,7 +37,7 @@ from runtime.host_share import compute_slots, other_load
 from runtime.metrics import PeakMemory, environment, gather
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
-from runtime.optim import clip_grad_norm, lr_at
+from runtime.optim import clip_grad_norm, lr_at, reduce_partial_grads
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
 from runtime.trace import traced_step
@@ -183,6 +183,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         t_opt, timing = time.perf_counter(), {}
         params = [p for c in self.chunks for p in c.parameters()]
+        reduce_partial_grads(params)
         self.grad_norm = clip_grad_norm(params, plan.training.grad_clip,
                                         self.mesh["pp"].get_group() if plan.mesh.pp > 1 else None, self.device, timing)
         self.lr = lr_at(plan.training, step)

@@ -7,7 +7,9 @@ medians read 192 KiB more), in float32 and under bf16 autocast over the
 float32 weights (the runtime's mixed precision without data parallelism), whether both modes
 give the same loss and gradients bit for bit, and how many all-gathers of kept shards a split
 backward (zbv's I, then W: torch.distributed.pipelining's stage_backward_input and _weight) of
-two blocks runs in each part."""
+two blocks runs in each part, and how runtime.optim.reduce_partial_grads makes the norms' partial
+gradients whole: how many, in how many all-reduces, and whether they equal DTensor's own
+reduction of each."""
 import contextlib
 import gc
 import json
@@ -71,7 +73,8 @@ def measure(rank: int) -> dict:
             for p in chunk.parameters():
                 p.grad = None
     return {f"{'shard' if keep else 'gathered'}{'-bf16' if amp else ''}": min(v)
-            for (keep, amp), v in kept.items()} | {"same": same, "split_gathers": split_gathers(mesh)}
+            for (keep, amp), v in kept.items()} | {"same": same, "split_gathers": split_gathers(mesh),
+                                                   "partial_grads": partial_grads(mesh)}
 
 
 def split_gathers(mesh) -> dict:
@@ -92,6 +95,32 @@ def split_gathers(mesh) -> dict:
         return {"I": i_pass, "W": gathers[0] - i_pass}
     finally:
         _Gathered.read = read
+
+
+def partial_grads(mesh) -> dict:
+    from runtime.optim import reduce_partial_grads
+    chunk = build(True, mesh)
+    ids = torch.randint(0, ZOO["tiny"].vocab, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    step(chunk, ids, mesh.get_group(), mesh.get_local_rank())
+    params = list(chunk.parameters())
+    partial = [p for p in params if any(pl.is_partial() for pl in p.grad.placements)]
+    whole = [p for p in params if not any(pl.is_partial() for pl in p.grad.placements)]
+    expected = [p.grad.full_tensor() for p in partial]
+    others = [p.grad.to_local().clone() for p in whole]
+    calls, all_reduce = [0], dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return all_reduce(*args, **kwargs)
+    dist.all_reduce = counting
+    try:
+        reduce_partial_grads(params)
+    finally:
+        dist.all_reduce = all_reduce
+    same = all(torch.allclose(p.grad.to_local(), e, rtol=1e-6, atol=0) for p, e in zip(partial, expected)) and all(
+        torch.equal(p.grad.to_local(), o) for p, o in zip(whole, others))
+    return {"partial": len(partial), "numel": sum(p.numel() for p in partial), "all_reduces": calls[0], "whole": same,
+            "left": sum(any(pl.is_partial() for pl in p.grad.placements) for p in params)}
 
 
 def main():

@@ -110,6 +110,34 @@ def test_the_profiler_refuses_bad_arguments_in_one_line(capsys):
     assert "--cluster" in capsys.readouterr().err
 
 
+def test_the_optimizer_is_timed_on_states_that_do_not_fit_the_cache(tmp_path, monkeypatch):
+    """The CPU's last-level cache comes from sysfs (the largest cache listed); the optimizer's
+    timing streams copies of a layer's parameters and gradients through twice that, shared
+    by the host's processes, and no more than STREAM_COPIES_MAX."""
+    import torch
+    from runtime import profile_model
+    from runtime.device import last_level_cache_bytes
+    for i, size in enumerate(["48K", "1024K", "32768K"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(sysfs=str(tmp_path)) == 32 << 20
+    assert last_level_cache_bytes(sysfs=str(tmp_path / "none")) == 32 << 20  # the fallback
+    (tmp_path / "index2" / "size").write_text("8M\n")
+    assert last_level_cache_bytes(sysfs=str(tmp_path)) == 8 << 20
+    monkeypatch.setattr("runtime.device.last_level_cache_bytes", lambda device=None: 8 << 20)
+    w = torch.nn.Parameter(torch.ones(256, 256))  # 1 MiB of states: weight, gradient, two moments
+    w.grad = torch.full((256, 256), 2.0)
+    for procs, copies in ((1, 16), (4, 4), (64, 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(procs))
+        params, n = profile_model._stream_copies([w])
+        assert n == copies and len(params) == copies and params[0] is w
+        assert all(q.grad is not None and q.grad.data_ptr() != w.grad.data_ptr() for q in params[1:])
+        assert all(torch.equal(q.grad, w.grad) and torch.equal(q, w) for q in params)
+    monkeypatch.setattr(profile_model, "STREAM_COPIES_MAX", 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert profile_model._stream_copies([w])[1] == 8
+
+
 # ------------------------------------------------------------------ model profile
 def test_model_profile_round_trips_and_prices_a_plan(model_profile, cluster_profile):
     mp = load_model_profile(str(model_profile))

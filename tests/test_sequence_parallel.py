@@ -107,8 +107,9 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     under bf16 autocast over float32 weights (5.03 and 5.85 MB against 5.05 and 5.84: the float32
     shard kept for the casts, not the casts); the shards spare what sp_gathered_bytes counts (605
     KB measured, 590 KB counted); both modes give the same loss and gradients bit for bit; a split
-    backward (zbv) gathers each kept input once in I and once in W."""
-    from planner.layers import layer_params_on_device, replicated_params
+    backward (zbv) gathers each kept input once in I and once in W; the norms' partial gradients
+    are made whole in one all-reduce."""
+    from planner.layers import layer_params_on_device, replicated_params, sp_partial_params
     if HEAP_READER is None:
         pytest.skip("the C library does not report its heap here")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
@@ -121,6 +122,12 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     # planner.comm.regathers prices it (W gathered once per reading linear before: 5 a block)
     assert got["split_gathers"] == {"I": 4, "W": 4}
     cfg, b, s = ZOO["tiny"], 4, 64
+    # the norms' gradients (2 a block and the final norm's) are partial sums over the TP group, as
+    # many as the planner prices; reduce_partial_grads makes them whole with one all-reduce, equal
+    # to DTensor's reduction of each
+    numel = sum(sp_partial_params(cfg, cfg.layer_kind(i)) for i in range(cfg.num_layers_total))
+    assert got["partial_grads"] == {"partial": 2 * cfg.layers + 1, "numel": numel, "all_reduces": 1, "whole": True,
+                                    "left": 0}
     counted = {}
     for dtype, band in (("fp32", (1.0, 1.06)), ("bf16", (0.98, 1.02))):
         for saved in ("shard", "gathered"):
