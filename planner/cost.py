@@ -214,7 +214,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         if mesh.grad_ranks == 1:  # no FSDP2 to reduce the sequence-parallel norms' partial gradients
             partial = sum(sp_partial_params(m, m.layer_kind(i)) for k in plan.stages_of_rank(r)
                           if pipe.stages[k].sequence_parallel for i in range(*pipe.stages[k].layers))
-        opt_s += clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine), partial * grad_bytes(t))
+        norm_comm = clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine), partial * grad_bytes(t))
         gather = 0.0
         if dp > 1:
             dp_ranks = mesh.shard_group(pp=r, tp=0)
@@ -222,8 +222,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
-        rank_total.append(tl.end_s[r] + opt_s + gather + copies)
-        per_rank.append((opt_s, gather, copies))
+        rank_total.append(tl.end_s[r] + opt_s + norm_comm + gather + copies)
+        per_rank.append((opt_s, gather, copies, norm_comm))
     sync = runtime_sync(cluster, mesh) if extras else 0.0
     rank_total = [x + sync for x in rank_total]
     step = max(rank_total)
@@ -248,7 +248,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     bubble = _residue(tl0.compute_end_s[r], busy)
     p2p = _residue(tl.compute_end_s[r], tl0.compute_end_s[r])
     dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
-    optimizer = per_rank[r][0]
+    optimizer = per_rank[r][0] + per_rank[r][3]  # with the collectives before the step
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, **({"cp_comm_s": cp_time} if mesh.cp > 1 else {}),
                       "dp_comm_exposed_s": dp_exposed,
                       "fsdp_copy_s": copies + per_rank[r][2],
@@ -292,6 +292,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         required_bytes=required, fits=required <= limit, parameters=m.num_parameters(),
         breakdown={"time": time_breakdown, "memory": memory_breakdown,
                    "memory_per_pp_rank": [x["total_bytes"] for x in mem_by_rank],
-                   "optimizer_per_pp_rank_s": [x[0] for x in per_rank],  # the run times the slowest rank's
+                   # the step itself, as the run times it (the slowest rank's, its collectives left out)
+                   "optimizer_per_pp_rank_s": [x[0] for x in per_rank],
                    "bubble_fraction": bubble / step if step else 0.0, "priced_by": priced_by},
         stages=stages_out, timeline=tl if keep_timeline else None)

@@ -17,7 +17,9 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
     sharded dims once (not one collective per DTensor); replicated dims hold copies and are not
     summed; then the total is summed over the pipeline ranks. Returns the norm before clipping.
     `timing["pp_wait_s"]` gets the time of the pipeline all-reduce, which waits for the other
-    pipeline ranks' last backward. `reduce=False` skips every collective (the profiler times the
+    pipeline ranks' last backward, `timing["norm_s"]` that of the sums' all-reduces, which wait
+    for the other ranks of their groups (processes that share cores end their backwards apart).
+    `reduce=False` skips every collective (the profiler times the
     local work; the planner prices the collectives, once per step)."""
     from torch.distributed.tensor import DTensor
 
@@ -34,10 +36,13 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
             entry[2] += local
         else:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+    t0 = time.perf_counter()
     for mesh, dims, part in sums.values():  # the same order on every rank: parameter order
         for d in dims if reduce else ():
             dist.all_reduce(part, group=mesh.get_group(d))
         sq += part
+    if timing is not None:
+        timing["norm_s"] = time.perf_counter() - t0
     if pp_group is not None and reduce:
         t0 = time.perf_counter()
         dist.all_reduce(sq, group=pp_group)
@@ -51,14 +56,15 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
 
 
 @torch.no_grad()
-def reduce_partial_grads(params: list, reduce: bool = True) -> None:
+def reduce_partial_grads(params: list, reduce: bool = True, timing: dict | None = None) -> None:
     """Make every gradient that is a partial sum over mesh dimensions (the norms' weights under
     sequence parallelism without data parallelism: each TP rank normalized its own tokens; FSDP2
     reduces them itself) whole, with one all-reduce of all of them per mesh dimension, as
     Megatron-LM all-reduces its sequence-parallel norms' gradients over the TP group once a step.
     Left partial, each foreach op of AdamW's step that reads one all-reduces it again (9 of the
     tiny model's norms on 2 processes: 33.7 against 1.9 ms a step). `reduce=False`: the same
-    placements without the collective (the profiler times the local work)."""
+    placements without the collective (the profiler times the local work); `timing["partial_s"]`
+    gets the time of the all-reduces."""
     from torch.distributed.tensor import DTensor, Replicate
     groups: dict = {}
     for p in params:
@@ -71,8 +77,11 @@ def reduce_partial_grads(params: list, reduce: bool = True) -> None:
     for (_, dims, _), ps in groups.items():  # the same order on every rank: parameter order
         mesh, local = ps[0].grad.device_mesh, [p.grad.to_local() for p in ps]
         flat = torch.cat([t.reshape(-1) for t in local])
+        t0 = time.perf_counter()
         for d in dims if reduce else ():
             dist.all_reduce(flat, group=mesh.get_group(d))
+        if timing is not None:
+            timing["partial_s"] = timing.get("partial_s", 0.0) + time.perf_counter() - t0
         offset = 0
         for p, t in zip(ps, local):
             whole = [Replicate() if pl.is_partial() else pl for pl in p.grad.placements]

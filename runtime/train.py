@@ -183,7 +183,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         t_opt, timing = time.perf_counter(), {}
         params = [p for c in self.chunks for p in c.parameters()]
-        reduce_partial_grads(params)
+        reduce_partial_grads(params, timing=timing)
         self.grad_norm = clip_grad_norm(params, plan.training.grad_clip,
                                         self.mesh["pp"].get_group() if plan.mesh.pp > 1 else None, self.device, timing)
         self.lr = lr_at(plan.training, step)
@@ -194,9 +194,9 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        # gradient clipping and the optimizer step on this rank, less the wait for the other
-        # pipeline ranks in the gradient norm's all-reduce
-        self.optimizer_s = time.perf_counter() - t_opt - timing.get("pp_wait_s", 0.0)
+        # gradient clipping and the optimizer step on this rank, less the collectives before it
+        # (they wait for the other ranks' backwards; the planner prices them outside its step)
+        self.optimizer_s = time.perf_counter() - t_opt - sum(timing.values())
         # the loss of the step: mean over data-parallel (and CP: equal token counts) ranks of the last
         # stage's loss
         owner = self.n_stages - 1 in self.stage_ids and self.tp_rank == 0

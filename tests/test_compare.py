@@ -172,3 +172,21 @@ def test_a_malformed_per_rank_optimizer_list_is_one_line(tmp_path, capsys, bad):
     assert _compare(tmp_path) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prediction.breakdown.optimizer_per_pp_rank_s" in err[0]
+
+
+def test_the_optimizer_row_leaves_out_the_collectives_before_the_step():
+    """The run times its optimizer step without the all-reduces before it (the gradient norm's, the
+    sequence-parallel norms' partial gradients'), which wait for the other ranks' backwards; so
+    does the predicted row. The step and the breakdown's optimizer term still hold them."""
+    from planner.comm import clip_norm_comm
+    from planner.layers import sp_partial_params
+    from planner.precision import grad_bytes
+    cfg = ZOO["tiny"]
+    plan = build_plan(cfg, cluster_name=CLUSTER.name, device=CLUSTER.device.name, nodes=1, devices_per_node=2,
+                      global_batch=8, micro_batch=2, seq_len=32, tp=2, sequence_parallel=True, dtype="fp32",
+                      profile_hash=CLUSTER.profile_hash)
+    est = estimate(plan, CLUSTER)
+    partial = sum(sp_partial_params(cfg, cfg.layer_kind(i)) for i in range(cfg.num_layers_total))
+    comm = clip_norm_comm(CLUSTER, plan.mesh, 0, False, partial * grad_bytes(plan.training))
+    assert comm > clip_norm_comm(CLUSTER, plan.mesh, 0, False) > 0
+    assert est.breakdown["time"]["optimizer_s"] == pytest.approx(est.breakdown["optimizer_per_pp_rank_s"][0] + comm)
