@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync
-from planner.layers import layer_cost, sp_partial_params, tied_head
+from planner.layers import layer_cost, partial_grad_params, tied_head
 from planner.memory import memory_by_rank
 from planner.model import ConfigError
 from planner.plan import DTYPES, Plan, split_backward
@@ -210,11 +210,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         opt_s = opt_params * optimizer_step_bytes(t) / bw
         if extras:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
-        partial = 0.0
-        if mesh.grad_ranks == 1:  # no FSDP2 to reduce the sequence-parallel norms' partial gradients
-            partial = sum(sp_partial_params(m, m.layer_kind(i)) for k in plan.stages_of_rank(r)
-                          if pipe.stages[k].sequence_parallel for i in range(*pipe.stages[k].layers))
-        norm_comm = clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine), partial * grad_bytes(t))
+        norm_comm = clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine),
+                                   partial_grad_params(plan, r) * grad_bytes(t))
         gather = 0.0
         if dp > 1:
             dp_ranks = mesh.shard_group(pp=r, tp=0)

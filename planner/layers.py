@@ -162,6 +162,17 @@ def sp_partial_params(model: ModelConfig, kind: str) -> int:
     return {"embedding": 0, "head": norm, "block": 2 * norm}[kind]
 
 
+def partial_grad_params(plan: Plan, pp_rank: int) -> int:
+    """Parameters of pipeline rank `pp_rank` whose partial gradients the runtime makes whole before
+    its optimizer step (runtime.optim.reduce_partial_grads): the norms of its sequence-parallel
+    stages, where no data parallelism (FSDP2, over dp x cp) reduces them."""
+    m, mesh, stages = plan.model, plan.mesh, plan.pipeline.stages
+    if mesh.tp == 1 or mesh.grad_ranks > 1:
+        return 0
+    return sum(sp_partial_params(m, m.layer_kind(i)) for k in plan.stages_of_rank(pp_rank)
+               if stages[k].sequence_parallel for i in range(*stages[k].layers))
+
+
 def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
     """Parameters one TP rank holds for a layer: matrices split tp ways (the vocabulary padded to
     a multiple of tp), replicated_params whole."""

@@ -8,6 +8,7 @@ only after a synchronization, so `timed` synchronizes before and after.
 """
 from __future__ import annotations
 
+import glob
 import time
 
 import torch
@@ -70,7 +71,6 @@ def scalar(x: float, dtype=torch.float64) -> torch.Tensor:
 def last_level_cache_bytes(device: torch.device | None = None, sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """The largest cache of `device`: a GPU's L2, or the CPU's last level as Linux lists it under
     `sysfs` (index*/size, e.g. "32768K"); 32 MiB where neither says."""
-    import glob
     device = device or _CURRENT
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or 32 << 20
