@@ -2,7 +2,7 @@
 model on 2 gloo processes, measured once per session (about 40 s on 2 cores)."""
 import pytest
 
-from tests.test_runtime import profile_torchrun
+from tests.torchrun_helpers import profile_torchrun
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from planner.model import ConfigError, ZOO
 from planner.model_profile import load_model_profile, model_profile_from_dict
 from planner.plan import Plan
 from runtime.context_parallel import rank_positions
-from test_runtime import assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train, write_plan
+from torchrun_helpers import assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train, write_plan
 
 H100 = load_cluster("dgx-h100-80gb")
 LONG = dataclasses.replace(ZOO["llama3-8b"], name="llama3-8b-32k", seq_len=32768)

@@ -12,7 +12,7 @@ from planner.cost import estimate
 from planner.model import ZOO
 from planner.plan import Plan
 from test_cost import A100, plan_for
-from test_runtime import SEQ_LEN, assert_ok, train, write_plan
+from torchrun_helpers import SEQ_LEN, assert_ok, train, write_plan
 from test_search import GiB, SearchSpace, check_same, layer_level, shrunk
 
 

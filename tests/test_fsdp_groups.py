@@ -74,7 +74,7 @@ def test_tied_and_untied_models_under_zero3_train_like_one_process_and_hold_what
     import json
 
     from planner.plan import Plan
-    from test_runtime import assert_ok, assert_same_losses, losses_of, train, write_plan
+    from torchrun_helpers import assert_ok, assert_same_losses, losses_of, train, write_plan
     tied = dataclasses.replace(ZOO["tiny-gpt"], name="tiny-gpt-tied", tie_embeddings=True)
     refs = [write_plan(tmp_path, "ref-tied", tied), write_plan(tmp_path, "ref-untied")]
     paths = [write_plan(tmp_path, "tied", tied, world=2, zero=3, micro_batch=2),

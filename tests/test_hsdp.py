@@ -18,7 +18,7 @@ from planner.model import ConfigError, ZOO
 from planner.plan import Mesh, Plan
 from planner.build import build_plan
 from planner.hsdp import replica_counts
-from test_runtime import REPO, assert_ok, assert_same_losses, env, free_port, losses_of, train, write_plan
+from torchrun_helpers import REPO, assert_ok, assert_same_losses, env, free_port, losses_of, train, write_plan
 
 A100 = load_cluster("dgx-a100-80gb")
 

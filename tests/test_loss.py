@@ -71,7 +71,7 @@ def test_a_vocabulary_heavy_pipeline_holds_what_the_planner_counts(tmp_path):
     first rank peaks with its embedding's gradients and AdamW's temporaries, the last with four
     micro-batches' logits gradients (runtime.loss keeps only those; the stage drops its cached
     logits). Each rank's measured peak is at most the planner's, and within 10% of it."""
-    from test_runtime import assert_ok, train, write_plan
+    from torchrun_helpers import assert_ok, train, write_plan
     cfg = dataclasses.replace(ZOO["tiny"], vocab=16000, seq_len=64)
     path = write_plan(tmp_path, "gpipe", cfg, world=2, pp=2, schedule="gpipe", global_batch=8, micro_batch=2)
     predicted = estimate(Plan.read(path), cpu_cluster(2)).breakdown
@@ -96,7 +96,7 @@ def test_a_vocabulary_heavy_tp_plan_holds_what_the_planner_counts(tmp_path, arch
     runtime all-reduced the norms' partial gradients itself (runtime.optim.reduce_partial_grads),
     1.6% since: 254 KB more at the same op, in four runs, where the reduction's own buffers are 9
     KB and freed before that step's backward begins: heap that is not tensors."""
-    from test_runtime import assert_ok, train, write_plan
+    from torchrun_helpers import assert_ok, train, write_plan
     cfg = dataclasses.replace(ZOO["tiny"], vocab=16000, seq_len=64, arch=arch, tie_embeddings=arch == "gpt",
                               kv_heads=ZOO["tiny"].kv_heads if arch == "llama" else ZOO["tiny"].heads)
     path = write_plan(tmp_path, "tp2", cfg, world=2, tp=2, sequence_parallel=True, global_batch=8, micro_batch=2)
@@ -112,7 +112,7 @@ def test_zbv_puts_the_embedding_and_the_head_on_one_rank_and_holds_what_the_plan
     weight gradients (W), with what they start from held since its input gradients (I). Rank 0's
     measured peak is at most the planner's and within 15% of it; rank 1, which holds two blocks and
     little else, within 5% either way (the C heap's few hundred KiB of Python and gloo state)."""
-    from test_runtime import assert_ok, train, write_plan
+    from torchrun_helpers import assert_ok, train, write_plan
     cfg = dataclasses.replace(ZOO["tiny"], vocab=16000, seq_len=64)
     path = write_plan(tmp_path, "zbv", cfg, world=2, pp=2, schedule="zbv", global_batch=8, micro_batch=2)
     plan = Plan.read(path)

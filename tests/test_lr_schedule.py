@@ -9,7 +9,7 @@ from planner.build import build_plan
 from planner.model import ZOO, ConfigError
 from planner.plan import Plan
 from runtime.optim import lr_at
-from test_runtime import assert_ok, losses_of, train, write_plan
+from torchrun_helpers import assert_ok, losses_of, train, write_plan
 
 
 def schedule(**kw):

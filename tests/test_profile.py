@@ -16,7 +16,7 @@ from planner.cost import estimate
 from planner.model import ZOO, ConfigError
 from planner.model_profile import fit_alpha_beta, fit_linear, fit_segments, load_model_profile, model_profile_from_dict
 from planner.build import build_plan
-from tests.test_runtime import REPO, profile_torchrun as torchrun
+from tests.torchrun_helpers import REPO, profile_torchrun as torchrun
 
 # ------------------------------------------------------------------ fits
 def test_alpha_beta_fit_recovers_a_line():

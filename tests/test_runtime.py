@@ -2,17 +2,12 @@
 
 Each torchrun launch costs seconds on a 2-core machine, so one launch trains several plans of the
 same world size in sequence (runtime.train accepts several --plan), and the single-process
-reference is computed once per model family. Helpers here are shared with test_runtime_cli.py.
+reference is computed once per model family. The launch helpers are in torchrun_helpers.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,66 +15,8 @@ import pytest
 from planner.model import ZOO
 from planner.plan import Stage
 from planner.build import build_plan
-
-REPO = Path(__file__).resolve().parent.parent
-SEQ_LEN = 32
-GLOBAL_BATCH = 8
-
-
-def write_plan(directory: Path, name: str, model="tiny", world: int = 1, **kw) -> Path:
-    """A CPU plan of a model (zoo name or ModelConfig) on one node of `world` devices, written to
-    directory/name.json."""
-    kw.setdefault("global_batch", GLOBAL_BATCH)
-    kw.setdefault("micro_batch", 2)
-    cfg = ZOO[model] if isinstance(model, str) else model
-    plan = build_plan(cfg, cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=world,
-                      seq_len=SEQ_LEN, dtype="fp32", **kw)
-    path = Path(directory) / f"{name}.json"
-    plan.write(path)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env() -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1")
-    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
-    return e
-
-
-def profile_torchrun(nproc: int, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m runtime.profile ARGS` under torchrun with `nproc` gloo processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "-m", "runtime.profile", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
-
-
-def train(nproc: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    """runtime.train with these arguments: in one plain process when nproc == 1, else torchrun."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "runtime.train", *map(str, args)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "runtime.train", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
-
-
-def losses_of(run_json: Path) -> list[float]:
-    return json.loads(Path(run_json).read_text())["losses"]
-
-
-def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
-def assert_same_losses(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want), f"{what}: {len(got)} losses, want {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= 1e-4 * abs(w), f"{what}: step {i + 1} loss {g!r} but one process gives {w!r}"
+from torchrun_helpers import (SEQ_LEN, assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train,
+                              write_plan)
 
 
 # -------------------------------------------------------------------- the model itself
@@ -386,15 +323,3 @@ def test_bf16_fsdp_holds_what_the_planner_counts_for_mixed_precision(tmp_path):
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(plans, tmp_path):
     assert_resumes_exactly(plans["zero3-dp2-full"], tmp_path, steps=6)
-
-
-def assert_resumes_exactly(plan, tmp_path, steps: int, nproc: int = 2):  # a run checkpointed halfway, resumed
-    half, straight, resumed = steps // 2, tmp_path / "straight", tmp_path / "resumed"
-    assert_ok(train(nproc, "--plan", plan, "--steps", steps, "--checkpoint-dir", straight, "--checkpoint-every", half,
-                    "--out", tmp_path / "straight.json"))
-    shutil.copytree(straight / f"step-{half}", resumed / f"step-{half}")  # only the halfway checkpoint
-    assert_ok(train(nproc, "--plan", plan, "--steps", steps, "--checkpoint-dir", resumed, "--resume",
-                    "--out", tmp_path / "resumed.json"))
-    got, want = losses_of(tmp_path / "resumed.json"), losses_of(tmp_path / "straight.json")
-    assert len(got) == steps - half and len(want) == steps
-    assert_same_losses(got, want[half:], "resumed")

@@ -17,7 +17,7 @@ import pytest
 from cluster.netns import REPO, available, remove_stale, torchrun_two_nodes, two_nodes
 from planner.model import ZOO
 from planner.build import build_plan
-from test_runtime import assert_ok, assert_same_losses, losses_of, train
+from torchrun_helpers import assert_ok, assert_same_losses, losses_of, train
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)
