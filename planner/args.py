@@ -63,6 +63,10 @@ def number_in(low: float, high: float, unit: str = ""):
     return parse
 
 
+# --memory-limit: GiB a device, from about 1 MiB to about 1 EiB (in bytes, a finite float)
+MEMORY_LIMIT_GIB = number_in(1e-3, 1e9, " GiB")
+
+
 def nonempty(text: str) -> str:
     """A name or path option given as an empty string (`-o ""`), refused rather than ignored."""
     if not text.strip():

@@ -206,8 +206,8 @@ class Bounds:
                     with np.errstate(divide="ignore", invalid="ignore"):
                         ni = (Ut * mem[:, :, j] - t[j] * room) / det
                         nj = (t[i] * room - Ut * mem[:, :, i]) / det
-                    ok = (det != 0) & (ni >= 0) & (nj >= 0)
-                    best = np.where(ok, np.maximum(best, ni + nj), best)
+                        ok = (det != 0) & (ni >= 0) & (nj >= 0)  # not ok: an infinite or NaN n_i + n_j goes unused
+                        best = np.where(ok, np.maximum(best, ni + nj), best)
                 best = np.maximum(best, 0.0).min(axis=1)  # (budgets, ranks)
                 if gb > 0:
                     best = np.minimum(best, (U[:, 0] - off_g) / gb)

@@ -8,8 +8,8 @@ import sys
 from types import SimpleNamespace
 
 from planner.cluster import load_cluster
-from planner.args import (OneLineParser, choice_list, int_list, non_negative_int, non_negative_number, nonempty,
-                          positive_int, positive_number)
+from planner.args import (MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, non_negative_int, non_negative_number,
+                          nonempty, positive_int)
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import LR_DECAYS, SCHEDULES, SP_SAVED_INPUTS, Plan, Training, priced_on
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under --sequence-parallel the column-parallel linears keep their input's sequence shard "
                         "and all-gather it again in the backward (as Megatron-LM), or keep the gathered input "
                         "whole: no second all-gather, more memory")
-    p.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
+    p.add_argument("--memory-limit", type=MEMORY_LIMIT_GIB, default=None, help="GiB per device (default: the device's)")
     p.add_argument("-o", "--output", type=nonempty, help="write the plan file here")
     p.add_argument("--model-profile", type=nonempty, default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="predict a plan file")
     e.add_argument("plan")
     e.add_argument("--cluster", type=nonempty, help="price with this profile instead of the plan's")
-    e.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device")
+    e.add_argument("--memory-limit", type=MEMORY_LIMIT_GIB, default=None, help="GiB per device")
     e.add_argument("--model-profile", type=nonempty, default=None,
                    help="price layer times from a measured model profile (`trident profile model`)")
     e.add_argument("--json", action="store_true")
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("search", help="find the fastest plan that fits and write it")
     _add_problem_args(s, sizes=True)
     s.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's seq_len")
-    s.add_argument("--memory-limit", type=positive_number, default=None, help="GiB per device (default: the device's)")
+    s.add_argument("--memory-limit", type=MEMORY_LIMIT_GIB, default=None, help="GiB per device (default: the device's)")
     s.add_argument("--thorough", action="store_true",
                    help="give every configuration that its bound cannot rule out the full search of its layer "
                         "splits (about 1.5x the time; by default a configuration whose quickly found split "

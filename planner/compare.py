@@ -5,13 +5,14 @@ import statistics
 from pathlib import Path
 
 from planner.model import ConfigError, is_int, is_real
-from planner.plan import Plan
+from planner.plan import DTYPES, Plan
 from planner.profile_checks import read_json
 
 RUN_KEYS = ("losses", "step_times_s", "warmup_steps", "peak_memory_bytes", "peak_memory_bytes_per_rank")
 
 
 MAX_STEP_S = 1e6  # a recorded step longer than this is not a measurement
+MIN_STEP_S = 1e-9  # nor one shorter than this (a throughput from it would overflow)
 
 
 def read_run(path) -> dict:
@@ -30,21 +31,27 @@ def read_run(path) -> dict:
                           ("peak_memory_bytes_per_rank", _nonneg, " of at least 0"), ("losses", _is_number, "")):
         if not isinstance(run[key], list) or not all(ok(x) for x in run[key]):
             raise bad(key, "a list of numbers" + what)
-    if any(x > MAX_STEP_S for x in run["step_times_s"]):
-        raise bad("step_times_s", f"a list of seconds a step, each under {MAX_STEP_S:g} (11.6 days)")
+    if any(not MIN_STEP_S <= x <= MAX_STEP_S for x in run["step_times_s"]):
+        raise bad("step_times_s", f"a list of seconds a step, each from {MIN_STEP_S:g} to {MAX_STEP_S:g} (11.6 days)")
     opt = run.get("optimizer_times_s")
     if opt is not None and not (isinstance(opt, list) and all(_nonneg(x) for x in opt)):
         raise bad("optimizer_times_s", "a list of numbers of at least 0 or null")
+    if isinstance(opt, list) and len(opt) == len(run["step_times_s"]) and any(
+            o > t for o, t in zip(opt, run["step_times_s"])):
+        raise bad("optimizer_times_s", "a list of seconds, each at most its step's time in step_times_s")
     if not _nonneg(run["peak_memory_bytes"]):
         raise bad("peak_memory_bytes", "a number of at least 0")
     if run.get("traced_step_index") is not None and not _is_count(run["traced_step_index"]):
         raise bad("traced_step_index", "a non-negative integer or null")
     if "world_size" in run and not (_is_count(run["world_size"]) and run["world_size"] > 0):
         raise bad("world_size", "a positive integer")
-    if run.get("host_other_busy_cores") is not None and not _nonneg(run["host_other_busy_cores"]):
-        raise bad("host_other_busy_cores", "a number of at least 0 or null")
+    if run.get("dtype") is not None and not (isinstance(run["dtype"], str) and run["dtype"] in DTYPES):
+        raise bad("dtype", f"one of {', '.join(DTYPES)} or null")
     if "host_cores" in run and not (_is_count(run["host_cores"]) and run["host_cores"] > 0):
         raise bad("host_cores", "a positive integer")
+    busy, cores = run.get("host_other_busy_cores"), run.get("host_cores")
+    if busy is not None and not (_nonneg(busy) and (cores is None or busy <= cores)):
+        raise bad("host_other_busy_cores", "a number from 0 to host_cores, or null")
     if run.get("host_compute_slots") is not None and not _is_number(run["host_compute_slots"], 0.0):
         raise bad("host_compute_slots", "a number above 0 or null")
     steps = run["step_times_s"]
@@ -75,6 +82,9 @@ def check_prediction(prediction) -> None:
     for key in ("step_time_s", "peak_memory_bytes"):
         if not _is_number(prediction.get(key), 0.0):
             raise ConfigError(f"prediction.{key}: {prediction.get(key)!r} must be a number above 0; {fix}")
+    if not MIN_STEP_S <= prediction["step_time_s"] <= MAX_STEP_S:
+        raise ConfigError(f"prediction.step_time_s: {prediction['step_time_s']!r} must be from {MIN_STEP_S:g} to "
+                          f"{MAX_STEP_S:g} s; {fix}")
     if not isinstance(prediction.get("breakdown"), dict):
         raise ConfigError(f"prediction.breakdown: {prediction.get('breakdown')!r} must be an object; {fix}")
     if not isinstance(prediction["breakdown"].get("time", {}), dict):
@@ -85,10 +95,15 @@ def check_prediction(prediction) -> None:
     slots = prediction["breakdown"].get("time", {}).get("compute_slots")
     if slots is not None and not _is_number(slots, 0.0):
         raise ConfigError(f"prediction.breakdown.time.compute_slots: {slots!r} must be a number above 0 or null; {fix}")
+    step = prediction["step_time_s"]
     opt = prediction["breakdown"].get("optimizer_per_pp_rank_s")
-    if opt is not None and not (isinstance(opt, list) and opt and all(_nonneg(x) for x in opt)):
-        raise ConfigError(f"prediction.breakdown.optimizer_per_pp_rank_s: {opt!r} must be a list of numbers >= 0; "
-                          f"{fix}")
+    if opt is not None and not (isinstance(opt, list) and opt and all(_nonneg(x) and x <= step for x in opt)):
+        raise ConfigError(f"prediction.breakdown.optimizer_per_pp_rank_s: {opt!r} must be a list of seconds from 0 to "
+                          f"step_time_s; {fix}")
+    time = prediction["breakdown"].get("time", {})
+    opt = time.get("optimizer_s")
+    if "optimizer_s" in time and not (_nonneg(opt) and opt <= step):
+        raise ConfigError(f"prediction.breakdown.time.optimizer_s: {opt!r} must be seconds from 0 to step_time_s; {fix}")
 
 
 def compare(plan: Plan, run: dict, prediction: dict) -> dict:
@@ -263,8 +278,8 @@ def plot(result: dict, timeline, path) -> None:
     ax.legend()
     draw_timeline(axes[2], timeline)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from planner.report import save_figure
+    save_figure(fig, path)
 
 
 def draw_timeline(ax, timeline) -> None:

@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     if args.plot:
         try:
             plot(result, timeline, args.plot)
-        except OSError as exc:
-            print(f"trident: error: --plot: cannot write {args.plot} ({exc.strerror})", file=sys.stderr)
+        except ConfigError as exc:
+            print(f"trident: error: {exc}", file=sys.stderr)
             return 2
     if args.json:
         print(json.dumps(result, indent=2))

@@ -48,11 +48,21 @@ DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memor
 CONVERSIONS = ("upcast", "broadcast")  # classes of dtype-converting elementwise kernels (module doc)
 
 
+# what a profile's figures can be, by the key's ending: a byte rate from 1 kB/s to 1 EB/s, a
+# latency under 1000 s, bytes under 1 EB (beyond these, times and sizes stop being figures)
+RANGES = (("bytes_per_s", 1e3, 1e18), ("alpha_s", 0.0, 1e3), ("bytes", 0.0, 1e18))
+
+
 def _num(d: dict, key: str, where: str, positive: bool = True) -> float:
     v = d.get(key)
     if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (positive and v <= 0)
             or v < 0):
         raise ConfigError(f"{where}.{key}: {v!r} must be a finite {'positive' if positive else 'non-negative'} number")
+    for end, low, high in RANGES:
+        if key.endswith(end):
+            if not low <= v <= high:
+                raise ConfigError(f"{where}.{key}: {v!r} must be from {low:g} to {high:g}; check the profile")
+            break
     return float(v)
 
 
@@ -240,6 +250,9 @@ def device_from_dict(dv, w: str) -> DeviceSpec:
     if "allocator_overhead_fraction" in dv and _num(dv, "allocator_overhead_fraction", w, positive=False) >= 1:
         raise ConfigError(f"{w}.allocator_overhead_fraction: {dv['allocator_overhead_fraction']} must be below 1; "
                           "it is the share of the memory lost to fragmentation, in [0, 1)")
+    if "reserved_bytes" in dv and _num(dv, "reserved_bytes", w, positive=False) >= _num(dv, "memory_bytes", w):
+        raise ConfigError(f"{w}.reserved_bytes: {dv['reserved_bytes']!r} must be below memory_bytes "
+                          f"({dv['memory_bytes']!r}); it is the part of the memory held outside the allocator")
     return DeviceSpec(
         name=dv.get("name", "unknown"),
         memory_bytes=int(_num(dv, "memory_bytes", w)),

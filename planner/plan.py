@@ -28,7 +28,7 @@ from pathlib import Path
 
 from planner.mesh import Mesh
 from planner.model import ConfigError, ModelConfig, is_int as _is_int
-from planner.profile_checks import check_finite, unreadable
+from planner.profile_checks import check_finite, read_input, unreadable
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
@@ -311,9 +311,7 @@ class Plan:
     @classmethod
     def read(cls, path) -> "Plan":
         try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"plan: cannot read {path} ({exc.strerror})") from None
+            text = read_input(path, "plan").decode()
         except UnicodeDecodeError:
             raise ConfigError(f"plan: {path} is not a text (UTF-8) file; give the plan.json that "
                               "`trident plan` or `trident search` wrote") from None

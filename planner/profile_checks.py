@@ -18,12 +18,26 @@ PROFILE_KEYS = ("format_version", "name", "description", "kind", "backend", "dev
                 "collectives", "topology", "overlap_slowdown", "compute_slots", "tiers", "sources", "sweep")
 
 
-def read_json(path: Path, flag: str) -> tuple[bytes, object]:
-    """(bytes, parsed JSON) of the file at `path`; a one-line ConfigError naming `flag` otherwise."""
+MAX_INPUT_BYTES = 1 << 30  # a plan, profile or run record; larger is not one (and would fill memory)
+
+
+def read_input(path, flag: str) -> bytes:
+    """The bytes of a regular file of at most MAX_INPUT_BYTES: a FIFO would block the read and a
+    device such as /dev/zero never end, so neither is read; a one-line ConfigError naming `flag`."""
+    path = Path(path)
     try:
-        raw = path.read_bytes()
+        if path.exists() and not path.is_file() and not path.is_dir():  # a directory: read_bytes says so
+            raise ConfigError(f"{flag}: {path} is not a regular file; give a JSON file")
+        if path.exists() and path.stat().st_size > MAX_INPUT_BYTES:
+            raise ConfigError(f"{flag}: {path} is over {MAX_INPUT_BYTES >> 30} GiB; give a JSON file")
+        return path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{flag}: cannot read {path} ({exc.strerror or exc}); give a JSON file") from None
+
+
+def read_json(path: Path, flag: str) -> tuple[bytes, object]:
+    """(bytes, parsed JSON) of the file at `path`; a one-line ConfigError naming `flag` otherwise."""
+    raw = read_input(path, flag)
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from planner.cost import Estimate
+from planner.model import ConfigError
 from planner.plan import Plan
 
 GiB = 2**30
@@ -142,5 +143,16 @@ def plot_estimate(plan: Plan, est: Estimate, path, device=None) -> None:
     fig.suptitle(f"{plan.model.name}: tp {m.tp} x pp {m.pp} x dp {m.dp}, {plan.pipeline.schedule}, "
                  f"{plan.pipeline.micro_batches} micro-batches of {plan.training.micro_batch}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path) -> None:
+    """Write a --plot picture and close it; a path that cannot be written (a directory, a
+    read-only place) is a ConfigError naming --plot."""
+    import matplotlib.pyplot as plt
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"--plot: cannot write {path} ({exc.strerror or exc}); give a writable file path") from None
+    finally:
+        plt.close(fig)

@@ -222,5 +222,5 @@ def plot_sizes(found, path, title: str, limit_bytes: float | None = None) -> Non
     axes[2].set_xlabel("cluster, GPUs" if several else "GPUs")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from planner.report import save_figure
+    save_figure(fig, path)

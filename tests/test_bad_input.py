@@ -111,6 +111,11 @@ RUN = {"losses": [6.0, 5.9, 5.8], "step_times_s": [0.2, 0.1, 0.1], "warmup_steps
     (lambda r: r.update(optimizer_times_s=[None] * 3), "run.optimizer_times_s"),
     (lambda r: r.update(peak_memory_bytes=-0.5), "run.peak_memory_bytes"),
     (lambda r: r.update(peak_memory_bytes_per_rank=[-0.5, 1e6]), "run.peak_memory_bytes_per_rank"),
+    (lambda r: r.update(step_times_s=[5e-324] * 3), "run.step_times_s"),  # tokens/s would be inf
+    (lambda r: r.update(optimizer_times_s=[1.0] * 3), "run.optimizer_times_s"),  # longer than the steps
+    (lambda r: r.update(dtype="a\nb"), "run.dtype"),  # printed raw, a second line
+    (lambda r: r.update(dtype=["bf16"]), "run.dtype"),
+    (lambda r: r.update(host_other_busy_cores=5, host_cores=2), "run.host_other_busy_cores"),
 ])
 def test_bad_run_records(capsys, plan_file, tmp_path, edit, needle):
     run = json.loads(json.dumps(RUN))
@@ -196,12 +201,44 @@ def test_a_profile_too_slow_to_price_is_one_line(capsys, tmp_path):
     refused, not priced at inf or nan."""
     from planner.cluster import PROFILE_DIR
     d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
-    d["device"].update(memory_bandwidth_bytes_per_s=1e-300, memory_bandwidth_efficiency=1e-20)
     path = tmp_path / "slow.json"
+    plan = ["plan", "--model", "tiny", "--cluster", str(path), "--gpus", "16", "--global-batch", "16",
+            "--micro-batch", "1", "--tp", "2", "--pp", "2"]
+    d["device"].update(memory_bandwidth_bytes_per_s=1e-300)  # no figure of a byte rate: refused as read
     path.write_text(json.dumps(d))
-    line = one_line_error(capsys, main, ["plan", "--model", "tiny", "--cluster", str(path), "--gpus", "16",
-                                         "--global-batch", "16", "--micro-batch", "1", "--tp", "2", "--pp", "2"])[1]
-    assert "is too small to compute with" in line
+    assert "device.memory_bandwidth_bytes_per_s: 1e-300 must be from 1000" in one_line_error(capsys, main, plan)[1]
+    # each figure in range, the step beyond planner.cost.MAX_STEP_S (tiny's step at 1e-17 B/s)
+    d["device"].update(memory_bandwidth_bytes_per_s=1e3, memory_bandwidth_efficiency=1e-20)
+    path.write_text(json.dumps(d))
+    assert "is too small to compute with" in one_line_error(capsys, main, plan)[1]
+    d["device"].update(memory_bandwidth_efficiency=0.8, reserved_bytes=d["device"]["memory_bytes"])
+    path.write_text(json.dumps(d))
+    assert "device.reserved_bytes" in one_line_error(capsys, main, plan)[1]
+
+
+def test_unwritable_pictures_odd_files_and_limits_out_of_range(capsys, plan_file, tmp_path):
+    """Found by fuzzing: --plot onto a directory (a traceback from matplotlib), a FIFO or a device
+    as an input file (a read that blocks or never ends), --memory-limit 1e300 (inf bytes, which the
+    plan file then refused), a prediction's optimizer term that is not a number (a traceback)."""
+    import os
+    (tmp_path / "dir.png").mkdir()
+    for argv in (["estimate", str(plan_file)], ["search", *BASE, "--top", "1"]):
+        assert "--plot: cannot write" in one_line_error(capsys, main, [*argv, "--plot", str(tmp_path / "dir.png")])[1]
+    assert "argument --memory-limit" in one_line_error(capsys, main, ["plan", *BASE, "--memory-limit", "1e300"])[1]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(RUN))
+    for entry, argv in ((main, ["estimate", str(fifo)]), (main, ["cluster", "show", str(fifo)]),
+                        (main, ["plan", *BASE[2:], "--model", str(fifo)]), (main, ["estimate", "/dev/zero"]),
+                        (compare_main, [str(plan_file), str(fifo)])):
+        assert "is not a regular file" in one_line_error(capsys, entry, argv)[1]
+    d = json.loads(plan_file.read_text())
+    d["prediction"]["breakdown"]["time"]["optimizer_s"] = None
+    d["prediction"]["breakdown"].pop("optimizer_per_pp_rank_s", None)
+    plan_file.write_text(json.dumps(d))
+    run.write_text(json.dumps({**RUN, "optimizer_times_s": [0.01] * 3}))
+    assert "prediction.breakdown.time.optimizer_s" in one_line_error(capsys, compare_main, [str(plan_file), str(run)])[1]
 
 
 def test_profile_names_are_one_printable_line(capsys, tmp_path):
