@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from planner.cost import MAX_PRICED_STEP_S
 from planner.model import ConfigError, is_int, is_real
 from planner.plan import DTYPES, Plan
 from planner.profile_checks import read_json
@@ -12,7 +13,7 @@ RUN_KEYS = ("losses", "step_times_s", "warmup_steps", "peak_memory_bytes", "peak
 
 
 MAX_STEP_S = 1e6  # a recorded step longer than this is not a measurement
-MIN_STEP_S = 1e-9  # nor one shorter than this (a throughput from it would overflow)
+MIN_STEP_S = 1e-9  # nor one shorter than this, recorded or priced (a throughput from it would overflow)
 
 
 def read_run(path) -> dict:
@@ -82,25 +83,25 @@ def check_prediction(prediction) -> None:
     for key in ("step_time_s", "peak_memory_bytes"):
         if not _is_number(prediction.get(key), 0.0):
             raise ConfigError(f"prediction.{key}: {prediction.get(key)!r} must be a number above 0; {fix}")
-    if not MIN_STEP_S <= prediction["step_time_s"] <= MAX_STEP_S:
-        raise ConfigError(f"prediction.step_time_s: {prediction['step_time_s']!r} must be from {MIN_STEP_S:g} to "
-                          f"{MAX_STEP_S:g} s; {fix}")
+    step = prediction["step_time_s"]
+    if not MIN_STEP_S <= step <= MAX_PRICED_STEP_S:
+        raise ConfigError(f"prediction.step_time_s: {step!r} must be from {MIN_STEP_S:g} to {MAX_PRICED_STEP_S:g} s; "
+                          f"{fix}")
     if not isinstance(prediction.get("breakdown"), dict):
         raise ConfigError(f"prediction.breakdown: {prediction.get('breakdown')!r} must be an object; {fix}")
-    if not isinstance(prediction["breakdown"].get("time", {}), dict):
-        raise ConfigError(f"prediction.breakdown.time: {prediction['breakdown']['time']!r} must be an object; {fix}")
+    time = prediction["breakdown"].get("time", {})
+    if not isinstance(time, dict):
+        raise ConfigError(f"prediction.breakdown.time: {time!r} must be an object; {fix}")
     mem = prediction["breakdown"].get("memory_per_pp_rank")
     if mem is not None and not (isinstance(mem, list) and all(_nonneg(x) for x in mem)):
         raise ConfigError(f"prediction.breakdown.memory_per_pp_rank: {mem!r} must be a list of bytes >= 0; {fix}")
-    slots = prediction["breakdown"].get("time", {}).get("compute_slots")
+    slots = time.get("compute_slots")
     if slots is not None and not _is_number(slots, 0.0):
         raise ConfigError(f"prediction.breakdown.time.compute_slots: {slots!r} must be a number above 0 or null; {fix}")
-    step = prediction["step_time_s"]
     opt = prediction["breakdown"].get("optimizer_per_pp_rank_s")
     if opt is not None and not (isinstance(opt, list) and opt and all(_nonneg(x) and x <= step for x in opt)):
         raise ConfigError(f"prediction.breakdown.optimizer_per_pp_rank_s: {opt!r} must be a list of seconds from 0 to "
                           f"step_time_s; {fix}")
-    time = prediction["breakdown"].get("time", {})
     opt = time.get("optimizer_s")
     if "optimizer_s" in time and not (_nonneg(opt) and opt <= step):
         raise ConfigError(f"prediction.breakdown.time.optimizer_s: {opt!r} must be seconds from 0 to step_time_s; {fix}")

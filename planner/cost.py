@@ -48,7 +48,7 @@ from planner.precision import fsdp_copy_bytes, grad_bytes, model_state_bytes, op
 from planner.schedule import Sharing, StageTimes, simulate
 
 # a step priced longer than this (3 trillion years) comes from a rate too small to be a figure
-MAX_STEP_S = 1e20
+MAX_PRICED_STEP_S = 1e20
 
 
 @dataclass
@@ -228,7 +228,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     rank_total = [x + sync for x in rank_total]
     step = max(rank_total)
     terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
-    if not all(math.isfinite(x) for x in rank_total + terms) or step > MAX_STEP_S:
+    if not all(math.isfinite(x) for x in rank_total + terms) or step > MAX_PRICED_STEP_S:
         raise ConfigError(f"{cluster.name}: the profile prices this plan's step at {step:g} s: one of its rates "
                           "or bandwidths (device.peak_flops, device.memory_bandwidth_bytes_per_s, a collective's "
                           "bus bandwidth) is too small to compute with; check the profile")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from collections import Counter
 from pathlib import Path
 
@@ -26,9 +27,10 @@ def read_input(path, flag: str) -> bytes:
     device such as /dev/zero never end, so neither is read; a one-line ConfigError naming `flag`."""
     path = Path(path)
     try:
-        if path.exists() and not path.is_file() and not path.is_dir():  # a directory: read_bytes says so
+        st = path.stat()
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # a directory: read_bytes says so
             raise ConfigError(f"{flag}: {path} is not a regular file; give a JSON file")
-        if path.exists() and path.stat().st_size > MAX_INPUT_BYTES:
+        if st.st_size > MAX_INPUT_BYTES:
             raise ConfigError(f"{flag}: {path} is over {MAX_INPUT_BYTES >> 30} GiB; give a JSON file")
         return path.read_bytes()
     except OSError as exc:
