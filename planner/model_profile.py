@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this
 
 FORMAT_VERSION = 1
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles" / "models"
+LATENCY_ONLY_BUS_BANDWIDTH = 1e15  # B/s: a message of 1 GB costs 1 us, nothing against any alpha
 
 
 def fit_linear(xs, ys, weights=None) -> tuple[float, float]:
@@ -85,15 +86,18 @@ def fit_linear(xs, ys, weights=None) -> tuple[float, float]:
 def fit_alpha_beta(factor_bytes, times) -> tuple[float, float]:
     """alpha (s) and bus bandwidth (B/s) of t = alpha + factor * S / busbw, least squares on the
     relative error (weights 1/t^2, so small and large messages count alike); alpha >= 0 and
-    busbw > 0 enforced (refit through the origin or a pure-latency fit otherwise)."""
+    busbw > 0 enforced (refit through the origin or a pure-latency fit otherwise). A slope too
+    small to price (equal times but for rounding) is a latency-only fit too: a profile stores bus
+    bandwidths up to 1e18 B/s (planner.device.RANGES), so a fit never writes one above
+    LATENCY_ONLY_BUS_BANDWIDTH."""
     w = [1.0 / t ** 2 for t in times]
     a, b = fit_linear(factor_bytes, times, w)
-    if b <= 0:  # no bandwidth term visible: latency only, a huge bandwidth
-        return sum(times) / len(times), 1e15
+    if b * LATENCY_ONLY_BUS_BANDWIDTH <= 1.0:  # no bandwidth term visible: latency only
+        return sum(times) / len(times), LATENCY_ONLY_BUS_BANDWIDTH
     if a < 0:  # through the origin
         b = sum(wi * x * y for wi, x, y in zip(w, factor_bytes, times)) / sum(wi * x * x for wi, x in zip(w, factor_bytes))
         a = 0.0
-    return a, 1.0 / b
+    return a, min(1.0 / b, LATENCY_ONLY_BUS_BANDWIDTH)
 
 
 def fit_segments(sizes, factor_bytes, times, tol: float = 0.15) -> list:

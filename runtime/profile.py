@@ -315,8 +315,12 @@ def main(argv=None) -> int:
             busy = host_warning() or busy
             if out is not None and busy:
                 out["sources"]["times"] += f"; WARNING: {busy}"
-        if out is not None:
+        if out is not None:  # the reader's own checks first: never write a profile it would refuse
+            from planner.cluster import cluster_from_dict
+            from planner.model_profile import model_profile_from_dict
             from planner.plan import dumps
+            check = cluster_from_dict if args.what == "cluster" else model_profile_from_dict
+            check(json.loads(dumps(out)), source=f"the measured profile for {args.out} (not written)")
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(dumps(out))
             print(f"wrote {args.out}", flush=True)

@@ -25,6 +25,12 @@ def test_alpha_beta_fit_recovers_a_line():
     a, bw = fit_alpha_beta(xs, ts)
     assert a == pytest.approx(1e-4, rel=1e-6) and bw == pytest.approx(2e9, rel=1e-6)
     assert fit_linear([1, 2, 4], [3, 5, 9]) == pytest.approx((1, 2))
+    # equal times but for rounding: a latency-only fit, not a bus bandwidth of 6e23 B/s that the
+    # profile's own reader refuses (CI at 393869f: a segment at 6e39 B/s)
+    for ts in ([1e-4, 1.0000000000000002e-4], [1e-4, 1e-4, 1.0000000000000002e-4]):
+        a, bw = fit_alpha_beta([4096 * 4**i for i in range(len(ts))], ts)
+        assert bw == 1e15 and a == pytest.approx(1e-4)
+        assert all(bw <= 1e18 for _, _, bw in fit_segments([4096, 16384], [4096, 16384], ts[:2]))
 
 
 def test_piecewise_fit_follows_an_algorithm_switch():
