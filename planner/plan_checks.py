@@ -12,6 +12,7 @@ from planner.pointwise import ELEMENTWISE_KERNELS
 # the most micro-batches a step may have: the schedule simulator plays every one (about 0.1 s per
 # thousand on one core); far above real runs (a 2048-sequence batch, dp 1, micro-batch 1: 2048)
 MAX_MICRO_BATCHES = 65536
+MAX_LR = 10.0  # training.lr
 
 
 def _one_of(value, options, path: str) -> None:
@@ -23,6 +24,16 @@ def check_optimizer(t) -> None:
     for name in ("lr", "weight_decay", "grad_clip"):
         v = getattr(t, name)
         _need(is_real(v) and v >= 0, f"training.{name}", f"{v!r} must be a finite non-negative number")
+    # Adam moves each weight by about lr a step (Kingma & Ba 2015, section 2.1: the effective step is
+    # bounded by about the step size): beyond MAX_LR training diverges at once (1e30: NaN at the
+    # second step; 1e300 overflowed float32 inside AdamW's update, a traceback)
+    _need(t.lr <= MAX_LR, "training.lr", f"{t.lr!r} must be at most {MAX_LR:g} (transformers train at 1e-5 "
+                                         f"to 1e-2)")
+    # AdamW multiplies each weight by 1 - lr * weight_decay a step (Loshchilov & Hutter 2019,
+    # algorithm 2): at 1 or more it zeroes or flips every weight
+    _need(t.lr * t.weight_decay < 1, "training.weight_decay",
+          f"{t.weight_decay!r} times training.lr ({t.lr!r}) must be below 1 (AdamW scales each "
+          f"weight by 1 - lr x weight_decay a step; 0.1 is usual)")
     for name in ("lr_warmup_steps", "lr_decay_steps"):
         v = getattr(t, name)
         _need(_is_int(v) and 0 <= v < 2**63, f"training.{name}", f"{v!r} must be a non-negative integer")

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -282,6 +283,10 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         dist.barrier()
         times.append(time.perf_counter() - t0)
         opt_times.append(trainer.optimizer_s)
+        if not math.isfinite(loss):  # the same figure on every rank (all-reduced): they stop together
+            raise ConfigError(f"step {step + 1}: the loss is {loss} (gradient norm {trainer.grad_norm:g}): training "
+                              f"diverged; lower training.lr ({trainer.lr:g}) or training.grad_clip "
+                              f"({plan.training.grad_clip:g}) in the plan (trident plan --lr / --grad-clip)")
         losses.append(loss)
         grad_norms.append(trainer.grad_norm)
         lrs.append(trainer.lr)

@@ -1,6 +1,7 @@
 """Bad input to `trident plan | estimate | search | compare` (cases found by fuzzing the commands):
 one line on stderr that names the field or option, a non-zero exit, never a traceback."""
 import json
+import re
 
 import pytest
 
@@ -67,6 +68,11 @@ def plan_file(tmp_path, capsys):
     (lambda d: d["training"].update({"\udc00": 1}), "training: the key '\\udc00' is not Unicode text"),
     (lambda d: d.pop("format_version"), "format_version: missing"),
     (lambda d: d["training"].update(lr=float("inf")), "training.lr: inf is not a finite number"),
+    # found by fuzzing: lr 1e300 overflowed float32 inside AdamW's update (a traceback), 1e30 and
+    # weight decay 1e300 trained to NaN losses with exit 0
+    (lambda d: d["training"].update(lr=1e300), "training.lr: 1e+300 must be at most 10"),
+    (lambda d: d["training"].update(weight_decay=1e300), "training.weight_decay: 1e+300 times training.lr"),
+    (lambda d: d["training"].update(lr=2.0, weight_decay=0.5), "must be below 1"),
 ])
 def test_bad_plan_fields(capsys, plan_file, edit, needle):
     d = json.loads(plan_file.read_text())
@@ -267,3 +273,21 @@ def test_profile_names_are_one_printable_line(capsys, tmp_path):
     d["cluster"]["name"] = "a\nb"
     (tmp_path / "p.json").write_text(json.dumps(d))
     assert "cluster.name: 'a\\nb' must be" in one_line_error(capsys, main, ["estimate", str(tmp_path / "p.json")])[1]
+
+
+def test_a_diverged_run_stops_in_one_line_naming_the_step(tmp_path):
+    """A loss that is not finite (an overflow in low precision, a rate too high) stops the run at
+    that step with exit 2 and one line, not a record of NaN losses with exit 0."""
+    import subprocess
+    import sys
+    from tests.torchrun_helpers import REPO, write_plan
+    plan = write_plan(tmp_path, "p")
+    code = ("import sys, runtime.train as t; real = t.Trainer.step; t.Trainer.step = lambda self, batch, step: "
+            "float('nan') if step == 1 else real(self, batch, step); sys.exit(t.main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "--plan", str(plan), "--steps", "3", "--out", str(tmp_path / "r.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    err = [line for line in proc.stderr.splitlines() if line.startswith("trident: error")]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
+    assert re.search(r"step 2: the loss is nan \(gradient norm [0-9.]+\): training diverged; lower training.lr", err[0])
+    assert not (tmp_path / "r.json").exists()
