@@ -33,6 +33,28 @@ def test_alpha_beta_fit_recovers_a_line():
         assert all(bw <= 1e18 for _, _, bw in fit_segments([4096, 16384], [4096, 16384], ts[:2]))
 
 
+def test_piecewise_fits_of_random_sweeps_stay_in_range_and_within_15_percent():
+    """Sweeps as the profiler writes them (non-decreasing times, runs of equal ones, at least 10 us
+    and at most 10 TB/s): every segment's figures within what a profile may hold
+    (planner.device.RANGES) and every point within 15%. The fit at 393869f failed this (bus
+    bandwidths above 1e18 B/s from runs of equal times), as in CI."""
+    import random
+    rng = random.Random(2)
+    for _ in range(2000):
+        n = rng.randint(1, 9)
+        sizes = [4096 * 4**i for i in range(n)]
+        xs = [s * rng.choice([1.0, 1.5, 1.75]) for s in sizes]
+        ts, t = [], 10 ** rng.uniform(-5, -1)
+        for x in xs:
+            t = max(t * rng.choice([1.0, 1.0, 1.0 + 2e-16, 1.0000001, rng.uniform(1, 5)]), x / 1e13)
+            ts.append(t)
+        segs = fit_segments(sizes, xs, ts)
+        assert all(1e3 <= bw <= 1e18 and 0 <= a <= 1e3 for _, a, bw in segs), (ts, segs)
+        for size, x, t in zip(sizes, xs, ts):
+            _, a, bw = next(g for g in segs if g[0] is None or size <= g[0])
+            assert a + x / bw == pytest.approx(t, rel=0.15), (ts, segs)
+
+
 def test_piecewise_fit_follows_an_algorithm_switch():
     xs = [4096 * 4**i for i in range(7)]
     ts = [1e-4 + x / 2e9 if x < 100_000 else 2e-3 + x / 1e9 for x in xs]
