@@ -293,6 +293,8 @@ def main(argv=None) -> int:
     from planner.model import ConfigError
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        from runtime.run_checks import check_out_file
+        check_out_file("--out", args.out, f"{args.what}.json")
         if args.what == "cluster" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
             raise ConfigError("profile cluster: needs at least 2 processes to time collectives; "
                               "launch it with torchrun --nproc-per-node N (N >= 2)")
@@ -321,8 +323,11 @@ def main(argv=None) -> int:
             from planner.plan import dumps
             check = cluster_from_dict if args.what == "cluster" else model_profile_from_dict
             check(json.loads(dumps(out)), source=f"the measured profile for {args.out} (not written)")
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(dumps(out))
+            try:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(dumps(out))
+            except OSError as exc:
+                raise ConfigError(f"--out: cannot write {args.out} ({exc.strerror or exc}); the profile is lost")
             print(f"wrote {args.out}", flush=True)
         dist.barrier()
         return 0
@@ -349,6 +354,8 @@ def launch(argv) -> int:
     args = parse_args(argv)  # bad arguments: one line here, not one per rank
     from planner.model import ConfigError
     try:
+        from runtime.run_checks import check_out_file
+        check_out_file("--out", args.out, f"{args.what}.json")
         if args.what == "cluster" and int(nproc) < 2:
             raise ConfigError("--nproc: profile cluster needs at least 2 processes to time collectives")
         if args.what == "model":

@@ -96,7 +96,21 @@ def check_out(out, n_plans: int) -> None:
     if n_plans == 1 and path.is_dir():
         raise ConfigError(f"--out: {out} is a directory; with one plan --out names the record's file, "
                           f"e.g. {path / 'run.json'}")
-    check_dir("--out", path if n_plans > 1 else path.parent)
+    if n_plans > 1:
+        check_dir("--out", path)
+    else:
+        check_out_file("--out", out, "run.json")
+
+
+def check_out_file(flag: str, out, example: str) -> None:
+    """A file the command writes at its end: refuse, before the work, a directory or a device in its
+    place (/dev/full filled at the end) or a place no file can be created in."""
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"{flag}: {out} is a directory; give the file's path, e.g. {path / example}")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{flag}: {out} is not a regular file; give a path for the file, e.g. {example}")
+    check_dir(flag, path.parent)
 
 
 def check_dir(flag: str, where) -> None:
@@ -110,5 +124,17 @@ def check_dir(flag: str, where) -> None:
     parent = path
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK) or not _can_create_in(parent):
         raise ConfigError(f"{flag}: cannot write under {parent}; give a path in a writable directory")
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be created in `directory`: os.access says yes to root everywhere, and
+    /proc or a read-only mount refuse the creation itself (found by trying --out /proc/x.json:
+    a traceback after the whole run)."""
+    import tempfile
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".trident-probe-"):
+            return True
+    except OSError:
+        return False

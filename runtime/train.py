@@ -366,8 +366,11 @@ def main(argv=None) -> int:
                 out = Path(args.out)
                 if len(plans) > 1:
                     out = out / f"{Path(path).stem}.json"
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(result, indent=2) + "\n")
+                try:  # a full disk after the run: one line, not a traceback
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(result, indent=2) + "\n")
+                except OSError as exc:
+                    raise ConfigError(f"--out: cannot write {out} ({exc.strerror or exc}); the record is lost") from None
         # free what the plans left (reference cycles included) and meet before the process group
         # goes: a rank destroying it while rank 0 still wrote, with models freed after it, aborted
         # at exit now and then on a loaded host (tests/sp_probe.py says how often)

@@ -275,19 +275,45 @@ def test_profile_names_are_one_printable_line(capsys, tmp_path):
     assert "cluster.name: 'a\\nb' must be" in one_line_error(capsys, main, ["estimate", str(tmp_path / "p.json")])[1]
 
 
-def test_a_diverged_run_stops_in_one_line_naming_the_step(tmp_path):
-    """A loss that is not finite (an overflow in low precision, a rate too high) stops the run at
-    that step with exit 2 and one line, not a record of NaN losses with exit 0."""
+def _train_patched(tmp_path, patch: str, steps: int) -> tuple[int, list]:
+    """runtime.train on one process with `patch` (Python run first) applied: exit status and its
+    `trident: error` lines."""
+    import os
     import subprocess
     import sys
     from tests.torchrun_helpers import REPO, write_plan
-    plan = write_plan(tmp_path, "p")
-    code = ("import sys, runtime.train as t; real = t.Trainer.step; t.Trainer.step = lambda self, batch, step: "
-            "float('nan') if step == 1 else real(self, batch, step); sys.exit(t.main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "--plan", str(plan), "--steps", "3", "--out", str(tmp_path / "r.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    err = [line for line in proc.stderr.splitlines() if line.startswith("trident: error")]
-    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
+    code = f"import sys, pathlib, runtime.train as t; {patch}; sys.exit(t.main(sys.argv[1:]))"
+    argv = ["--plan", str(write_plan(tmp_path, "p")), "--steps", str(steps), "--out", str(tmp_path / "r.json")]
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, [line for line in proc.stderr.splitlines() if line.startswith("trident: error")]
+
+
+def test_a_diverged_run_stops_in_one_line_naming_the_step(tmp_path):
+    """A loss that is not finite (an overflow in low precision, a rate too high) stops the run at
+    that step with exit 2 and one line, not a record of NaN losses with exit 0."""
+    code, err = _train_patched(tmp_path, "real = t.Trainer.step; t.Trainer.step = lambda self, batch, step: "
+                                         "float('nan') if step == 1 else real(self, batch, step)", 3)
+    assert code == 2 and len(err) == 1, err
     assert re.search(r"step 2: the loss is nan \(gradient norm [0-9.]+\): training diverged; lower training.lr", err[0])
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_record_that_cannot_be_written_after_the_run_is_one_line(tmp_path):
+    """A disk that fills during the run: the record's write fails after training, in one line."""
+    code, err = _train_patched(tmp_path, "pathlib.Path.write_text = lambda *a, **k: (_ for _ in ()).throw("
+                                         "OSError(28, 'No space left on device'))", 1)
+    assert code == 2 and len(err) == 1 and "--out: cannot write" in err[0] and "No space left" in err[0], err
+
+
+def test_a_profile_output_that_cannot_be_written_is_refused_before_profiling(capsys, tmp_path):
+    """Found by trying it: `trident profile cluster -o /proc/x.json` profiled, then ended in a
+    traceback; a device or a directory in the file's place are refused too."""
+    from runtime.profile import launch
+    for out, says in (("/proc/x.json", "--out: cannot write under /proc"),
+                      ("/dev/null", "--out: /dev/null is not a regular file"),
+                      (str(tmp_path), f"--out: {tmp_path} is a directory")):
+        for what in (["cluster"], ["model", "--model", "tiny", "--cluster-profile", "x", "--seq-len", "32"]):
+            assert launch([*what, "-o", out, "--nproc-per-node", "2"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and says in err[0], err

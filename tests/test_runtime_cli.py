@@ -58,7 +58,12 @@ def test_an_out_path_that_cannot_take_the_records_is_refused_before_training(tmp
                        (["--plan", one, "--out", a_file / "run.json"], "--out: " + str(a_file) + " is a file"),
                        (["--plan", one, "--trace", a_file], "--trace: " + str(a_file) + " is a file"),
                        (["--plan", one, "--checkpoint-dir", a_file],
-                        "--checkpoint-dir: " + str(a_file) + " is a file")):
+                        "--checkpoint-dir: " + str(a_file) + " is a file"),
+                       # found by trying them: a traceback after the whole run, or at the first checkpoint
+                       (["--plan", one, "--out", "/dev/null"], "--out: /dev/null is not a regular file"),
+                       (["--plan", one, "--out", "/proc/run.json"], "--out: cannot write under /proc"),
+                       (["--plan", one, "--checkpoint-dir", "/proc/ck"], "--checkpoint-dir: cannot write under /proc"),
+                       (["--plan", one, "--trace", "/proc/t"], "--trace: cannot write under /proc")):
         code, lines = run_main(capsys, *argv)
         assert code != 0 and len(lines) == 1 and says in lines[0], lines
 
