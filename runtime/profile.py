@@ -322,10 +322,11 @@ def main(argv=None) -> int:
             from planner.model_profile import model_profile_from_dict
             from planner.plan import dumps
             check = cluster_from_dict if args.what == "cluster" else model_profile_from_dict
-            check(json.loads(dumps(out)), source=f"the measured profile for {args.out} (not written)")
+            text = dumps(out)
+            check(json.loads(text), source=f"the measured profile for {args.out} (not written)")
             try:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(dumps(out))
+                Path(args.out).write_text(text)
             except OSError as exc:
                 raise ConfigError(f"--out: cannot write {args.out} ({exc.strerror or exc}); the profile is lost")
             print(f"wrote {args.out}", flush=True)
