@@ -262,6 +262,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     if left < 4 and rank == 0:
         print(f"note: {left} step(s): the step times include a warm-up or the memory-measuring step"
               + ("; the peak memory is the first step's, before the optimizer state exists" if left < 2 else "")
+              + ("; --trace traces no step (the last measures the memory)" if args.trace else "")
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
     other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
@@ -307,8 +308,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     opt_by_rank = gather(opt_times)
     tokens = t.global_batch * t.seq_len
     return {
-        "plan": str(plan_path),
-        "plan_hash": plan_hash,
+        "plan": str(plan_path), "plan_hash": plan_hash,
         "world_size": world,
         "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "cp": plan.mesh.cp, "tp": plan.mesh.tp, "order": plan.mesh.order,
                  "dp_replicate": plan.mesh.dp_replicate},

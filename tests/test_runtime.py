@@ -151,14 +151,15 @@ def test_a_token_file_trains(plans, tmp_path):
     tokens = tmp_path / "train.bin"
     np.random.default_rng(0).integers(0, 512, 10_000, dtype=np.uint16).tofile(tokens)
     out = tmp_path / "run.json"
-    proc = train(1, "--plan", plans["ref"], "--steps", 2, "--data", tokens, "--out", out)
+    proc = train(1, "--plan", plans["ref"], "--steps", 2, "--data", tokens, "--out", out, "--trace", tmp_path / "tr")
     assert_ok(proc)
     assert len(losses_of(out)) == 2
     # two steps: the second measures memory, with the optimizer state the first allocated; no step
-    # is left to time cleanly, and the run says so
+    # is left to time cleanly or to trace, and the run says so
     run = json.loads(out.read_text())
     assert run["peak_memory_bytes"] >= 4 * 4 * ZOO["tiny"].num_parameters() and run["warmup_steps"] == 2
-    assert "ask for 4 or more steps" in proc.stdout
+    assert "--trace traces no step" in proc.stdout and "ask for 4 or more steps" in proc.stdout
+    assert run["traced_step_index"] is None and not list((tmp_path / "tr").glob("*"))
 
 
 def test_trace_profiles_the_last_step_and_leaves_it_untimed(plans, tmp_path):
