@@ -6,17 +6,24 @@ from planner.model import ConfigError, ModelConfig, is_int, is_real
 
 # max_position_embeddings where a config leaves it out: the defaults of transformers'
 # configuration_<model_type>.py (Mistral's 4096 * 32); GPT-2's n_positions defaults to 1024
-MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma": 8192,
+                 "gemma2": 8192}
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
 
 
 def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json") -> ModelConfig:
-    """Map a Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, phi3 or gpt2) to a
-    ModelConfig. A key given as null counts as absent (Hugging Face's own convention), except for
+    """Map a Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, phi3, gemma, gemma2
+    or gpt2) to a ModelConfig. A key given as null counts as absent (Hugging Face's own convention), except for
     required keys. Qwen3 and Phi-3 are Llama blocks (RMSNorm, SwiGLU, RoPE, grouped-query
     attention) with what their configs say: Qwen3's head_dim (128 where hidden / heads may be 64)
     and no QKV bias, Phi-3's fused QKV and gate/up projections (the same parameters and FLOPs as
     separate ones). Qwen3's RMSNorm of each query and key head (2 x head_dim weights a block,
-    under 0.01% of the model) is left out."""
+    under 0.01% of the model) is left out. Gemma and Gemma 2 are Llama blocks too, their embedding
+    and head tied by default (transformers' configuration_gemma*.py), their head_dim (256) apart
+    from hidden / heads; their gated GELU MLP has SwiGLU's parameters and FLOPs and is priced and
+    trained as SwiGLU. Gemma 2's two extra norms a block (2 x hidden weights, under 0.01%) are left
+    out, and its sliding-window layers (every other one) are priced as full attention: exact up to
+    its sliding_window (4096 tokens), an over-prediction of their attention beyond."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     mt = cfg.get("model_type")
@@ -38,19 +45,19 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
 
     def eps(key):
         # absent: the default of transformers' configuration_<model_type>.py (Phi-3's and GPT-2's 1e-5)
-        default = 1e-6 if mt in ("llama", "mistral", "qwen2", "qwen3") else 1e-5
+        default = 1e-6 if mt in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2") else 1e-5
         return float(get(key, lambda v: is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", default))
 
     def flag(key, default):
         return get(key, lambda v: isinstance(v, bool), "true or false", default)
 
-    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+    if mt in LLAMA_LIKE:
         heads, hidden = pos_int("num_attention_heads"), pos_int("hidden_size")
         head_dim = pos_int("head_dim", None)
         kw = dict(arch="llama", layers=pos_int("num_hidden_layers"), hidden=hidden,
                   ffn_hidden=pos_int("intermediate_size"), heads=heads, kv_heads=pos_int("num_key_value_heads", heads),
                   vocab=pos_int("vocab_size"), seq_len=pos_int("max_position_embeddings", MAX_POSITIONS[mt]),
-                  tie_embeddings=flag("tie_word_embeddings", False),
+                  tie_embeddings=flag("tie_word_embeddings", mt in ("gemma", "gemma2")),
                   qkv_bias=flag("attention_bias", False) or mt == "qwen2",  # Qwen2 always has them
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
                   rope_theta=float(get("rope_theta", lambda v: is_real(v) and v > 0, "a positive number", 10000.0)))
@@ -60,6 +67,5 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                   heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions", 1024),
                   tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"))
     else:
-        raise ConfigError(f"{where}: model_type {mt!r} is not supported; use llama, mistral, qwen2, qwen3, phi3 "
-                          "or gpt2")
+        raise ConfigError(f"{where}: model_type {mt!r} is not supported; use {', '.join(LLAMA_LIKE)} or gpt2")
     return ModelConfig(name=name, **kw)

@@ -101,6 +101,22 @@ def test_hf_config_mapping(tmp_path):
             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
             "max_position_embeddings": 4096, "tie_word_embeddings": False}
     assert abs(from_hf_config(phi3).num_parameters() / 3.82e9 - 1) < 0.01
+    # Gemma 7B and 2B, Gemma 2 9B, 2B and 27B (head_dim 256, or 128 for 27B; embedding and head tied
+    # unless the file says otherwise); model cards: 8.54B, 2.51B, 9.24B, 2.61B, 27.2B
+    gemma = {"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256, "vocab_size": 256000}
+    gemma2 = dict(gemma, model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                  num_key_value_heads=8)
+    for cfg, card in ((gemma, 8.54e9), (dict(gemma, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                                              num_attention_heads=8, num_key_value_heads=1), 2.51e9),
+                      (gemma2, 9.24e9), (dict(gemma2, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                              num_attention_heads=8, num_key_value_heads=4), 2.61e9),
+                      (dict(gemma2, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+                            num_attention_heads=32, num_key_value_heads=16, head_dim=128), 27.2e9)):
+        g = from_hf_config(cfg)
+        assert abs(g.num_parameters() / card - 1) < 0.01 and g.tie_embeddings and g.arch == "llama", cfg
+        assert (g.seq_len, g.norm_eps) == (8192, 1e-6)
+    assert not from_hf_config(dict(gemma, tie_word_embeddings=False)).tie_embeddings
     gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
             "n_positions": 1024}
     assert from_hf_config(gpt2).num_parameters() == 124439808  # GPT-2 small
