@@ -64,7 +64,7 @@ def check_args(args, world: int) -> None:
             raise ConfigError(f"--seq-len: {args.seq_len} is not divisible by tp={tp} (sequence parallelism)")
     args.cps = sorted({1, *_ints(args.cp, "--cp")})  # every layer is measured without it too
     for cp in args.cps:
-        if world % cp or args.seq_len % (2 * cp):
+        if world % cp or (cp > 1 and args.seq_len % (2 * cp)):  # CP splits a sequence into 2 x cp chunks
             raise ConfigError(f"--cp: {cp} must divide the {world} processes launched and its double the "
                               f"sequence ({args.seq_len} tokens)")
     if args.repeats < 3:

@@ -317,3 +317,14 @@ def test_a_profile_output_that_cannot_be_written_is_refused_before_profiling(cap
             assert launch([*what, "-o", out, "--nproc-per-node", "2"]) == 2
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and says in err[0], err
+
+
+def test_an_odd_sequence_is_profiled_without_context_parallelism():
+    """`trident profile model --seq-len 33` was refused as if measuring CP 1 split the sequence
+    into two chunks; only CP above 1 does (2 x cp chunks a sequence)."""
+    from runtime.profile import parse_args
+    from runtime.profile_model import check_args
+    base = ["model", "--model", "tiny", "--cluster-profile", "dgx-a100-80gb", "--seq-len", "33", "-o", "m.json"]
+    check_args(parse_args(base), 2)
+    with pytest.raises(ConfigError, match=r"--cp: 2 must divide the 2 processes launched and its double the sequence"):
+        check_args(parse_args([*base, "--cp", "1,2"]), 2)
