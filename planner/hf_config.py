@@ -45,7 +45,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
 
     def eps(key):
         # absent: the default of transformers' configuration_<model_type>.py (Phi-3's and GPT-2's 1e-5)
-        default = 1e-6 if mt in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2") else 1e-5
+        default = 1e-5 if mt in ("phi3", "gpt2") else 1e-6
         return float(get(key, lambda v: is_real(v) and 0 < v < 1, "a number between 0 and 1 (exclusive)", default))
 
     def flag(key, default):

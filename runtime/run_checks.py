@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import tempfile
 from pathlib import Path
 
 from planner.model import ConfigError
@@ -124,15 +124,14 @@ def check_dir(flag: str, where) -> None:
     parent = path
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK) or not _can_create_in(parent):
+    if not parent.is_dir() or not _can_create_in(parent):
         raise ConfigError(f"{flag}: cannot write under {parent}; give a path in a writable directory")
 
 
 def _can_create_in(directory: Path) -> bool:
-    """Whether a file can be created in `directory`: os.access says yes to root everywhere, and
-    /proc or a read-only mount refuse the creation itself (found by trying --out /proc/x.json:
-    a traceback after the whole run)."""
-    import tempfile
+    """Whether a file can be created in `directory`, by creating one: os.access says yes to root
+    everywhere, and /proc or a read-only mount refuse the creation itself (found by trying
+    --out /proc/x.json: a traceback after the whole run)."""
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".trident-probe-"):
             return True
