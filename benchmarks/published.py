@@ -10,7 +10,9 @@ Where the authors published their launch scripts or framework, the row takes wha
 (RUN_SETTINGS below, each with its source) instead of searching. None of these runs used
 torch.distributed.pipelining: their pipeline receive buffers live with their micro-batch
 (`pipeline.recv_buffers: in-flight`; Megatron-LM's p2p_communication and DeepSpeed's pipeline
-engine allocate them per transfer), not one per micro-batch for the whole step.
+engine allocate them per transfer), not one per micro-batch for the whole step, and keep no stage
+output once sent (`pipeline.sent_outputs: freed`: Megatron-LM's deallocate_output_tensor; the
+DeepSpeed rows are counted the same, as before the option existed).
 
 Published TFLOP/s count model FLOPs the Megatron way (recomputed forward included under full
 recompute); where a row gives no step time, the published step time is model FLOPs / (TFLOP/s x
@@ -181,8 +183,9 @@ def row_model(row) -> ModelConfig:
 def candidates(row, model, gpus, framework: bool = True):
     """The settings to try for a row. With `framework` false the row's time is priced as trident's
     runtime would run it (none of the framework options of RUN_SETTINGS); its configuration
-    (degrees, micro-batch, virtual stages) and memory (receive buffers in flight, as the published
-    engines held them) stay the published ones, so that it still fits where it fitted."""
+    (degrees, micro-batch, virtual stages) and memory (receive buffers in flight and sent outputs
+    freed, as the published engines held them) stay the published ones, so that it still fits where
+    it fitted."""
     tp, pp, dp, cp = int(row["tp"]), int(row["pp"]), int(row["dp"]), int(row.get("cp") or 1)
     gbs = int(row["global_batch"])
     per_dp = gbs // dp
@@ -196,7 +199,7 @@ def candidates(row, model, gpus, framework: bool = True):
     vs = [known["virtual_stages"]] if "virtual_stages" in known else vs
     how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation")
            if k in known and framework}
-    how["recv_buffers"] = "in-flight"
+    how.update(recv_buffers="in-flight", sent_outputs="freed")
     src = source_settings(row["source"], row["arch"])
     how["elementwise_kernels"] = src["elementwise_kernels"] if framework else "eager"
     how["fsdp_copies"] = src["fsdp_copies"] if framework else True

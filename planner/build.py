@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from planner.model import ConfigError, ModelConfig
-from planner.plan import ClusterRef, Mesh, Pipeline, Plan, Stage, Training
+from planner.plan import RUNTIME_RECV_BUFFERS, ClusterRef, Mesh, Pipeline, Plan, Stage, Training
 
 
 def even_stages(model: ModelConfig, pp: int, virtual_stages: int = 1, zero: int = 0,
@@ -42,7 +42,7 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                dp: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
                order: list | None = None, stages: list | None = None, lockstep: bool = False,
-               recv_buffers: str = "preallocated", p2p: str = "full", dp_replicate: int = 1,
+               recv_buffers: str = RUNTIME_RECV_BUFFERS, p2p: str = "full", sent_outputs: str = "kept", dp_replicate: int = 1,
                cp: int = 1, **training_overrides) -> Plan:
     """A validated hand-made plan. `dp` defaults to world / (tp * pp * cp); `stages` defaults to an
     even split; `order` to pp, dp, (cp,) tp. Raises ConfigError naming the field on any inconsistency."""
@@ -71,6 +71,6 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
         pipeline=Pipeline(schedule=schedule, virtual_stages=virtual_stages, micro_batches=mb_count,
                           stages=stages if stages is not None else even_stages(
                               model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1),
-                          lockstep=lockstep, recv_buffers=recv_buffers, p2p=p2p),
+                          lockstep=lockstep, recv_buffers=recv_buffers, p2p=p2p, sent_outputs=sent_outputs),
     )
     return plan.validate()

@@ -95,7 +95,7 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
-        recv_buffers=args.recv_buffers, p2p=args.p2p, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+        recv_buffers=args.recv_buffers, p2p=args.p2p, sent_outputs=args.sent_outputs, overlap_grad_reduce=not args.no_overlap_grad_reduce,
         async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
         sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, **optimizer_settings(args))
@@ -211,9 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduce data-parallel gradients after the whole backward (Megatron-LM v2 local DDP, DeepSpeed pipeline)")
     p.add_argument("--lockstep", action="store_true",
                    help="1f1b ranks advance in lock-step with blocking exchanges (DeepSpeed's pipeline engine); prediction only")
-    p.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="preallocated",
-                   help="pipeline receive buffers: one per micro-batch held up front (torch.distributed.pipelining, "
-                        "the runtime) or only those in flight (Megatron-LM, DeepSpeed; prediction only)")
+    p.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="in-flight",
+                   help="pipeline receive buffers: only those in flight (the runtime, Megatron-LM, DeepSpeed) or "
+                        "one per micro-batch held all step (torch.distributed.pipelining's own)")
+    p.add_argument("--sent-outputs", choices=("kept", "freed"), default="kept",
+                   help="a stage's output once sent: kept to its backward (the runtime) or freed "
+                        "(Megatron-LM's deallocate_output_tensor; prediction only)")
     p.add_argument("--p2p", choices=("full", "scatter-gather"), default="full",
                    help="pipeline transfers: whole tensors from every TP rank (the runtime) or 1/tp each and an "
                         "all-gather on arrival (Megatron-LM, DeepSpeed; prediction only)")

@@ -58,30 +58,52 @@ def first_backward_peak(held, act, grads, first):
     return np.minimum(held + grads, held - act + first)
 
 
-def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
-    """Receive buffers the pipeline runtime holds for the whole step on the rank of `stage_ids`
-    (pipeline.recv_buffers "preallocated": torch.distributed.pipelining's stage allocates, when
-    the step starts, one input-activation buffer per micro-batch on every stage but the first
-    and one output-gradient buffer per micro-batch on every stage but the last; torch
-    distributed/pipelining/stage.py, _prepare_forward_infra / _prepare_backward_infra). With
-    "in-flight" buffers live only with their micro-batch, already counted as its activations."""
-    pipe, t, m = plan.pipeline, plan.training, plan.model
-    last = len(pipe.stages) - 1
-    if pipe.recv_buffers != "preallocated" or last == 0:
+# schedules torch.distributed.pipelining plays with its action runtime (_PipelineScheduleRuntime),
+# which waits for its sends only at the end of the step: each send keeps its tensor to then
+SENDS_HELD_TO_STEP_END = ("interleaved-1f1b", "zbv")
+
+
+def stage_recv_bytes(mode: str, torch_p2p: bool, schedule: str, pp: int, i: int, last: int, micro_batches: int,
+                     msg: float) -> float:
+    """Transfer buffers stage i of last + 1 holds (`msg` bytes each), as held all step.
+    "preallocated": torch.distributed.pipelining's stage allocates, when the step starts, one
+    input-activation buffer per micro-batch on every stage but the first and one output-gradient
+    buffer per micro-batch on every stage but the last (torch distributed/pipelining/stage.py,
+    _prepare_forward_infra / _prepare_backward_infra). "in-flight": each lives with its
+    micro-batch (the input counted as its activation). `torch_p2p` (pipeline.sent_outputs "kept":
+    torch.distributed.pipelining's transfers, the runtime's): in flight one of each kind beyond
+    that (posted before its micro-batch's turn; measured on CPU), and where the schedule holds its
+    sends to the end of the step (SENDS_HELD_TO_STEP_END, torch distributed/pipelining/schedules.py,
+    _step_microbatches), every micro-batch's output and input gradient a stage sends as well
+    (ZB-V's two stages on one rank pass theirs directly). Megatron-LM ("freed") waits for each
+    transfer as it goes."""
+    if last == 0:
         return 0.0
+    takes = i > 0 and not (schedule == "zbv" and i == pp)  # its input from another rank
+    gives = i < last and not (schedule == "zbv" and i == pp - 1)  # its output to another rank
+    sent = (takes + gives) * micro_batches if (torch_p2p and schedule in SENDS_HELD_TO_STEP_END) else 0
+    received = ((i > 0) + (i < last)) * micro_batches if mode == "preallocated" else (takes + gives) * torch_p2p
+    return (sent + received) * msg
+
+
+def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
+    """Receive buffers the pipeline runtime holds on the rank of `stage_ids` (stage_recv_bytes)."""
+    pipe, t, m = plan.pipeline, plan.training, plan.model
     msg = DTYPES[t.dtype] * plan.rank_micro_batch * t.seq_len * m.hidden
-    return sum(((i > 0) + (i < last)) * pipe.micro_batches * msg
-               / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids)
+    return sum(stage_recv_bytes(pipe.recv_buffers, pipe.sent_outputs == "kept", pipe.schedule, plan.mesh.pp, i,
+                                len(pipe.stages) - 1,
+                                pipe.micro_batches, msg / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1))
+               for i in stage_ids)
 
 
 def stage_output_bytes(plan: Plan, i: int) -> float:
     """Bytes of stage i's output that torch.distributed.pipelining keeps per micro-batch from its
-    forward to its backward (pipeline.recv_buffers "preallocated": PipelineStage.fwd_cache holds
+    forward to its backward (pipeline.sent_outputs "kept": PipelineStage.fwd_cache holds
     the output tuple, torch distributed/pipelining/stage.py forward_one_chunk; the runtime's last
     stage drops its logits, runtime.pipeline): beside the saved activations, which the block's
     output is not part of (the next block, on the next stage, saves it as its input)."""
     pipe, t, m = plan.pipeline, plan.training, plan.model
-    if pipe.recv_buffers != "preallocated" or i == len(pipe.stages) - 1:
+    if pipe.sent_outputs != "kept" or i == len(pipe.stages) - 1:
         return 0.0
     return (DTYPES[t.dtype] * plan.rank_micro_batch * t.seq_len * m.hidden
             / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1))
@@ -159,9 +181,10 @@ def held_i_to_w_bytes(model: ModelConfig, index: int, tp: int, tokens: float, e:
 
 # What "other" holds at a rank's peak (memory_by_rank's other_parts, bytes; they add up to other):
 # FSDP2's buffers held through the step and gathered for the layer computing, replicate's
-# compute-dtype gradients, the pipeline's receive buffers, a tied matrix's extra gradients, the
-# loss's logits and float32 work, a block's replay, a new accumulated gradient, the activation
-# gradients flowing back, and AdamW's foreach temporaries in the optimizer step.
+# compute-dtype gradients, the pipeline's transfers (receive buffers, sends torch holds), a tied
+# matrix's extra gradients, the loss's logits and float32 work, a block's replay, a new
+# accumulated gradient, the activation gradients flowing back, and AdamW's foreach temporaries
+# in the optimizer step.
 OTHER_PARTS = dict.fromkeys(("fsdp_buffers", "fsdp_gathers", "replicated_gradients", "pipeline_receive_buffers",
                              "tied_embedding_gradients", "loss_logits", "recompute_replay", "gradient_accumulation",
                              "activation_gradients", "optimizer_temporaries"), 0.0)

@@ -47,6 +47,8 @@ def stage_rank(schedule: str, pp: int, stage_index: int) -> int:
         return 2 * pp - 1 - stage_index
     return stage_index % pp
 RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
+RUNTIME_RECV_BUFFERS = "in-flight"  # the runtime's, the default (and so the search's)
+SENT_OUTPUTS = ("kept", "freed")  # see Pipeline.sent_outputs
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
 GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
 SP_SAVED_INPUTS = ("gathered", "shard")  # see Training.sp_saved_inputs
@@ -56,7 +58,7 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr"),
-                 "pipeline": ("lockstep", "recv_buffers", "p2p"), "mesh": ("dp_replicate", "cp")}
+                 "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp")}
 
 
 def _default(cls, name: str):
@@ -182,11 +184,18 @@ class Pipeline:
     # ranks advance in lock-step with blocking neighbour exchanges (DeepSpeed's PipelineEngine
     # TrainSchedule; planner.schedule); the runtime's torch.distributed.pipelining does not
     lockstep: bool = False
-    # receive buffers: "preallocated" (torch.distributed.pipelining, the runtime: one input-activation
+    # receive buffers: "preallocated" (torch.distributed.pipelining's own: one input-activation
     # buffer per micro-batch on every stage but the first and one output-gradient buffer per
     # micro-batch on every stage but the last, allocated up front and held) or "in-flight"
-    # (Megatron-LM, DeepSpeed: allocated per transfer, freed with the micro-batch)
-    recv_buffers: str = "preallocated"
+    # (allocated per transfer, freed with the micro-batch: the runtime's, runtime.pipeline, since
+    # session 34; Megatron-LM, DeepSpeed)
+    recv_buffers: str = RUNTIME_RECV_BUFFERS
+    # what a stage sends: "kept" (torch.distributed.pipelining, the runtime: each output to its
+    # backward in the stage's forward cache, and under the schedules torch plays with its action
+    # runtime every transfer to the end of the step; planner.memory.stage_recv_bytes) or "freed"
+    # (Megatron-LM: deallocate_output_tensor keeps only the output's autograd node once sent, and
+    # each transfer is waited for as it goes; prediction only)
+    sent_outputs: str = "kept"
     # activations and gradients between stages: "full" (every TP rank sends the whole tensor to its
     # peer: torch.distributed.pipelining, the runtime) or "scatter-gather" (each TP rank sends 1/tp of
     # it and the receiving TP group all-gathers: Megatron-LM's scatter/gather optimization, Narayanan et

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from planner.model import MAX_NAME, RECOMPUTE_MODES, ATTENTION_KERNELS, is_one_line, is_real
 from planner.mesh import MESH_DIMS
-from planner.plan import (DTYPES, GRAD_ACCUMULATION, LR_DECAYS, RECV_BUFFERS, SCHEDULES, SP_SAVED_INPUTS, P2P_MODES,
-                          _is_int, _need)
+from planner.plan import (DTYPES, GRAD_ACCUMULATION, LR_DECAYS, RECV_BUFFERS, SCHEDULES, SENT_OUTPUTS,
+                          SP_SAVED_INPUTS, P2P_MODES, _is_int, _need)
 from planner.pointwise import ELEMENTWISE_KERNELS
 
 
@@ -118,6 +118,7 @@ def check(plan) -> None:
     _need(not p.lockstep or p.schedule == "1f1b", "pipeline.lockstep",
           f"lock-step execution plays 1f1b only (DeepSpeed's TrainSchedule), not {p.schedule}; set it to false")
     _one_of(p.recv_buffers, RECV_BUFFERS, "pipeline.recv_buffers")
+    _one_of(p.sent_outputs, SENT_OUTPUTS, "pipeline.sent_outputs")
     _one_of(p.p2p, P2P_MODES, "pipeline.p2p")
     expected_mb = t.global_batch // (mesh.dp * t.micro_batch)
     _need(_is_int(p.micro_batches) and p.micro_batches > 0, "pipeline.micro_batches",

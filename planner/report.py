@@ -94,7 +94,7 @@ def estimate_table(est: Estimate) -> str:
 
 
 OTHER_LABELS = {"fsdp_buffers": "DP/FSDP2, held all step", "fsdp_gathers": "DP/FSDP2 gathers, reductions",
-                "replicated_gradients": "DP gradient copies", "pipeline_receive_buffers": "pipeline receive buffers",
+                "replicated_gradients": "DP gradient copies", "pipeline_receive_buffers": "pipeline transfers",
                 "tied_embedding_gradients": "tied embedding gradients", "loss_logits": "loss logits",
                 "recompute_replay": "recompute replay", "gradient_accumulation": "gradient accumulation",
                 "activation_gradients": "activation gradients", "optimizer_temporaries": "optimizer temporaries"}

@@ -26,11 +26,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from planner.fsdp_memory import zero_state_bytes
-from planner.memory import backward_flow_bytes, first_backward_binds, first_backward_peak, step_bytes
+from planner.memory import backward_flow_bytes, first_backward_binds, first_backward_peak, stage_recv_bytes, step_bytes
 from planner.menus import Menus, _pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
-from planner.plan import split_backward, stage_rank
+from planner.plan import RUNTIME_RECV_BUFFERS, split_backward, stage_rank
 from planner.bounds import TOL, Bounds
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 
@@ -126,10 +126,12 @@ class StageCosts(Menus, Bounds):
         return self.ctx.e * cfg.rank_micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
 
     def _recv(self):
-        """Per stage the runtime's receive buffers, one per micro-batch and neighbour, held all step
-        (planner.memory.recv_buffer_bytes): fixed by the configuration, whatever the partition."""
+        """Per stage the runtime's receive buffers (planner.memory.stage_recv_bytes, as the plans the
+        search builds have them): fixed by the configuration, whatever the partition."""
         S, msg = self.S, self._message()
-        return [((s > 0) + (s < S - 1)) * self.cfg.micro_batches * msg if S > 1 else 0.0 for s in range(S)]
+        cfg = self.cfg
+        return [stage_recv_bytes(RUNTIME_RECV_BUFFERS, True, cfg.schedule, cfg.pp, s, S - 1, cfg.micro_batches, msg)
+                for s in range(S)]
 
     def _recv_by_rank(self):
         recv = self._recv()

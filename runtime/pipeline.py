@@ -8,6 +8,7 @@ torch from the first micro-batch.
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -16,6 +17,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleZBVZeroBubble)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
 
 from planner.plan import Plan
 
@@ -38,9 +40,71 @@ class _Stage(PipelineStage):
     its backward starts from the loss, which keeps what it needs (runtime.loss), and the cached
     logits would otherwise stay until each micro-batch's backward (all of them, under GPipe)."""
 
-    def __init__(self, *args, zero: int = 0, **kwargs):
+    def __init__(self, *args, zero: int = 0, recv_buffers: str = "preallocated", **kwargs):
         super().__init__(*args, **kwargs)
         self._zero = zero
+        self._in_flight = recv_buffers == "in-flight"
+        self._losses: dict = {}
+
+    # pipeline.recv_buffers "in-flight": a receive buffer is allocated when its transfer is posted
+    # and dropped once its micro-batch's backward is done (what autograd still needs keeps its own
+    # reference), where torch allocates one per micro-batch up front and holds them all step
+    def _setup_forward_recv_info(self, num_microbatches, has_backward):
+        if not self._in_flight:
+            return super()._setup_forward_recv_info(num_microbatches, has_backward)
+        super()._setup_forward_recv_info(1, has_backward)  # one micro-batch's infos, copied without buffers
+        first = self.args_recv_info[0]
+        for j in range(num_microbatches):
+            self.args_recv_info[j] = tuple(_released(info) for info in first)
+
+    def _create_grad_recv_info(self, act_send_info):
+        infos = super()._create_grad_recv_info(act_send_info)
+        return tuple(_released(info) for info in infos) if self._in_flight else infos
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        self._allocate(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        if self.has_backward and not self.is_last:
+            self._allocate(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        # a gradient passed on the same rank (zbv) that is None zeroes the buffer it would have filled
+        self._allocate([info for info, g in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs) if g is None])
+        return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        # the schedule keeps each micro-batch's loss to the end of the step, and with it the autograd
+        # graph behind it, whose leaf is the stage's input: cut once the backward is done (under a
+        # split backward, after W)
+        loss = kwargs.get("loss")
+        if isinstance(loss, torch.Tensor):
+            self._losses[bwd_chunk_id] = loss
+        if kwargs.get("full_backward", True):
+            self._detach_loss(bwd_chunk_id)
+        if self._in_flight:
+            for info in (*self.args_recv_info.get(bwd_chunk_id, ()), *self.grad_recv_info.get(bwd_chunk_id, ())):
+                _release(info)
+        return result
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        result = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self._detach_loss(bwd_chunk_id)
+        return result
+
+    def _detach_loss(self, chunk_id):
+        loss = self._losses.pop(chunk_id, None)
+        if loss is not None:
+            loss.detach_()
+
+    def _allocate(self, infos):
+        if self._in_flight:
+            for info in infos:
+                if info.buffer is None and info.tensor_meta is not None and not info.is_root_arg:
+                    info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -97,6 +161,19 @@ class _Stage(PipelineStage):
         return result
 
 
+def _release(info) -> None:
+    """Drop a receive info's buffer (a stage's first inputs are the batch itself: none)."""
+    if not info.is_root_arg:
+        info.buffer = None
+
+
+def _released(info):
+    """A copy of a receive info without its buffer."""
+    info = copy.copy(info)
+    _release(info)
+    return info
+
+
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                     "zbv": ScheduleZBVZeroBubble}
 
@@ -108,7 +185,8 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
     (scale_grads), so they are those of the mean over the rank's batch."""
     n_stages = len(plan.pipeline.stages)
     sharded = plan.mesh.grad_ranks > 1  # data parallelism wraps the chunks (dp x cp)
-    stages = [_Stage(chunk, sid, n_stages, device, group=pp_group, zero=plan.pipeline.stages[sid].zero if sharded else 0)
+    stages = [_Stage(chunk, sid, n_stages, device, group=pp_group, zero=plan.pipeline.stages[sid].zero if sharded else 0,
+                     recv_buffers=plan.pipeline.recv_buffers)
               for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     if cls in (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble):
@@ -129,7 +207,8 @@ def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Te
 
 
 def held_tensors(schedule) -> list[torch.Tensor]:
-    """Tensors a schedule (None: no pipeline, none) keeps between steps: its stages' receive buffers, one per micro-batch
+    """Tensors a schedule (None: no pipeline, none) keeps between steps: with pipeline.recv_buffers
+    "preallocated" its stages' receive buffers, one per micro-batch
     for every input (activations) and output (gradients) received, allocated in the first step,
     and the gradients autograd accumulates into the activation buffers, which the next step frees
     (torch.distributed.pipelining's clear_runtime_states)."""

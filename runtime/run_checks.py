@@ -19,8 +19,8 @@ PREDICTION_ONLY = (
     ("training.elementwise_kernels", "eager", "Megatron-LM's fused kernels"),
     ("training.fsdp_copies", True, "flat-buffer data parallelism (Megatron-LM's DDP, FSDP1)"),
     ("pipeline.lockstep", False, "DeepSpeed's pipeline engine"),
-    ("pipeline.recv_buffers", "preallocated", "Megatron-LM or DeepSpeed"),
     ("pipeline.p2p", "full", "Megatron-LM or DeepSpeed"),
+    ("pipeline.sent_outputs", "kept", "Megatron-LM's deallocate_output_tensor"),
 )
 
 

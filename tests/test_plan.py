@@ -132,12 +132,15 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
     assert "recv_buffers" not in d["pipeline"] and "p2p" not in d["pipeline"]
     assert "async_tp_allreduce" not in d["training"] and "grad_accumulation" not in d["training"]
     assert "elementwise_kernels" not in d["training"] and "fsdp_copies" not in d["training"]
-    plan = make(overlap_grad_reduce=False, lockstep=True, recv_buffers="in-flight", p2p="scatter-gather",
+    assert "sent_outputs" not in d["pipeline"]
+    plan = make(overlap_grad_reduce=False, lockstep=True, recv_buffers="preallocated", p2p="scatter-gather",
+                sent_outputs="freed",
                 async_tp_allreduce=True, grad_accumulation="fused", elementwise_kernels="fused", fsdp_copies=False)
     first = plan.to_json()
     back = Plan.from_json(first)
     assert back.training.overlap_grad_reduce is False and back.pipeline.lockstep is True
-    assert back.pipeline.recv_buffers == "in-flight" and back.pipeline.p2p == "scatter-gather"
+    assert back.pipeline.recv_buffers == "preallocated" and back.pipeline.p2p == "scatter-gather"
+    assert back.pipeline.sent_outputs == "freed"
     assert back.training.async_tp_allreduce is True and back.training.grad_accumulation == "fused"
     assert back.training.elementwise_kernels == "fused" and back.training.fsdp_copies is False
     assert back.to_json() == first

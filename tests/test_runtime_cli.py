@@ -96,7 +96,7 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(elementwise_kernels="fused"), "training.elementwise_kernels"),
     (dict(fsdp_copies=False), "training.fsdp_copies"),
     (dict(pp=2, lockstep=True), "pipeline.lockstep"),
-    (dict(pp=2, recv_buffers="in-flight"), "pipeline.recv_buffers"),
+    (dict(pp=2, sent_outputs="freed"), "pipeline.sent_outputs"),
     (dict(pp=2, p2p="scatter-gather"), "pipeline.p2p"),
     (dict(tp=2, async_tp_allreduce=True), "training.async_tp_allreduce"),
     (dict(grad_accumulation="separate-16bit"), "training.grad_accumulation"),
