@@ -74,14 +74,14 @@ def stage_recv_bytes(mode: str, torch_p2p: bool, schedule: str, pp: int, i: int,
     torch.distributed.pipelining's transfers, the runtime's): in flight one of each kind beyond
     that (posted before its micro-batch's turn; measured on CPU), and where the schedule holds its
     sends to the end of the step (SENDS_HELD_TO_STEP_END, torch distributed/pipelining/schedules.py,
-    _step_microbatches), every micro-batch's output and input gradient a stage sends as well
-    (ZB-V's two stages on one rank pass theirs directly). Megatron-LM ("freed") waits for each
-    transfer as it goes."""
+    _step_microbatches), every micro-batch's input gradient a stage sends as well (an output's
+    storage the runtime frees once its gradient is back, runtime.pipeline; ZB-V's two stages on
+    one rank pass theirs directly). Megatron-LM ("freed") waits for each transfer as it goes."""
     if last == 0:
         return 0.0
     takes = i > 0 and not (schedule == "zbv" and i == pp)  # its input from another rank
     gives = i < last and not (schedule == "zbv" and i == pp - 1)  # its output to another rank
-    sent = (takes + gives) * micro_batches if (torch_p2p and schedule in SENDS_HELD_TO_STEP_END) else 0
+    sent = takes * micro_batches if (torch_p2p and schedule in SENDS_HELD_TO_STEP_END) else 0
     received = ((i > 0) + (i < last)) * micro_batches if mode == "preallocated" else (takes + gives) * torch_p2p
     return (sent + received) * msg
 

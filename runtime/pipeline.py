@@ -18,6 +18,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input
 from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.stage import to_local_if_dtensor
 
 from planner.plan import Plan
 
@@ -35,6 +36,12 @@ class _Stage(PipelineStage):
     planner prices both so. Under zbv's split backward a ZeRO-2/3 chunk gathers its parameters
     before I and before W and reduce-scatters after W (_weight_backward). Under HSDP the replicas
     all-reduce a ZeRO-2/3 chunk's accumulated shard once, after the last micro-batch's backward.
+
+    What torch would hold longer than a micro-batch needs, the stage lets go: receive buffers under
+    pipeline.recv_buffers "in-flight" (allocated when posted, dropped after the backward), each
+    loss's autograd graph (its leaf is the last stage's input) after the backward, and the
+    storage of a sent output once its gradient is back (torch's action runtime keeps every send
+    to the end of the step). planner.memory.stage_recv_bytes prices what remains.
 
     The last stage drops its output (the logits) from the forward cache once the forward is done:
     its backward starts from the loss, which keeps what it needs (runtime.loss), and the cached
@@ -76,7 +83,13 @@ class _Stage(PipelineStage):
         return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        sent = self._sent_outputs(bwd_chunk_id)
         result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        for t in sent:
+            # delivered: the next stage has sent this micro-batch's gradient back. Torch's action
+            # runtime (interleaved, zbv) keeps its sends to the end of the step; their tensors then
+            # hold no memory.
+            t.untyped_storage().resize_(0)
         # the schedule keeps each micro-batch's loss to the end of the step, and with it the autograd
         # graph behind it, whose leaf is the stage's input: cut once the backward is done (under a
         # split backward, after W)
@@ -94,6 +107,13 @@ class _Stage(PipelineStage):
         result = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         self._detach_loss(bwd_chunk_id)
         return result
+
+    def _sent_outputs(self, chunk_id) -> list:
+        """The tensors this stage sent another rank as micro-batch `chunk_id`'s output."""
+        if self.is_last or self.stage_index_to_group_rank.get(self.stage_index + 1) == self.group_rank:
+            return []
+        outputs = self.fwd_cache.get(chunk_id, ((), None))[0]
+        return [to_local_if_dtensor(t, detach=True) for t in outputs if isinstance(t, torch.Tensor)]
 
     def _detach_loss(self, chunk_id):
         loss = self._losses.pop(chunk_id, None)

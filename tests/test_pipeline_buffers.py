@@ -33,7 +33,7 @@ def test_pipeline_transfer_buffers_by_mode():
     each stage's output (but the last's) from its forward to its backward, 1F1B's p - rank
     micro-batches in flight; Megatron-LM frees it once sent and waits for each transfer
     (sent_outputs freed). Interleaved schedules, which torch plays with its action runtime, hold
-    every micro-batch's sent output and input gradient to the end of the step."""
+    every micro-batch's sent input gradient to the end of the step."""
     kw = dict(pp=4, tp=2, global_batch=64)
     pre, flight, freed = (estimate(plan_for(recv_buffers=r, sent_outputs=o, **kw), A100)
                           for r, o in (("preallocated", "kept"), ("in-flight", "kept"), ("in-flight", "freed")))
@@ -51,7 +51,7 @@ def test_pipeline_transfer_buffers_by_mode():
     pre, flight = (estimate(plan_for(recv_buffers=r, **kw), A100).breakdown["memory_per_pp_rank"]
                    for r in ("preallocated", "in-flight"))
     m = plan_for(**kw).pipeline.micro_batches
-    # each rank (chunks 0 and 2, 1 and 3) receives three kinds of transfer; both hold its sends
+    # each rank (chunks 0 and 2, 1 and 3) receives three kinds of transfer; both hold its sent gradients
     assert [a - b for a, b in zip(pre, flight)] == pytest.approx([3 * (m - 1) * msg] * 2)
 
 
