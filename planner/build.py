@@ -42,8 +42,8 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                dp: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
                order: list | None = None, stages: list | None = None, lockstep: bool = False,
-               recv_buffers: str = RUNTIME_RECV_BUFFERS, p2p: str = "full", sent_outputs: str = "kept", dp_replicate: int = 1,
-               cp: int = 1, **training_overrides) -> Plan:
+               recv_buffers: str = RUNTIME_RECV_BUFFERS, p2p: str = "full", sent_outputs: str = "kept",
+               dp_replicate: int = 1, cp: int = 1, **training_overrides) -> Plan:
     """A validated hand-made plan. `dp` defaults to world / (tp * pp * cp); `stages` defaults to an
     even split; `order` to pp, dp, (cp,) tp. Raises ConfigError naming the field on any inconsistency."""
     world = nodes * devices_per_node

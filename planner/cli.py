@@ -95,8 +95,9 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
-        recv_buffers=args.recv_buffers, p2p=args.p2p, sent_outputs=args.sent_outputs, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-        async_tp_allreduce=args.async_tp_allreduce, grad_accumulation=args.grad_accumulation,
+        recv_buffers=args.recv_buffers, p2p=args.p2p, sent_outputs=args.sent_outputs,
+        overlap_grad_reduce=not args.no_overlap_grad_reduce, async_tp_allreduce=args.async_tp_allreduce,
+        grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
         sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, **optimizer_settings(args))
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),

@@ -91,9 +91,8 @@ def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
     pipe, t, m = plan.pipeline, plan.training, plan.model
     msg = DTYPES[t.dtype] * plan.rank_micro_batch * t.seq_len * m.hidden
     return sum(stage_recv_bytes(pipe.recv_buffers, pipe.sent_outputs == "kept", pipe.schedule, plan.mesh.pp, i,
-                                len(pipe.stages) - 1,
-                                pipe.micro_batches, msg / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1))
-               for i in stage_ids)
+                                len(pipe.stages) - 1, pipe.micro_batches,
+                                msg / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1)) for i in stage_ids)
 
 
 def stage_output_bytes(plan: Plan, i: int) -> float:

@@ -63,6 +63,7 @@ def edit(plan, path, value):
     ("training.overlap_grad_reduce", "no", "training.overlap_grad_reduce"),
     ("pipeline.lockstep", 1, "pipeline.lockstep"),
     ("pipeline.recv_buffers", "reused", "pipeline.recv_buffers"),
+    ("pipeline.sent_outputs", "dropped", "pipeline.sent_outputs"),
     ("pipeline.p2p", "split", "pipeline.p2p"),
     ("training.async_tp_allreduce", "yes", "training.async_tp_allreduce"),
     ("training.grad_accumulation", "fp8", "training.grad_accumulation"),
