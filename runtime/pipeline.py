@@ -95,9 +95,10 @@ class _Stage(PipelineStage):
         # split backward, after W)
         loss = kwargs.get("loss")
         if isinstance(loss, torch.Tensor):
-            self._losses[bwd_chunk_id] = loss
-        if kwargs.get("full_backward", True):
-            self._detach_loss(bwd_chunk_id)
+            if kwargs.get("full_backward", True):
+                loss.detach_()
+            else:
+                self._losses[bwd_chunk_id] = loss  # detached after its W
         if self._in_flight:
             for info in (*self.args_recv_info.get(bwd_chunk_id, ()), *self.grad_recv_info.get(bwd_chunk_id, ())):
                 _release(info)
@@ -105,7 +106,9 @@ class _Stage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         result = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-        self._detach_loss(bwd_chunk_id)
+        loss = self._losses.pop(bwd_chunk_id, None)
+        if loss is not None:
+            loss.detach_()
         return result
 
     def _sent_outputs(self, chunk_id) -> list:
@@ -114,11 +117,6 @@ class _Stage(PipelineStage):
             return []
         outputs = self.fwd_cache.get(chunk_id, ((), None))[0]
         return [to_local_if_dtensor(t, detach=True) for t in outputs if isinstance(t, torch.Tensor)]
-
-    def _detach_loss(self, chunk_id):
-        loss = self._losses.pop(chunk_id, None)
-        if loss is not None:
-            loss.detach_()
 
     def _allocate(self, infos):
         if self._in_flight:

@@ -8,21 +8,11 @@ import json
 
 import pytest
 
-from planner.build import build_plan
-from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.model import ZOO
 from planner.plan import Plan
+from test_cost import A100, plan_for  # llama2-7b plans on one DGX A100 node
 from torchrun_helpers import assert_ok, losses_of, train, write_plan
-
-A100 = load_cluster("dgx-a100-80gb")
-
-
-def plan_for(**kw):
-    args = dict(cluster_name=A100.name, device=A100.device.name, nodes=1, devices_per_node=8, global_batch=16,
-                micro_batch=1, seq_len=2048)
-    args.update(kw)
-    return build_plan(ZOO["llama2-7b"], **args)
 
 
 def test_pipeline_transfer_buffers_by_mode():
