@@ -150,7 +150,7 @@ class Bounds:
         t0 = np.array([x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in blk])
         a = np.array([x.activation_bytes for x in blk])
         tokens = cfg.rank_micro_batch * ctx.train.seq_len  # held from I to W per block (menu's held_iw)
-        h = np.array([held_i_to_w_bytes(ctx.model, 1, cfg.tp, tokens, ctx.e, x.replay_bytes, r)
+        h = np.array([held_i_to_w_bytes(ctx.model, 1, cfg.tp, tokens, ctx.e, x.replay_bytes, r, cfg.sp)
                       for r, x in zip(self.modes, blk)])
         mbs = cfg.micro_batches
         M = ctx.lim_eff * (1 + TOL) - self.act_grad - self._recv_by_rank()  # per rank
@@ -177,7 +177,7 @@ class Bounds:
             end_t[r] += x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
             end_tp[r] += x.fwd_tp_s + x.bwd_tp_s
             end_p[r] += x.params
-            held = held_i_to_w_bytes(ctx.model, j, cfg.tp, tokens, ctx.e, 0.0, "none") if self.split else 0.0
+            held = held_i_to_w_bytes(ctx.model, j, cfg.tp, tokens, ctx.e, 0.0, "none", cfg.sp) if self.split else 0.0
             end_mem[:, r] += F[:, r, c] * x.activation_bytes + W[:, r, c] * held
         # the loss's forward holds its logits where a backward holds the activation gradients (M)
         end_mem[:, self.rank_of[-1]] += max(0.0, self.head_logits - self.act_grad)

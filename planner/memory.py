@@ -170,12 +170,13 @@ def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
 
 
 def held_i_to_w_bytes(model: ModelConfig, index: int, tp: int, tokens: float, e: float, replay_bytes: float,
-                      recompute: str) -> float:
+                      recompute: str, sp: bool) -> float:
     """What layer `index` holds from its I to its W under a split backward (zbv): what its weight
     gradients start from (ModelConfig.weight_grad_inputs_per_token, for `tokens` tokens of e bytes)
     and, fully recomputed, its replay (runtime.recompute keeps it to W; a selective block's
     replayed attention core is read by I alone, a transient)."""
-    return e * tokens * model.weight_grad_inputs_per_token(index, tp) + (replay_bytes if recompute == "full" else 0.0)
+    return (e * tokens * model.weight_grad_inputs_per_token(index, tp, sp)
+            + (replay_bytes if recompute == "full" else 0.0))
 
 
 # What "other" holds at a rank's peak (memory_by_rank's other_parts, bytes; they add up to other):
@@ -224,7 +225,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         split = None
         if two:
             tokens = plan.rank_micro_batch * t.seq_len  # held from each I to its W
-            split = {**zero, **{i: sum(held_i_to_w_bytes(m, j, tp, tokens, e, c.replay_bytes, r)
+            split = {**zero, **{i: sum(held_i_to_w_bytes(m, j, tp, tokens, e, c.replay_bytes, r,
+                                                         pipe.stages[i].sequence_parallel)
                                        for j, c, r in zip(range(pipe.stages[i].start, pipe.stages[i].end),
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}

@@ -98,7 +98,7 @@ class Menus:
         held_iw = np.zeros(len(kid))
         if split:
             tokens = cfg.rank_micro_batch * ctx.train.seq_len
-            held = lambda j: held_i_to_w_bytes(model, j, cfg.tp, tokens, ctx.e, 0.0, "none")  # noqa: E731
+            held = lambda j: held_i_to_w_bytes(model, j, cfg.tp, tokens, ctx.e, 0.0, "none", cfg.sp)  # noqa: E731
             cb2 = np.concatenate([p[0][:, 2] for p in parts])
             held_iw += karr[kid] * held(1) + emb * held(0) + head * held(self.L + 1) + cb2 * blk[2].replay_bytes
 

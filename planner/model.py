@@ -257,20 +257,24 @@ class ModelConfig:
         held = bytes_per_element * tokens * vocab
         return held, held + 4.0 * math.ceil(tokens / LOSS_CHUNKS) * vocab
 
-    def weight_grad_inputs_per_token(self, index: int, tp: int = 1) -> float:
-        """Elements per token a layer's weight gradients start from: the gradient of each weight
-        product's output (and of the embedding's output), on one TP rank. A schedule that runs the
-        weight gradients apart from the input gradients (zbv: torch.distributed.pipelining's
-        stage_backward_input keeps them for stage_backward_weight) holds them in between.
-        Column-parallel outputs are split tp ways; row-parallel ones (attention output, last MLP
-        projection) are whole on every rank."""
+    def weight_grad_inputs_per_token(self, index: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+        """Elements per token a layer's weight gradients start from: the gradient of the output of
+        each operation with a weight (the products, the norms, the embedding), on one TP rank. A
+        schedule that runs the weight gradients apart from the input gradients (zbv: torch.
+        distributed.pipelining's stage_backward_input keeps them for stage_backward_weight) holds
+        them in between. Column-parallel outputs are split tp ways; row-parallel ones (attention
+        output, last MLP projection) are whole on every rank; a norm's output (two in a block, the
+        final one in the head) is whole too, or a sequence shard under sequence parallelism.
+        Measured on CPU (zbv, 4 blocks of hidden 256 a stage): 2.95 MiB a block from I to W per
+        256 tokens in float32, where the products alone give 2.5 and the norms 0.5."""
         kind, h = self.layer_kind(index), self.hidden
+        norm = h / (tp if sequence_parallel else 1)
         if kind == "embedding":
             return float(h)
         if kind == "head":
-            return math.ceil(self.vocab / tp)
+            return math.ceil(self.vocab / tp) + norm
         column = self.q_dim + 2 * self.kv_dim + (2 if self.arch == "llama" else 1) * self.ffn_hidden
-        return column / tp + 2 * h
+        return column / tp + 2 * h + 2 * norm
 
     def activation_bytes(self, index: int, micro_batch: int, seq_len: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",

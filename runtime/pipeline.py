@@ -207,9 +207,25 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
                      recv_buffers=plan.pipeline.recv_buffers)
               for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
+    loss_fn = _freeing_logits(loss_fn)
     if cls in (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble):
         return cls(stages, n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages[0], n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
+
+
+def _freeing_logits(loss_fn: Callable) -> Callable:
+    """`loss_fn` that frees the logits' storage once it has their loss. The schedules keep the last
+    stage's output (the logits) in a local variable from its forward until the next forward on that
+    stage returns (torch distributed/pipelining/schedules.py, _step_microbatches): through the
+    micro-batch's backward, and beside the next micro-batch's logits at the end of its forward. The
+    loss keeps what its backward needs (runtime.loss: the gradient, computed in the forward), and
+    the head's backward reads its input and weight, not its output: the logits are dead once their
+    loss is computed, as they are without a pipeline (runtime.train, Trainer._accumulate)."""
+    def loss_then_free(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(logits, targets)
+        to_local_if_dtensor(logits).untyped_storage().resize_(0)
+        return loss
+    return loss_then_free
 
 
 def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Tensor, targets: torch.Tensor) -> list:

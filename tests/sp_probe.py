@@ -78,7 +78,9 @@ def measure(rank: int) -> dict:
 
 
 def split_gathers(mesh) -> dict:
-    """All-gathers of kept shards in I and in W of two blocks' split backward."""
+    """All-gathers of kept shards in I and in W of two blocks' split backward, and the C heap it
+    leaves behind once its tensors and gradients are gone (saved tensors whose autograd node
+    outlives the graph: what I leaves for W never reads)."""
     gathers, read = [0], _Gathered.read
 
     def counting(self, dtype):
@@ -87,12 +89,22 @@ def split_gathers(mesh) -> dict:
     _Gathered.read = counting
     try:
         blocks = build(True, mesh, (1, 3))
-        x = torch.randn(2, SEQ // 2, ZOO["tiny"].hidden, requires_grad=True)  # this rank's sequence shard
-        out = blocks(x)
-        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], blocks.parameters())
-        i_pass = gathers[0]
-        stage_backward_weight(blocks.parameters(), groups)
-        return {"I": i_pass, "W": gathers[0] - i_pass}
+        left = []
+        for _ in range(3):  # the first pass also builds DTensor's caches
+            gathers[0] = 0
+            gc.collect()
+            before = HEAP_READER()
+            x = torch.randn(2, SEQ // 2, ZOO["tiny"].hidden, requires_grad=True)  # this rank's sequence shard
+            out = blocks(x)
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], blocks.parameters())
+            i_pass = gathers[0]
+            stage_backward_weight(blocks.parameters(), groups)
+            del x, out, groups
+            for p in blocks.parameters():
+                p.grad = None
+            gc.collect()
+            left.append(HEAP_READER() - before)
+        return {"I": i_pass, "W": gathers[0] - i_pass, "left": left}
     finally:
         _Gathered.read = read
 

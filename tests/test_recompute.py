@@ -1,5 +1,6 @@
 """runtime.recompute: a fully recomputed block under a split backward (zbv's I and W) replays its
-forward once for both, gives the gradients of no recomputation, and frees the replay with W."""
+forward once for both, gives the gradients of no recomputation, and frees the replay with W; and
+what a block without recomputation holds from I to W, as the planner counts it."""
 from __future__ import annotations
 
 import gc
@@ -9,6 +10,7 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils.checkpoint import checkpoint
 
+from planner.memory import held_i_to_w_bytes
 from planner.model import ZOO
 from runtime import model as M
 from runtime.metrics import HEAP_READER
@@ -91,3 +93,34 @@ def test_the_replay_is_freed_with_w():
         gc.enable()
     assert held > 1e6  # the two blocks' replay, held from I to W
     assert max(after_w) < 0.1 * held, (held, after_w)
+
+
+@pytest.mark.skipif(HEAP_READER is None, reason="needs glibc's mallinfo2 to read the C heap")
+def test_i_holds_what_the_planner_counts_until_w():
+    """I keeps, for W, the gradient of every weighted operation's output: the products' and the
+    two norms' (planner.memory.held_i_to_w_bytes); beside them it makes the input's gradient.
+    Measured 0.97-0.98 of that count on two tiny blocks; without the norms' it read 1.16."""
+    blocks = _blocks()
+    rope = M.rope_tables(ZOO["tiny"])
+    b, s = 4, 32
+    held = []
+    for _ in range(3):  # the first warms torch's caches
+        for p in blocks.parameters():
+            p.grad = None
+        gc.collect()
+        gc.disable()
+        try:
+            x = torch.randn(b, s, ZOO["tiny"].hidden).requires_grad_(True)
+            h = x
+            for block in blocks:
+                h = block._forward(h, *rope)
+            g = torch.ones_like(h)
+            before = HEAP_READER()
+            dx, groups = stage_backward_input([h], [g], [x], blocks.parameters())
+            held.append(HEAP_READER() - before)
+            stage_backward_weight(blocks.parameters(), groups)
+            del groups, h, x, dx, g
+        finally:
+            gc.enable()
+    counted = 2 * held_i_to_w_bytes(ZOO["tiny"], 1, 1, b * s, 4, 0.0, "none", False) + 4 * b * s * ZOO["tiny"].hidden
+    assert 0.93 <= min(held[1:]) / counted <= 1.03, (held, counted)

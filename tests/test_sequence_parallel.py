@@ -102,13 +102,17 @@ def test_the_option_round_trips_from_the_command_line(tmp_path, capsys):
 
 def test_the_runtime_keeps_shards_and_computes_the_same():
     """Two processes, the tiny model under TP 2 with SP (tests/sp_probe.py), micro-batch 4 of 64
-    tokens: a forward keeps what the planner counts in either mode, in float32 (6.09 and 6.70 MB
+    tokens: a forward keeps what the planner counts in either mode, in float32 (6.04 and 6.70 MB
     measured against 6.30 and 6.89 counted: on CPU the planner rounds autograd's records up) and
-    under bf16 autocast over float32 weights (5.03 and 5.85 MB against 5.05 and 5.84: the float32
-    shard kept for the casts, not the casts); the shards spare what sp_gathered_bytes counts (605
-    KB measured, 590 KB counted); both modes give the same loss and gradients bit for bit; a split
-    backward (zbv) gathers each kept input once in I and once in W; the norms' partial gradients
-    are made whole in one all-reduce."""
+    under bf16 autocast over float32 weights (4.97 and 5.84 MB against 5.05 and 5.84: the float32
+    shard kept for the casts, not the casts); the shards spare what sp_gathered_bytes counts (654
+    KB measured, 590 KB counted: keeping shards also keeps each other saved tensor as a detached
+    alias, without its autograd record, 46-59 KB fewer since session 35); both modes give the same
+    loss and gradients bit for bit; a split
+    backward (zbv) gathers each kept input once in I and once in W, and leaves nothing behind (the
+    saved outputs W does not read stayed with their autograd nodes, 862 KB of two blocks a pass:
+    runtime.sp_shard detaches what it saves as is); the norms' partial gradients are made whole in
+    one all-reduce."""
     from planner.layers import layer_params_on_device, replicated_params, sp_partial_params
     if HEAP_READER is None:
         pytest.skip("the C library does not report its heap here")
@@ -120,8 +124,13 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     assert got["same"]
     # a split backward gathers each kept input (two a block) once in I and once in W, as
     # planner.comm.regathers prices it (W gathered once per reading linear before: 5 a block)
-    assert got["split_gathers"] == {"I": 4, "W": 4}
+    split = got["split_gathers"]
+    assert (split["I"], split["W"]) == (4, 4)
     cfg, b, s = ZOO["tiny"], 4, 64
+    # what two blocks' split backward leaves once its tensors are gone (after the first pass, which
+    # builds DTensor's caches): 50 KB measured, where the leak left 862 KB a pass
+    two_blocks = 2 * cfg.activation_bytes(1, 2, s, tp=2, sequence_parallel=True, bytes_per_element=4)
+    assert min(split["left"][1:]) < 0.1 * two_blocks, (split["left"], two_blocks)
     # the norms' gradients (2 a block and the final norm's) are partial sums over the TP group, as
     # many as the planner prices; reduce_partial_grads makes them whole with one all-reduce, equal
     # to DTensor's reduction of each
@@ -129,7 +138,7 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     assert got["partial_grads"] == {"partial": 2 * cfg.layers + 1, "numel": numel, "all_reduces": 1, "whole": True,
                                     "left": 0}
     counted = {}
-    for dtype, band in (("fp32", (1.0, 1.06)), ("bf16", (0.98, 1.02))):
+    for dtype, band in (("fp32", (1.0, 1.06)), ("bf16", (0.98, 1.03))):
         for saved in ("shard", "gathered"):
             t = Training(global_batch=8, micro_batch=b, seq_len=s, dtype=dtype, sp_saved_inputs=saved)
             key = saved + ("-bf16" if dtype == "bf16" else "")
@@ -140,7 +149,7 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
                 for i in range(cfg.num_layers_total))
             assert band[0] <= counted[key] / got[key] <= band[1], (key, counted[key] / got[key])
     spared = got["gathered"] - got["shard"]
-    assert 0.9 <= (counted["gathered"] - counted["shard"]) / spared <= 1.1
+    assert 0.85 <= (counted["gathered"] - counted["shard"]) / spared <= 1.1
 
 
 @pytest.mark.parametrize("limit", [3.0, 4.0])
