@@ -55,6 +55,12 @@ def read_run(path) -> dict:
         raise bad("host_other_busy_cores", "a number from 0 to host_cores, or null")
     if run.get("host_compute_slots") is not None and not _is_number(run["host_compute_slots"], 0.0):
         raise bad("host_compute_slots", "a number above 0 or null")
+    held = run.get("memory_held_after_step_bytes_per_rank")
+    if held is not None and not (isinstance(held, list) and all(
+            h is None or (isinstance(h, list) and all(x is None or _nonneg(x) for x in h)) for h in held)):
+        raise bad("memory_held_after_step_bytes_per_rank", "a list (one per rank) of lists of bytes, or null")
+    if run.get("memory_step_index") is not None and not _is_count(run["memory_step_index"]):
+        raise bad("memory_step_index", "a non-negative integer or null")
     steps = run["step_times_s"]
     if len(steps) <= run["warmup_steps"]:
         raise ConfigError(f"run.step_times_s: {path} has {len(steps)} steps, "
@@ -161,6 +167,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         "predicted_compute_slots": slots,
         "measured_compute_slots": run.get("host_compute_slots"),
         "machine_note": slots_note(run.get("host_compute_slots"), slots),
+        "memory_note": leak_note(run),
     }
 
 
@@ -226,6 +233,30 @@ def slots_note(run_slots, profile_slots) -> str | None:
             f"before the run")
 
 
+LEAK_SHARE = 0.02  # a rank holding more than this share of its peak more after each step: a leak
+
+
+def leak_note(run: dict) -> str | None:
+    """A note when a rank held more after each step than after the one before, from the step that
+    measured the memory to the last, by more than LEAK_SHARE of its peak a step on average: memory
+    that leaks (the peak is one step's; a longer run outgrows it). None where the run did not record
+    it (runtime.train's memory_held_after_step_bytes_per_rank) or ran no step after that one."""
+    held, first = run.get("memory_held_after_step_bytes_per_rank"), run.get("memory_step_index")
+    worst = None
+    for rank, (h, peak) in enumerate(zip(held or [], run["peak_memory_bytes_per_rank"])):
+        if first is None or not h or len(h) <= first + 1 or h[first] is None or h[-1] is None or not peak:
+            continue
+        grown = (h[-1] - h[first]) / (len(h) - 1 - first)
+        if grown > LEAK_SHARE * peak and (worst is None or grown / peak > worst[1] / worst[2]):
+            worst = (rank, grown, peak, len(h))
+    if worst is None:
+        return None
+    rank, grown, peak, steps = worst
+    return (f"rank {rank} held {grown / 2**20:,.1f} MiB more after each of steps {first + 2} to {steps} than after the "
+            f"one before ({grown / peak:.0%} of its peak a step): memory leaks, and a longer run will outgrow the "
+            f"peak measured")
+
+
 def comparison_table(result: dict) -> str:
     def pct(x):
         return "n/a" if x is None else f"{x:+.1%}"
@@ -251,7 +282,8 @@ def comparison_table(result: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                       for r in rows)
-    return table + "".join(f"\nnote: the run: {result[k]}" for k in ("host_note", "machine_note") if result.get(k))
+    return table + "".join(f"\nnote: the run: {result[k]}" for k in ("host_note", "machine_note", "memory_note")
+                           if result.get(k))
 
 
 def plot(result: dict, timeline, path) -> None:

@@ -198,6 +198,20 @@ class PeakMemory:
         self.bytes = counter.peak_bytes + (states.current_bytes if states is not None else 0)
 
 
+def held_bytes(device: torch.device) -> int | None:
+    """Bytes this rank holds between steps, to see whether they grow from step to step (memory
+    that leaks: planner.compare.leak_note): what PyTorch's CUDA allocator has handed out on a GPU;
+    on CPU the C heap in use once the collector has run over its young generations (the step's
+    garbage; a full collection takes 0.2 s in a process with torch loaded), None where the C
+    library does not say."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    if HEAP_READER is None:
+        return None
+    gc.collect(1)
+    return HEAP_READER()
+
+
 def environment(backend: str, device: torch.device) -> dict:
     if device.type == "cuda":
         names = [torch.cuda.get_device_name(device)]

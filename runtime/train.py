@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.compare import busy_note
+from planner.compare import busy_note, leak_note
 from planner.model import ConfigError
 from planner.args import OneLineParser
 from planner.plan import Plan, split_backward
@@ -35,7 +35,8 @@ from runtime.context_parallel import ContextParallel, apply_context_parallel
 from runtime.data import local_rows, make_source
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
-from runtime.metrics import PeakMemory, environment, gather
+from runtime.launch import free_port
+from runtime.metrics import PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm, lr_at, reduce_partial_grads
@@ -269,7 +270,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
     slots = compute_slots() if device.type == "cpu" and world > 1 else None
-    losses, times, grad_norms, opt_times, lrs, trace = [], [], [], [], [], {}
+    losses, times, grad_norms, opt_times, lrs, held, trace = [], [], [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
         ctx = peak.measure() if step == measure_at else contextlib.nullcontext()
@@ -283,6 +284,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
             torch.cuda.synchronize(device)
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        held.append(held_bytes(device))
         opt_times.append(trainer.optimizer_s)
         if not math.isfinite(loss):  # the same figure on every rank (all-reduced): they stop together
             raise ConfigError(f"step {step + 1}: the loss is {loss} (gradient norm {trainer.grad_norm:g}): training "
@@ -330,6 +332,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "peak_memory_bytes": max((p for p in peaks if p is not None), default=None),
         "peak_memory_bytes_per_rank": peaks,
         "peak_memory_method": peak.method,
+        # per rank, the bytes held after each step (runtime.metrics.held_bytes): compare notes growth
+        # after the memory-measuring step (memory_step_index in losses), a leak
+        "memory_held_after_step_bytes_per_rank": gather(held), "memory_step_index": measure_at - start_step,
         "environment": environment(backend, device),
         # CPU cores other work kept busy while this run's processes slept, before and after the steps
         "host_other_busy_cores": busy,
@@ -351,7 +356,7 @@ def main(argv=None) -> int:
         return fail(str(exc))
     if "RANK" not in os.environ:  # a one-process run without torchrun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     from runtime.device import init
     try:
@@ -362,6 +367,8 @@ def main(argv=None) -> int:
     try:
         for plan, path in plans:
             result = train(plan, path, args, device, backend)
+            if dist.get_rank() == 0 and (note := leak_note(result)):  # as trident compare says it
+                print(f"warning: {note}", file=sys.stderr, flush=True)
             if dist.get_rank() == 0 and args.out:
                 out = Path(args.out)
                 if len(plans) > 1:
@@ -381,13 +388,6 @@ def main(argv=None) -> int:
         return fail(str(exc))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -132,6 +132,11 @@ def test_run_json_reports_what_compare_needs(plans, reference, tmp_path):
     assert run["warmup_steps"] == 3 and run["tokens_per_s"] > 0  # the third one measures memory
     assert run["plan_hash"].startswith("sha256:") and run["environment"]["backend"] == "gloo"
     assert run["host_compute_slots"] is None  # one process shares nothing
+    # what the rank held after each step, and no growth after the memory-measuring step (compare's leak note)
+    held = run["memory_held_after_step_bytes_per_rank"]
+    assert len(held) == 1 and len(held[0]) == 4 and run["memory_step_index"] == 2 and all(h > 0 for h in held[0])
+    from planner.compare import leak_note
+    assert leak_note(run) is None, held
     # parameters + gradients + AdamW's two moments, all fp32, are live at the peak
     assert run["peak_memory_bytes"] >= 4 * 4 * ZOO["tiny"].num_parameters()
     assert run["losses"] == pytest.approx(reference["ref"][:4], rel=1e-6)
