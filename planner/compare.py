@@ -233,21 +233,26 @@ def slots_note(run_slots, profile_slots) -> str | None:
             f"before the run")
 
 
-LEAK_SHARE = 0.02  # a rank holding more than this share of its peak more after each step: a leak
+# a rank holding more after each step than this share of its peak, and than LEAK_FLOOR_BYTES: a
+# leak. The floor spares CPU runs of tiny models, whose C heap grew 35-190 KiB a step under gloo
+# with TP or data parallelism (not Python objects; one 30-step run's last ranks stopped at step 27)
+LEAK_SHARE, LEAK_FLOOR_BYTES = 0.02, 2**20
 
 
 def leak_note(run: dict) -> str | None:
     """A note when a rank held more after each step than after the one before, from the step that
-    measured the memory to the last, by more than LEAK_SHARE of its peak a step on average: memory
-    that leaks (the peak is one step's; a longer run outgrows it). None where the run did not record
-    it (runtime.train's memory_held_after_step_bytes_per_rank) or ran no step after that one."""
+    measured the memory to the last, by more than LEAK_SHARE of its peak (and LEAK_FLOOR_BYTES) a
+    step on average: memory that leaks (the peak is one step's; a longer run outgrows it). None
+    where the run did not record it (runtime.train's memory_held_after_step_bytes_per_rank) or ran
+    no step after that one."""
     held, first = run.get("memory_held_after_step_bytes_per_rank"), run.get("memory_step_index")
     worst = None
     for rank, (h, peak) in enumerate(zip(held or [], run["peak_memory_bytes_per_rank"])):
         if first is None or not h or len(h) <= first + 1 or h[first] is None or h[-1] is None or not peak:
             continue
         grown = (h[-1] - h[first]) / (len(h) - 1 - first)
-        if grown > LEAK_SHARE * peak and (worst is None or grown / peak > worst[1] / worst[2]):
+        if grown > max(LEAK_SHARE * peak, LEAK_FLOOR_BYTES) and (worst is None
+                                                                  or grown / peak > worst[1] / worst[2]):
             worst = (rank, grown, peak, len(h))
     if worst is None:
         return None
