@@ -7,7 +7,7 @@ medians read 192 KiB more), in float32 and under bf16 autocast over the
 float32 weights (the runtime's mixed precision without data parallelism), whether both modes
 give the same loss and gradients bit for bit, and how many all-gathers of kept shards a split
 backward (zbv's I, then W: torch.distributed.pipelining's stage_backward_input and _weight) of
-two blocks runs in each part, and how runtime.optim.reduce_partial_grads makes the norms' partial
+two blocks runs in each part and the C heap each of three such passes leaves behind, and how runtime.optim.reduce_partial_grads makes the norms' partial
 gradients whole: how many, in how many all-reduces, and whether they equal DTensor's own
 reduction of each."""
 import contextlib
