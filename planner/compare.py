@@ -234,8 +234,9 @@ def slots_note(run_slots, profile_slots) -> str | None:
 
 
 # a rank holding more after each step than this share of its peak, and than LEAK_FLOOR_BYTES: a
-# leak. The floor spares CPU runs of tiny models, whose C heap grew 35-190 KiB a step under gloo
-# with TP or data parallelism (not Python objects; one 30-step run's last ranks stopped at step 27)
+# leak. The floor spares CPU runs of tiny models, whose C heap grows 35-190 KiB a step under gloo
+# with TP or data parallelism while c10d's flight recorder fills its ring buffer of collectives
+# (bounded: it stopped at step 27 of a 30-step run; with TORCH_FR_BUFFER_SIZE=0, 1-2 KiB a step)
 LEAK_SHARE, LEAK_FLOOR_BYTES = 0.02, 2**20
 
 
