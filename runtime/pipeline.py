@@ -43,9 +43,7 @@ class _Stage(PipelineStage):
     storage of a sent output once its gradient is back (torch's action runtime keeps every send
     to the end of the step). planner.memory.stage_recv_bytes prices what remains.
 
-    The last stage drops its output (the logits) from the forward cache once the forward is done:
-    its backward starts from the loss, which keeps what it needs (runtime.loss), and the cached
-    logits would otherwise stay until each micro-batch's backward (all of them, under GPipe)."""
+    The last stage's output, the logits, is freed once its loss is computed (_freeing_logits)."""
 
     def __init__(self, *args, zero: int = 0, recv_buffers: str = "preallocated", **kwargs):
         super().__init__(*args, **kwargs)
@@ -123,12 +121,6 @@ class _Stage(PipelineStage):
             for info in infos:
                 if info.buffer is None and info.tensor_meta is not None and not info.is_root_arg:
                     info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
-
-    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        if self.is_last:
-            self.fwd_cache[fwd_chunk_id] = ((), self.fwd_cache[fwd_chunk_id][1])
-        return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self._zero not in (2, 3):
@@ -214,13 +206,14 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
 
 
 def _freeing_logits(loss_fn: Callable) -> Callable:
-    """`loss_fn` that frees the logits' storage once it has their loss. The schedules keep the last
-    stage's output (the logits) in a local variable from its forward until the next forward on that
-    stage returns (torch distributed/pipelining/schedules.py, _step_microbatches): through the
-    micro-batch's backward, and beside the next micro-batch's logits at the end of its forward. The
-    loss keeps what its backward needs (runtime.loss: the gradient, computed in the forward), and
-    the head's backward reads its input and weight, not its output: the logits are dead once their
-    loss is computed, as they are without a pipeline (runtime.train, Trainer._accumulate)."""
+    """`loss_fn` that frees the logits' storage once it has their loss. torch keeps the last stage's
+    output (the logits) in the stage's forward cache until the micro-batch's backward (all of them,
+    under GPipe), and the schedules keep it in a local variable until the next forward on that stage
+    returns (torch distributed/pipelining/schedules.py, _step_microbatches), beside the next
+    micro-batch's logits. The loss keeps what its backward needs (runtime.loss: the gradient,
+    computed in the forward; the schedule computes each loss right after its forward), and the
+    head's backward reads its input and weight, not its output: the logits are dead once their loss
+    is computed, as they are without a pipeline (runtime.train, Trainer._accumulate)."""
     def loss_then_free(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(logits, targets)
         to_local_if_dtensor(logits).untyped_storage().resize_(0)
