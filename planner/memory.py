@@ -13,6 +13,7 @@ from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import (ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes,
                                optimizer_temp_bytes, sharded_param_bytes)
 from planner.schedule import peak_with_gradients
+from planner.sends import unproven_sends
 
 
 def first_backward_binds(schedule: str, pp: int, v: int, micro_batches: int, rank: int) -> bool:
@@ -59,7 +60,8 @@ def first_backward_peak(held, act, grads, first):
 
 
 # schedules torch.distributed.pipelining plays with its action runtime (_PipelineScheduleRuntime),
-# which waits for its sends only at the end of the step: each send keeps its tensor to then
+# which waits for its sends only at the end of the step: each send would keep its tensor to then,
+# and the runtime waits for an input gradient's once its receiver has consumed it (planner.sends)
 SENDS_HELD_TO_STEP_END = ("interleaved-1f1b", "zbv")
 
 
@@ -74,14 +76,17 @@ def stage_recv_bytes(mode: str, torch_p2p: bool, schedule: str, pp: int, i: int,
     torch.distributed.pipelining's transfers, the runtime's): in flight one of each kind beyond
     that (posted before its micro-batch's turn; measured on CPU), and where the schedule holds its
     sends to the end of the step (SENDS_HELD_TO_STEP_END, torch distributed/pipelining/schedules.py,
-    _step_microbatches), every micro-batch's input gradient a stage sends as well (an output's
-    storage the runtime frees once its gradient is back, runtime.pipeline; ZB-V's two stages on
-    one rank pass theirs directly). Megatron-LM ("freed") waits for each transfer as it goes."""
+    _step_microbatches), the input gradients a stage has sent and not yet known delivered as well,
+    the most at once (planner.sends.unproven_sends: the runtime waits for each once its receiver
+    has consumed it; an output's storage the runtime frees once its gradient is back,
+    runtime.pipeline; ZB-V's two stages on one rank pass theirs directly). Megatron-LM ("freed")
+    waits for each transfer as it goes."""
     if last == 0:
         return 0.0
     takes = i > 0 and not (schedule == "zbv" and i == pp)  # its input from another rank
     gives = i < last and not (schedule == "zbv" and i == pp - 1)  # its output to another rank
-    sent = takes * micro_batches if (torch_p2p and schedule in SENDS_HELD_TO_STEP_END) else 0
+    sent = (unproven_sends(schedule, pp, (last + 1) // pp, micro_batches)[i]
+            if (torch_p2p and schedule in SENDS_HELD_TO_STEP_END) else 0)
     received = ((i > 0) + (i < last)) * micro_batches if mode == "preallocated" else (takes + gives) * torch_p2p
     return (sent + received) * msg
 

@@ -192,7 +192,8 @@ class Pipeline:
     recv_buffers: str = RUNTIME_RECV_BUFFERS
     # what a stage sends: "kept" (torch.distributed.pipelining, the runtime: each output to its
     # backward in the stage's forward cache, and under the schedules torch plays with its action
-    # runtime each input gradient to the end of the step; planner.memory.stage_recv_bytes) or "freed"
+    # runtime each input gradient until it is known delivered, planner.sends;
+    # planner.memory.stage_recv_bytes) or "freed"
     # (Megatron-LM: deallocate_output_tensor keeps only the output's autograd node once sent, and
     # each transfer is waited for as it goes; prediction only)
     sent_outputs: str = "kept"

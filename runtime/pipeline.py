@@ -21,6 +21,7 @@ from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.stage import to_local_if_dtensor
 
 from planner.plan import Plan
+from planner.sends import delivery_proofs
 
 
 class _Stage(PipelineStage):
@@ -39,9 +40,10 @@ class _Stage(PipelineStage):
 
     What torch would hold longer than a micro-batch needs, the stage lets go: receive buffers under
     pipeline.recv_buffers "in-flight" (allocated when posted, dropped after the backward), each
-    loss's autograd graph (its leaf is the last stage's input) after the backward, and the
+    loss's autograd graph (its leaf is the last stage's input) after the backward, the
     storage of a sent output once its gradient is back (torch's action runtime keeps every send
-    to the end of the step). planner.memory.stage_recv_bytes prices what remains.
+    to the end of the step), and, under that runtime, a sent input gradient once its receiver is
+    known to have consumed it (_Sends). planner.memory.stage_recv_bytes prices what remains.
 
     The last stage's output, the logits, is freed once its loss is computed (_freeing_logits)."""
 
@@ -50,6 +52,23 @@ class _Stage(PipelineStage):
         self._zero = zero
         self._in_flight = recv_buffers == "in-flight"
         self._losses: dict = {}
+        self.sends: _Sends | None = None  # the rank's, under torch's action runtime (build_schedule)
+
+    # torch's action runtime (interleaved, zbv) waits for its sends only at the end of the step, and
+    # every micro-batch's input gradient would stay until then (planner.sends): the rank's _Sends
+    # posts them instead (isend, as torch's _batch_p2p does for a batch of sends) and waits for
+    # each once the receiver is known to have consumed it
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if self.sends is None:
+            return ops
+        self.sends.post((self.stage_index, bwd_chunk_id), ops)
+        return []
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        if self.sends is not None:
+            self.sends.reached(("F", self.stage_index, fwd_chunk_id))
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     # pipeline.recv_buffers "in-flight": a receive buffer is allocated when its transfer is posted
     # and dropped once its micro-batch's backward is done (what autograd still needs keeps its own
@@ -81,6 +100,8 @@ class _Stage(PipelineStage):
         return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        if self.sends is not None:
+            self.sends.reached(("B" if kwargs.get("full_backward", True) else "I", self.stage_index, bwd_chunk_id))
         sent = self._sent_outputs(bwd_chunk_id)
         result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         for t in sent:
@@ -171,6 +192,35 @@ class _Stage(PipelineStage):
         return result
 
 
+class _Sends:
+    """A pipeline rank's input-gradient sends under torch's action runtime, each waited for once
+    the receiving rank is known to have consumed it (planner.sends.delivery_proofs over the
+    schedule's own compute orders), the rest at the end of the step (finish). A wait for a consumed
+    transfer returns at once."""
+
+    def __init__(self, schedule, rank: int):
+        orders = {r: [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions if a is not None]
+                  for r, actions in schedule.pipeline_order.items()}
+        ranks = schedule.stage_index_to_group_rank
+        self._proofs = delivery_proofs(orders, ranks.__getitem__, len(ranks))[rank]
+        self._works: dict = {}  # (stage, micro-batch) -> works
+
+    def post(self, key, ops) -> None:
+        self._works[key] = [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+
+    def reached(self, action) -> None:
+        """`action` (kind, stage, micro-batch) starts: its input is consumed."""
+        for key in self._proofs.get(action, ()):
+            for work in self._works.pop(key, ()):
+                work.wait()
+
+    def finish(self) -> None:
+        for works in self._works.values():
+            for work in works:
+                work.wait()
+        self._works.clear()
+
+
 def _release(info) -> None:
     """Drop a receive info's buffer (a stage's first inputs are the batch itself: none)."""
     if not info.is_root_arg:
@@ -200,8 +250,12 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
               for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     loss_fn = _freeing_logits(loss_fn)
-    if cls in (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble):
-        return cls(stages, n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
+    if cls in (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble):  # torch's action runtime
+        schedule = cls(stages, n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
+        sends = _Sends(schedule, stages[0].group_rank)
+        for stage in stages:
+            stage.sends = sends
+        return schedule
     return cls(stages[0], n_microbatches=plan.pipeline.micro_batches, loss_fn=loss_fn, scale_grads=True)
 
 
@@ -227,6 +281,9 @@ def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Te
     args = (inputs,) if 0 in stage_ids else ()
     kwargs = {"target": targets, "losses": losses} if n_stages - 1 in stage_ids else {}
     schedule.step(*args, return_outputs=False, **kwargs)
+    sends = (getattr(schedule, "_stages", None) or [schedule._stage])[0].sends
+    if sends is not None:
+        sends.finish()
     # detached: each loss would keep its micro-batch's autograd graph (nodes and records, which the
     # backward leaves behind) alive through the optimizer step; on CPU that is the device's memory,
     # 0.6 MiB at the optimizer step of tests/test_first_backward.py's pp2 1F1B plan, the tiny model's head stage

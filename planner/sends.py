@@ -1,0 +1,123 @@
+"""When a pipeline rank may let go of an input gradient it has sent: once it knows the receiving
+rank has consumed it.
+
+torch.distributed.pipelining's action runtime (interleaved 1F1B, ZB-V) waits for its sends only
+at the end of the step, and the process groups keep each sent tensor until its work is waited
+(gloo's work holds it, and ProcessGroupNCCL unstashes its references only in wait(): noted in
+pytorch/pytorch#194120), so a rank would hold every input gradient of the step. The runtime
+(runtime.pipeline) waits for a send once it has word that the receiver consumed it: the send's
+transfer is then over, so the wait returns at once and cannot deadlock, on any backend.
+
+Word travels only with the messages: a rank knows what the sender of a message it has consumed
+knew when it sent it, and its own past. Vector clocks over the ranks' compute orders
+(planner.schedule.rank_order, the order torch runs) carry it; each send is posted right after the
+compute action that produces it, and a receive is consumed by the compute action that needs it
+(torch waits for it just before). Late in the step no message comes back to prove delivery, so a
+rank still holds the sends of its last backwards until the step ends; planner.memory prices the
+most a stage holds at once (unproven_sends).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from planner.plan import stage_rank
+from planner.schedule import rank_order
+
+
+def _message(kind: str, s: int, n_stages: int, rank_of, r: int):
+    """(receiving stage, receiving rank, is a backward send) of the message action (kind, s) on
+    rank r sends another rank, or None."""
+    if kind == "F" and s < n_stages - 1 and rank_of(s + 1) != r:
+        return s + 1, rank_of(s + 1), False
+    if kind in ("B", "I") and s > 0 and rank_of(s - 1) != r:
+        return s - 1, rank_of(s - 1), True
+    return None
+
+
+def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
+    """{rank: {(kind, stage, micro-batch) of a compute action: [(stage, micro-batch) of the
+    backward sends it proves delivered]}}, from each rank's compute actions in order (`orders`:
+    rank -> [(kind, stage, micro-batch)], kinds F, B, I, W) and the rank of each stage. A rank
+    learns, by the time an action starts (its received input consumed), every action the senders
+    of what it has consumed had run; a backward send is delivered once its receiver has run the
+    action that consumes it. Sends no action proves are left to the end of the step."""
+    ranks = sorted(orders)
+    col = {r: k for k, r in enumerate(ranks)}
+    where = {r: {(("B" if a[0] in ("B", "I") else a[0]), a[1], a[2]): i for i, a in enumerate(orders[r])}
+             for r in ranks}
+    clock = {r: [-1] * len(ranks) for r in ranks}
+    stamps: dict = {}  # (kind "F"/"B", receiving stage, micro-batch) -> the sender's clock
+    pending = {r: [] for r in ranks}  # [(consumer rank, its action's index, (stage, micro-batch))]
+    proofs = {r: {} for r in ranks}
+    nxt = dict.fromkeys(ranks, 0)
+    while any(nxt[r] < len(orders[r]) for r in ranks):
+        moved = False
+        for r in ranks:
+            while nxt[r] < len(orders[r]):
+                kind, s, j = orders[r][nxt[r]]
+                need = None
+                if kind == "F" and s > 0 and rank_of(s - 1) != r:
+                    need = ("F", s, j)
+                elif kind in ("B", "I") and s < n_stages - 1 and rank_of(s + 1) != r:
+                    need = ("B", s, j)
+                if need is not None and need not in stamps:
+                    break
+                mine = clock[r]
+                if need is not None:
+                    mine[:] = [max(a, b) for a, b in zip(mine, stamps[need])]
+                mine[col[r]] = nxt[r]
+                done = [p for p in pending[r] if mine[col[p[0]]] >= p[1]]
+                if done:
+                    proofs[r][(kind, s, j)] = [p[2] for p in done]
+                    pending[r] = [p for p in pending[r] if mine[col[p[0]]] < p[1]]
+                msg = _message(kind, s, n_stages, rank_of, r)
+                if msg is not None:
+                    stage, peer, backward = msg
+                    stamps[("B" if backward else "F", stage, j)] = list(mine)
+                    if backward:
+                        pending[r].append((peer, where[peer][("B", stage, j)], (s, j)))
+                nxt[r] += 1
+                moved = True
+        if not moved:
+            raise ValueError("the compute orders wait on each other: no rank can run its next action")
+    return proofs
+
+
+def held_sends(order: list, proofs: dict, n_stages: int, rank_of, r: int) -> dict:
+    """{stage: most of its backward sends rank r holds at once} (sent, not yet proven delivered),
+    counted at each action's start as the runtime lets them go."""
+    held: dict = {}
+    most: dict = {}
+    for kind, s, j in order:
+        for stage, _ in proofs.get((kind, s, j), ()):
+            held[stage] -= 1
+        msg = _message(kind, s, n_stages, rank_of, r)
+        if msg is not None and msg[2]:
+            held[s] = held.get(s, 0) + 1
+            most[s] = max(most.get(s, 0), held[s])
+    return most
+
+
+# micro-batches (per pp ranks) past which the most each stage holds no longer grows: the steady
+# state repeats and the last backwards are the same few; it stops at 1 on every schedule, pp 2 to 8
+# and up to 24 (tests/test_sends.py)
+STEADY_ROUNDS = 4
+
+
+def unproven_sends(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple:
+    """Per stage, the most of its input gradients its rank holds sent and not yet proven delivered
+    (delivery_proofs over planner.schedule.rank_order), under `schedule`; past STEADY_ROUNDS x pp
+    micro-batches, as at that many (the search prices thousands of configurations)."""
+    return _unproven(schedule, pp, virtual_stages, min(micro_batches, STEADY_ROUNDS * pp))
+
+
+@lru_cache(maxsize=1024)
+def _unproven(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple:
+    n = pp * virtual_stages
+    orders = {r: rank_order(schedule, pp, virtual_stages, micro_batches, r) for r in range(pp)}
+    rank_of = lambda s: stage_rank(schedule, pp, s)  # noqa: E731
+    proofs = delivery_proofs(orders, rank_of, n)
+    most: dict = {}
+    for r in range(pp):
+        most.update(held_sends(orders[r], proofs[r], n, rank_of, r))
+    return tuple(most.get(s, 0) for s in range(n))
