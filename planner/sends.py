@@ -34,6 +34,16 @@ def _message(kind: str, s: int, n_stages: int, rank_of, r: int):
     return None
 
 
+def _awaited(kind: str, s: int, n_stages: int, rank_of, r: int):
+    """(kind "F"/"B", receiving stage) of the message action (kind, s) on rank r waits for from
+    another rank (the micro-batch is the action's), or None."""
+    if kind == "F" and s > 0 and rank_of(s - 1) != r:
+        return "F", s
+    if kind in ("B", "I") and s < n_stages - 1 and rank_of(s + 1) != r:
+        return "B", s
+    return None
+
+
 def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
     """{rank: {(kind, stage, micro-batch) of a compute action: [(stage, micro-batch) of the
     backward sends it proves delivered]}}, from each rank's compute actions in order (`orders`:
@@ -55,21 +65,17 @@ def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
         for r in ranks:
             while nxt[r] < len(orders[r]):
                 kind, s, j = orders[r][nxt[r]]
-                need = None
-                if kind == "F" and s > 0 and rank_of(s - 1) != r:
-                    need = ("F", s, j)
-                elif kind in ("B", "I") and s < n_stages - 1 and rank_of(s + 1) != r:
-                    need = ("B", s, j)
-                if need is not None and need not in stamps:
+                need = _awaited(kind, s, n_stages, rank_of, r)
+                if need is not None and (*need, j) not in stamps:
                     break
                 mine = clock[r]
                 if need is not None:
-                    mine[:] = [max(a, b) for a, b in zip(mine, stamps[need])]
+                    mine[:] = [max(a, b) for a, b in zip(mine, stamps[(*need, j)])]
                 mine[col[r]] = nxt[r]
-                done = [p for p in pending[r] if mine[col[p[0]]] >= p[1]]
-                if done:
-                    proofs[r][(kind, s, j)] = [p[2] for p in done]
-                    pending[r] = [p for p in pending[r] if mine[col[p[0]]] < p[1]]
+                known = [mine[col[p[0]]] >= p[1] for p in pending[r]]
+                if any(known):
+                    proofs[r][(kind, s, j)] = [p[2] for p, k in zip(pending[r], known) if k]
+                    pending[r] = [p for p, k in zip(pending[r], known) if not k]
                 msg = _message(kind, s, n_stages, rank_of, r)
                 if msg is not None:
                     stage, peer, backward = msg
@@ -98,9 +104,9 @@ def held_sends(order: list, proofs: dict, n_stages: int, rank_of, r: int) -> dic
     return most
 
 
-# micro-batches (per pp ranks) past which the most each stage holds no longer grows: the steady
-# state repeats and the last backwards are the same few; it stops at 1 on every schedule, pp 2 to 8
-# and up to 24 (tests/test_sends.py)
+# micro-batches (in units of pp) past which the most each stage holds no longer changes: the steady
+# state repeats and the last backwards are the same few. It is constant from 1 x pp on for both
+# schedules, pp 2 to 8, up to 24 x pp (tests/test_sends.py)
 STEADY_ROUNDS = 4
 
 
