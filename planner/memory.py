@@ -66,7 +66,7 @@ SENDS_HELD_TO_STEP_END = ("interleaved-1f1b", "zbv")
 
 
 def stage_recv_bytes(mode: str, torch_p2p: bool, schedule: str, pp: int, i: int, last: int, micro_batches: int,
-                     msg: float) -> float:
+                     msg: float, together: bool = True) -> float:
     """Transfer buffers stage i of last + 1 holds (`msg` bytes each), as held all step.
     "preallocated": torch.distributed.pipelining's stage allocates, when the step starts, one
     input-activation buffer per micro-batch on every stage but the first and one output-gradient
@@ -76,16 +76,17 @@ def stage_recv_bytes(mode: str, torch_p2p: bool, schedule: str, pp: int, i: int,
     torch.distributed.pipelining's transfers, the runtime's): in flight one of each kind beyond
     that (posted before its micro-batch's turn; measured on CPU), and where the schedule holds its
     sends to the end of the step (SENDS_HELD_TO_STEP_END, torch distributed/pipelining/schedules.py,
-    _step_microbatches), the input gradients a stage has sent and not yet known delivered as well,
-    the most at once (planner.sends.unproven_sends: the runtime waits for each once its receiver
-    has consumed it; an output's storage the runtime frees once its gradient is back,
+    _step_microbatches), the input gradients a stage has sent and not yet known delivered as well:
+    at its rank's worst moment where `together` (every stage of the rank sends messages of one
+    size), else its own most (planner.sends.unproven_sends: the runtime waits for each once its
+    receiver has consumed it; an output's storage the runtime frees once its gradient is back,
     runtime.pipeline; ZB-V's two stages on one rank pass theirs directly). Megatron-LM ("freed")
     waits for each transfer as it goes."""
     if last == 0:
         return 0.0
     takes = i > 0 and not (schedule == "zbv" and i == pp)  # its input from another rank
     gives = i < last and not (schedule == "zbv" and i == pp - 1)  # its output to another rank
-    sent = (unproven_sends(schedule, pp, (last + 1) // pp, micro_batches)[i]
+    sent = (unproven_sends(schedule, pp, (last + 1) // pp, micro_batches, together)[i]
             if (torch_p2p and schedule in SENDS_HELD_TO_STEP_END) else 0)
     received = ((i > 0) + (i < last)) * micro_batches if mode == "preallocated" else (takes + gives) * torch_p2p
     return (sent + received) * msg
@@ -95,9 +96,10 @@ def recv_buffer_bytes(plan: Plan, stage_ids) -> float:
     """Receive buffers the pipeline runtime holds on the rank of `stage_ids` (stage_recv_bytes)."""
     pipe, t, m = plan.pipeline, plan.training, plan.model
     msg = DTYPES[t.dtype] * plan.rank_micro_batch * t.seq_len * m.hidden
+    msgs = {i: msg / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1) for i in stage_ids}
+    together = len(set(msgs.values())) <= 1
     return sum(stage_recv_bytes(pipe.recv_buffers, pipe.sent_outputs == "kept", pipe.schedule, plan.mesh.pp, i,
-                                len(pipe.stages) - 1, pipe.micro_batches,
-                                msg / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1)) for i in stage_ids)
+                                len(pipe.stages) - 1, pipe.micro_batches, msgs[i], together) for i in stage_ids)
 
 
 def stage_output_bytes(plan: Plan, i: int) -> float:

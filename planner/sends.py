@@ -89,11 +89,13 @@ def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
     return proofs
 
 
-def held_sends(order: list, proofs: dict, n_stages: int, rank_of, r: int) -> dict:
-    """{stage: most of its backward sends rank r holds at once} (sent, not yet proven delivered),
-    counted at each action's start as the runtime lets them go."""
+def held_sends(order: list, proofs: dict, n_stages: int, rank_of, r: int) -> tuple[dict, dict]:
+    """({stage: most of its backward sends rank r holds at once}, {stage: those it holds when the
+    rank holds the most of all its stages'}), sent and not yet proven delivered, counted at each
+    action's start as the runtime lets them go."""
     held: dict = {}
     most: dict = {}
+    peak: dict = {}
     for kind, s, j in order:
         for stage, _ in proofs.get((kind, s, j), ()):
             held[stage] -= 1
@@ -101,29 +103,39 @@ def held_sends(order: list, proofs: dict, n_stages: int, rank_of, r: int) -> dic
         if msg is not None and msg[2]:
             held[s] = held.get(s, 0) + 1
             most[s] = max(most.get(s, 0), held[s])
-    return most
+            if sum(held.values()) > sum(peak.values()):
+                peak = dict(held)
+    return most, peak
 
 
-# micro-batches (in units of pp) past which the most each stage holds no longer changes: the steady
-# state repeats and the last backwards are the same few. It is constant from 1 x pp on for both
-# schedules, pp 2 to 8, up to 24 x pp (tests/test_sends.py)
+# micro-batches (in units of pp) past which what each stage holds no longer changes: the steady
+# state repeats and the last backwards are the same few. Each stage's most is constant from 1 x pp
+# on for both schedules, pp 2 to 8, up to 24 x pp, and so are the counts at a rank's worst moment
+# from 4 x pp on (tests/test_sends.py)
 STEADY_ROUNDS = 4
 
 
-def unproven_sends(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple:
-    """Per stage, the most of its input gradients its rank holds sent and not yet proven delivered
-    (delivery_proofs over planner.schedule.rank_order), under `schedule`; past STEADY_ROUNDS x pp
-    micro-batches, as at that many (the search prices thousands of configurations)."""
-    return _unproven(schedule, pp, virtual_stages, min(micro_batches, STEADY_ROUNDS * pp))
+def unproven_sends(schedule: str, pp: int, virtual_stages: int, micro_batches: int, together: bool = True) -> tuple:
+    """Per stage, the input gradients its rank holds sent and not yet proven delivered
+    (delivery_proofs over planner.schedule.rank_order) under `schedule`: `together`, those it holds
+    when its rank holds the most of all its stages' (the rank's worst moment where every stage's
+    message is the same size: a third of the stages' own maxima summed on interleaved pp 16 with
+    6 chunks), else each stage's own most. Past STEADY_ROUNDS x pp micro-batches, as at that many
+    (the search prices thousands of configurations)."""
+    return _unproven(schedule, pp, virtual_stages, min(micro_batches, STEADY_ROUNDS * pp))[0 if together else 1]
 
 
 @lru_cache(maxsize=1024)
-def _unproven(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple:
+def _unproven(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[tuple, tuple]:
+    """(per stage at its rank's worst moment, per stage at its own), unproven_sends's two."""
     n = pp * virtual_stages
     orders = {r: rank_order(schedule, pp, virtual_stages, micro_batches, r) for r in range(pp)}
     rank_of = lambda s: stage_rank(schedule, pp, s)  # noqa: E731
     proofs = delivery_proofs(orders, rank_of, n)
     most: dict = {}
+    peak: dict = {}
     for r in range(pp):
-        most.update(held_sends(orders[r], proofs[r], n, rank_of, r))
-    return tuple(most.get(s, 0) for s in range(n))
+        own, together = held_sends(orders[r], proofs[r], n, rank_of, r)
+        most.update(own)
+        peak.update(together)
+    return tuple(peak.get(s, 0) for s in range(n)), tuple(most.get(s, 0) for s in range(n))

@@ -97,7 +97,27 @@ def test_past_a_few_rounds_of_micro_batches_the_most_held_stays(schedule, v):
     """unproven_sends prices more than STEADY_ROUNDS x pp micro-batches as that many: exact, for
     pp 2 to 8 and up to 24 x pp micro-batches."""
     for p in range(2, 9):
-        steady = unproven_sends(schedule, p, v, STEADY_ROUNDS * p)
+        steady = _unproven(schedule, p, v, STEADY_ROUNDS * p)  # at the rank's worst moment, and each stage's most
         odd = (5 * p + 1, 9 * p + 3) if schedule == "zbv" else ()  # ZB-V takes any number
-        for m in (p, 5 * p, 9 * p, 24 * p, *odd):
+        for m in (5 * p, 9 * p, 24 * p, *odd):
             assert _unproven(schedule, p, v, m) == steady, (p, m)
+
+
+@pytest.mark.parametrize("schedule,p,v,m", CASES + [("interleaved-1f1b", 8, 4, 32)])
+def test_a_ranks_worst_moment_holds_at_most_each_stages_most(schedule, p, v, m):
+    """Counted together, a rank's stages hold what they hold at its worst moment: the most it holds
+    at once, played here action by action, and no stage more than its own most."""
+    n = p * v
+    rank_of = lambda s: stage_rank(schedule, p, s)  # noqa: E731
+    orders = _orders(schedule, p, v, m)
+    proofs = delivery_proofs(orders, rank_of, n)
+    together, own = unproven_sends(schedule, p, v, m), unproven_sends(schedule, p, v, m, together=False)
+    for r in range(p):
+        held = most = 0
+        for kind, s, j in orders[r]:
+            held -= len(proofs[r].get((kind, s, j), ()))
+            held += kind in ("B", "I") and s > 0 and rank_of(s - 1) != r
+            most = max(most, held)
+        mine = [s for s in range(n) if rank_of(s) == r]
+        assert sum(together[s] for s in mine) == most, r
+        assert all(together[s] <= own[s] for s in mine)
