@@ -275,13 +275,18 @@ def _freeing_logits(loss_fn: Callable) -> Callable:
     return loss_then_free
 
 
+def _stages_of(schedule) -> list:
+    """The stages this rank runs: a multi-stage schedule's, or a single-stage schedule's one."""
+    return getattr(schedule, "_stages", None) or [schedule._stage]
+
+
 def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Tensor, targets: torch.Tensor) -> list:
     """One step through the pipeline; returns the per-micro-batch losses (empty off the last stage)."""
     losses: list = []
     args = (inputs,) if 0 in stage_ids else ()
     kwargs = {"target": targets, "losses": losses} if n_stages - 1 in stage_ids else {}
     schedule.step(*args, return_outputs=False, **kwargs)
-    sends = (getattr(schedule, "_stages", None) or [schedule._stage])[0].sends
+    sends = _stages_of(schedule)[0].sends
     if sends is not None:
         sends.finish()
     # detached: each loss would keep its micro-batch's autograd graph (nodes and records, which the
@@ -298,9 +303,8 @@ def held_tensors(schedule) -> list[torch.Tensor]:
     (torch.distributed.pipelining's clear_runtime_states)."""
     if schedule is None:
         return []
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
     out = []
-    for stage in stages:
+    for stage in _stages_of(schedule):
         for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
             for info in infos:
                 buf = getattr(info, "buffer", None)
