@@ -6,7 +6,7 @@ Bad input (an invalid plan, a world size other than the plan's, a plan predicted
 a mismatched checkpoint) ends every rank with one line on stderr and exit status 2, checked
 before the process group starts wherever possible. `--plan` may name several plans of the same
 world size; they are trained one after another in the same processes (the tests use this to pay
-torchrun's start-up once), each writing OUT/<plan file stem>.json where OUT is then a directory.
+the start-up once), each writing OUT/<plan file stem>.json where OUT is then a directory.
 """
 from __future__ import annotations
 

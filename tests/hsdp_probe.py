@@ -1,8 +1,9 @@
-"""Run by tests/test_hsdp.py under torchrun: runtime.train's main with its arguments, counting the
+"""Run by tests/test_hsdp.py in several ranks: runtime.train's main with its arguments, counting the
 all-reduces each plan issues on each process group. Each rank writes {plan: {"ranks of the group":
 calls}} to COUNTS_DIR/rank<r>.json.
 
-    python -m torch.distributed.run ... tests/hsdp_probe.py COUNTS_DIR --plan ... --steps ... --out ..."""
+    python tests/forkrun.py N tests.hsdp_probe COUNTS_DIR --plan ... --steps ... --out ...
+    (or python -m torch.distributed.run ... tests/hsdp_probe.py COUNTS_DIR ...)"""
 import json
 import os
 import sys
@@ -14,8 +15,9 @@ import torch.distributed as dist
 import runtime.train as rt
 
 
-def main() -> int:
-    out, argv = Path(sys.argv[1]), sys.argv[2:]
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out, argv = Path(argv[0]), argv[1:]
     counts: dict[str, Counter] = {}
     current = [""]
     all_reduce, train = dist.all_reduce, rt.train

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from planner.model import ConfigError, ZOO
 from planner.plan import Mesh, Plan
 from planner.build import build_plan
 from planner.hsdp import replica_counts
-from torchrun_helpers import REPO, assert_ok, assert_same_losses, env, free_port, losses_of, train, write_plan
+from torchrun_helpers import assert_ok, assert_same_losses, losses_of, ranks, train, write_plan
 
 A100 = load_cluster("dgx-a100-80gb")
 
@@ -104,10 +102,8 @@ def test_hsdp_trains_like_one_process_and_all_reduces_across_replicas_once_a_ste
              write_plan(d, "hsdp-pp2-zbv", world=8, pp=2, zero=3, dp_replicate=2, micro_batch=1, schedule="zbv")]
     assert_ok(train(1, "--plan", ref, "--steps", STEPS, "--out", tmp_path / "ref.json"))
     want = losses_of(tmp_path / "ref.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port", str(free_port()),
-           str(REPO / "tests" / "hsdp_probe.py"), str(tmp_path / "counts"), "--plan", *plans, "--steps", STEPS,
-           "--out", tmp_path / "runs"]
-    assert_ok(subprocess.run(list(map(str, cmd)), cwd=REPO, env=env(), capture_output=True, text=True, timeout=300))
+    assert_ok(ranks(8, "tests.hsdp_probe", tmp_path / "counts", "--plan", *plans, "--steps", STEPS,
+                    "--out", tmp_path / "runs"))
     # memory does not depend on the device's speed; it does on the collectives' library
     cluster = dataclasses.replace(A100.shaped_as(1, 8), backend="gloo")
     for p in plans:

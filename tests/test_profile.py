@@ -1,6 +1,6 @@
 """The profiler: measured cluster and model profiles, and pricing with them (compare: test_compare.py).
 
-Two short torchrun launches (2 gloo processes, the fixtures of tests/conftest.py): a quick cluster
+Two short launches (2 gloo ranks, the fixtures of tests/conftest.py): a quick cluster
 sweep and a model profile at tp 1, 2.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from planner.cost import estimate
 from planner.model import ZOO, ConfigError
 from planner.model_profile import fit_alpha_beta, fit_linear, fit_segments, load_model_profile, model_profile_from_dict
 from planner.build import build_plan
-from tests.torchrun_helpers import REPO, profile_torchrun as torchrun
+from tests.torchrun_helpers import REPO, profile_ranks
 
 # ------------------------------------------------------------------ fits
 def test_alpha_beta_fit_recovers_a_line():
@@ -283,7 +283,7 @@ def test_a_bf16_model_profile_prices_bf16_plans_only(cluster_profile):
     """`profile model --dtype bf16` times the layers under the runtime's autocast (the GPU default);
     the profile says so, and a plan computing in another dtype is refused in one line."""
     out = cluster_profile.parent / "tiny-bf16.json"
-    proc = torchrun(1, "model", "--model", "tiny", "--cluster-profile", cluster_profile, "--seq-len", 32,
+    proc = profile_ranks(1, "model", "--model", "tiny", "--cluster-profile", cluster_profile, "--seq-len", 32,
                     "--micro-batches", "1,2", "--tp", "1", "--repeats", 3, "--dtype", "bf16", "-o", out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     mp = load_model_profile(str(out))

@@ -1,6 +1,7 @@
 """Launching the runtime from tests: plans of the tiny models written for CPU, `runtime.train` and
-`runtime.profile` under torchrun with gloo, and the checks on what a run reports. Shared by the
-test modules that train or profile (test_runtime.py and the others)."""
+`runtime.profile` in several gloo ranks (tests/forkrun.py: forked as torchrun would start them,
+sharing one import of torch), and the checks on what a run reports. Shared by the test modules
+that train or profile (test_runtime.py and the others)."""
 from __future__ import annotations
 
 import json
@@ -44,20 +45,22 @@ def env() -> dict:
     return e
 
 
-def profile_torchrun(nproc: int, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m runtime.profile ARGS` under torchrun with `nproc` gloo processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "-m", "runtime.profile", *map(str, args)]
+def ranks(nproc: int, module: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in `nproc` gloo ranks on this machine (tests/forkrun.py)."""
+    cmd = [sys.executable, str(REPO / "tests" / "forkrun.py"), str(nproc), module, *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+def profile_ranks(nproc: int, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """runtime.profile with these arguments in `nproc` gloo ranks."""
+    return ranks(nproc, "runtime.profile", *args, timeout=timeout)
+
+
 def train(nproc: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    """runtime.train with these arguments: in one plain process when nproc == 1, else torchrun."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "runtime.train", *map(str, args)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "runtime.train", *map(str, args)]
+    """runtime.train with these arguments: in one plain process when nproc == 1, else in nproc ranks."""
+    if nproc > 1:
+        return ranks(nproc, "runtime.train", *args, timeout=timeout)
+    cmd = [sys.executable, "-m", "runtime.train", *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 

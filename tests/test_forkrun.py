@@ -1,0 +1,58 @@
+"""tests/forkrun.py, the launcher the training and profiling tests start their ranks with: each rank
+gets torchrun's environment, and one rank failing stops the others and gives its exit status."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from torchrun_helpers import REPO, env
+
+PROBE = '''
+import json, os, sys, time
+import torch.distributed as dist
+
+def main(argv):
+    out = argv[0]
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    dist.init_process_group("gloo")
+    with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys} | {"argv": sys.argv, "pid": os.getpid()}, f)
+    dist.barrier()
+    if argv[1] == "fail" and dist.get_rank() == 1:
+        return 3
+    if argv[1] == "fail":
+        time.sleep(60)  # as a rank waiting for a peer that is gone, where nothing tells it
+    dist.destroy_process_group()
+    return 0
+'''
+
+
+def _launch(tmp_path, nproc, how):
+    (tmp_path / "forkrun_probe.py").write_text(PROBE)
+    e = env()
+    e["PYTHONPATH"] = os.pathsep.join([str(tmp_path), e["PYTHONPATH"]])
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "forkrun.py"), str(nproc), "forkrun_probe",
+                           str(tmp_path), how], cwd=REPO, env=e, capture_output=True, text=True, timeout=60)
+    return proc, time.monotonic() - start
+
+
+def test_ranks_get_torchruns_environment_and_one_failure_stops_them_all(tmp_path):
+    proc, _ = _launch(tmp_path, 3, "ok")
+    assert proc.returncode == 0, proc.stderr
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for r, g in enumerate(got):
+        assert (g["RANK"], g["LOCAL_RANK"], g["WORLD_SIZE"], g["LOCAL_WORLD_SIZE"], g["GROUP_RANK"]) == \
+            (str(r), str(r), "3", "3", "0")
+        assert g["argv"] == ["forkrun_probe", str(tmp_path), "ok"]
+    assert len({g["pid"] for g in got}) == 3 and len({g["MASTER_PORT"] for g in got}) == 1
+    # rank 1 leaves with 3 while rank 0 waits on: rank 0 is stopped, the status is rank 1's
+    proc, took = _launch(tmp_path, 2, "fail")
+    assert proc.returncode == 3 and took < 30, (proc.returncode, took, proc.stderr[-2000:])
+    assert "stopping the others" in proc.stderr
+    for r in range(2):
+        pid = json.loads((tmp_path / f"rank{r}.json").read_text())["pid"]
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
