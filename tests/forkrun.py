@@ -55,10 +55,12 @@ def _rank(module, r: int, nproc: int, port: int, args: list[str]) -> None:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # as the modules' own __main__ does: no interpreter teardown under gloo
+    finally:  # never return into the launcher's loop, whatever happened
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:  # as the modules' own __main__ does: no interpreter teardown under gloo
+            os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def run(nproc: int, module_name: str, args: list[str]) -> int:
