@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import statistics
 import time
 
@@ -30,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.model import ConfigError, load_model
 from planner.model_profile import FORMAT_VERSION, fit_linear
-from runtime.device import current, scalar, sync
+from runtime.device import current, sync
+from runtime.profile_optimizer import MIN_SAMPLE_S, passes_per_sample, time_optimizer
 
 AMP_DTYPES = {"bf16": torch.bfloat16}  # computed under autocast over float32 weights, as runtime.train does
 
@@ -123,19 +123,6 @@ def _counter_name() -> str:
     return memory_counter(current())[1]
 
 
-MIN_SAMPLE_S = 0.02  # a timed sample spans several scheduler time slices
-STREAM_COPIES_MAX = 64  # copies of a layer's parameters the optimizer's timing streams through at most
-
-
-def _passes_per_sample(seconds: float) -> int:
-    """Back-to-back repetitions per timed sample, the same on every rank: processes that share
-    cores are preempted every few milliseconds, so a single short pass times either a full core
-    or a wait; a sample of several slices times the sustained share each process gets."""
-    k = scalar(max(1, math.ceil(MIN_SAMPLE_S / max(seconds, 1e-6))), dtype=torch.int64)
-    dist.all_reduce(k, op=dist.ReduceOp.MAX)
-    return int(k)
-
-
 def _loss_fn(tp_mesh):
     """The runtime's loss on this rank's vocabulary slice (runtime.loss)."""
     from runtime.loss import cross_entropy
@@ -178,7 +165,7 @@ def _time_passes(chunk, kind, x, targets, loss, repeats, grad_sync=None, zero=0,
         return t1 - t0, t2 - t1
 
     one()
-    k = _passes_per_sample(sum(one()))
+    k = passes_per_sample(sum(one()))
     fwd, bwd = [], []
     for _ in range(repeats):
         dist.barrier()
@@ -189,54 +176,6 @@ def _time_passes(chunk, kind, x, targets, loss, repeats, grad_sync=None, zero=0,
         fwd.append(f / k)
         bwd.append(b / k)
     return statistics.median(fwd), statistics.median(bwd)
-
-
-def _stream_copies(params) -> tuple[list, int]:
-    """`params` and n - 1 copies of them (their gradients too), n such that the optimizer states
-    of this host's ranks come to twice the device's last-level cache (a CPU's is shared by the
-    host's processes), and how many that is (n). A step updates every layer in turn, so each
-    layer's states come from memory; timed alone, a layer's stay in the cache (this machine,
-    one core, AdamW on parameters of the tiny model's block shapes: one block 0.34 ms, four 2.5
-    ms)."""
-    import os
-    from torch.distributed.tensor import DTensor
-    from runtime.device import last_level_cache_bytes
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if current().type == "cpu" else 1
-    state = 4 * local * 4 * sharing  # float32 weights, gradients and AdamW's two moments
-    n = max(1, min(STREAM_COPIES_MAX, math.ceil(2 * last_level_cache_bytes(current()) / max(state, 1))))
-    out = list(params)
-    for _ in range(n - 1):
-        for p in params:
-            q = torch.nn.Parameter(p.detach().clone())
-            q.grad = p.grad.detach().clone() if p.grad is not None else None
-            out.append(q)
-    return out, n
-
-
-def _time_optimizer(params, repeats) -> float:
-    """Seconds of the runtime's gradient clipping (its local work) and AdamW step on `params`, per
-    copy of them streamed through memory (_stream_copies)."""
-    from runtime.optim import clip_grad_norm, reduce_partial_grads
-    reduce_partial_grads(params, reduce=False)  # its all-reduce: once per step, priced by planner.cost
-    params, n = _stream_copies(params)
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
-
-    def one():
-        sync()
-        t0 = time.perf_counter()
-        clip_grad_norm(params, 1.0, None, current(), reduce=False)  # its collectives: once per step
-        opt.step()
-        sync()
-        return time.perf_counter() - t0
-
-    one()
-    k = _passes_per_sample(one())
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        times.append(sum(one() for _ in range(k)) / k)
-    return statistics.median(times) / n
 
 
 def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain, dtype="fp32") -> dict:
@@ -252,7 +191,7 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain, dtype="f
         x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp)
         f, b_nosync = _time_passes(chunk, kind, x, targets, loss, repeats, grad_sync=False, zero=zero, dtype=dtype)
         f2, b_sync = _time_passes(chunk, kind, x, targets, loss, repeats, grad_sync=True, zero=zero, dtype=dtype)
-        opt = _time_optimizer(list(chunk.parameters()), repeats)
+        opt = time_optimizer(list(chunk.parameters()), repeats)
         vals = torch.tensor([min(f, f2), b_nosync, b_sync, opt], dtype=torch.float64, device=current())
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
         f, b_nosync, b_sync, opt = (float(v) for v in vals)
@@ -308,7 +247,7 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
             gc.enable()
         points.append([mb, f, b, statistics.median(acts)])
     grad_bytes = _bytes(p.grad for p in params)
-    opt_s = _time_optimizer(params, repeats) if optimizer_s is None else optimizer_s
+    opt_s = time_optimizer(params, repeats) if optimizer_s is None else optimizer_s
     # the slowest rank sets the pace: max over ranks of every measured time
     vals = torch.tensor([v for p in points for v in p[1:3]] + [opt_s], dtype=torch.float64, device=current())
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)

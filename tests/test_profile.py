@@ -141,9 +141,10 @@ def test_the_profiler_refuses_bad_arguments_in_one_line(capsys):
 def test_the_optimizer_is_timed_on_states_that_do_not_fit_the_cache(tmp_path, monkeypatch):
     """The CPU's last-level cache comes from sysfs (the largest cache listed); the optimizer's
     timing streams copies of a layer's parameters and gradients through twice that, shared
-    by the host's processes, and no more than STREAM_COPIES_MAX."""
+    by the host's processes, and no more than STREAM_COPIES_MAX; DTensor copies go to AdamW
+    DTENSOR_COPIES_PER_CALL to a foreach call, plain ones all in one."""
     import torch
-    from runtime import profile_model
+    from runtime import profile_optimizer
     from runtime.device import last_level_cache_bytes
     for i, size in enumerate(["48K", "1024K", "32768K"]):
         (tmp_path / f"index{i}").mkdir()
@@ -157,13 +158,17 @@ def test_the_optimizer_is_timed_on_states_that_do_not_fit_the_cache(tmp_path, mo
     w.grad = torch.full((256, 256), 2.0)
     for procs, copies in ((1, 16), (4, 4), (64, 1)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(procs))
-        params, n = profile_model._stream_copies([w])
+        params, n = profile_optimizer.stream_copies([w])
         assert n == copies and len(params) == copies and params[0] is w
         assert all(q.grad is not None and q.grad.data_ptr() != w.grad.data_ptr() for q in params[1:])
         assert all(torch.equal(q.grad, w.grad) and torch.equal(q, w) for q in params)
-    monkeypatch.setattr(profile_model, "STREAM_COPIES_MAX", 8)
+    monkeypatch.setattr(profile_optimizer, "STREAM_COPIES_MAX", 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert profile_model._stream_copies([w])[1] == 8
+    assert profile_optimizer.stream_copies([w])[1] == 8
+    params = list(range(3 * 20))  # 20 copies of a layer of 3
+    assert [g["params"] for g in profile_optimizer.call_groups(params, 3, dtensors=False)] == [params]
+    groups = [g["params"] for g in profile_optimizer.call_groups(params, 3, dtensors=True)]
+    assert [len(g) for g in groups] == [24, 24, 12] and sum(groups, []) == params
 
 
 # ------------------------------------------------------------------ model profile
