@@ -1,6 +1,5 @@
 """Fixtures shared by test modules: a measured cluster profile and a model profile of the tiny
-model on 2 gloo ranks, measured once per session (about 80 s on 2 cores, half of it DTensor's
-first foreach AdamW over the optimizer timing's copies of a layer: runtime.profile_model)."""
+model on 2 gloo ranks, measured once per session (about 35 s on 2 cores)."""
 import pytest
 
 from tests.torchrun_helpers import profile_ranks
