@@ -65,9 +65,9 @@ def time_optimizer(params, repeats) -> float:
     from torch.distributed.tensor import DTensor
     from runtime.optim import clip_grad_norm, reduce_partial_grads
     reduce_partial_grads(params, reduce=False)  # its all-reduce: once per step, priced by planner.cost
-    per_copy = len(params)
+    per_copy, dtensors = len(params), any(isinstance(p, DTensor) for p in params)
     params, n = stream_copies(params)
-    groups = call_groups(params, per_copy, any(isinstance(p, DTensor) for p in params))
+    groups = call_groups(params, per_copy, dtensors)
     opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
     def one():

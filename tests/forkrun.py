@@ -23,7 +23,6 @@ import ctypes
 import importlib
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -31,12 +30,6 @@ import traceback
 
 STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(module, r: int, nproc: int, port: int, args: list[str]) -> None:
@@ -64,9 +57,10 @@ def _rank(module, r: int, nproc: int, port: int, args: list[str]) -> None:
 
 
 def run(nproc: int, module_name: str, args: list[str]) -> int:
+    from runtime.launch import free_port
     module = importlib.import_module(module_name)
     assert threading.active_count() == 1, "forkrun: a thread started before the fork"
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
