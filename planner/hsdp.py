@@ -4,18 +4,24 @@ dp >= 4 is priced again with its data-parallel ranks split into replicas of a sh
 the fastest split that fits where that beats it (`trident search --dp-replicate` narrows the
 counts; without 1 among them only split plans are kept).
 
-A pass over the returned plans, not a dimension of the partition search (planner.search): HSDP
-changes only the data-parallel collectives and the sharded states, never the compute, so a plan
-far from the best cannot overtake it this way. On the shipped profiles the flat group is not
-slower in any case tried: NCCL's ring over the whole dp group carries 1/8 of the gradients across
-each node's boundary per NIC on eight-NIC nodes, where the replicas' all-reduce carries a quarter
-(twice an eighth); a measured profile whose large groups are slow (ClusterSpec by_group_size) can
-make HSDP the faster plan."""
+A pass over the plans the search finds, not a dimension of the partition search
+(planner.search): HSDP changes only the data-parallel collectives and the sharded states, never
+the compute, so only a plan whose data-parallel communication is exposed can gain. `trident
+search` passes its best HSDP_POOL flat plans at least, whatever --top asks, so a smaller --top
+gives the same best plan. Not every plan: on 4 nodes of 4 A100s sharing one 200 Gb/s NIC a node
+(Llama 3 8B, 16 GPUs, tests/test_search_cli.py) the fourth flat plan, 1.2% slower than the first
+(9.915 s against 9.795 s), splits into 2 replicas of 4 shards at 9.733 s, the best. On the
+shipped eight-NIC profiles the flat group is not slower in any case tried: NCCL's ring over the
+whole dp group carries 1/8 of the gradients across each node's boundary per NIC, where the
+replicas' all-reduce carries a quarter (twice an eighth); a measured profile whose large groups
+are slow (ClusterSpec by_group_size) or fewer NICs can make HSDP the faster plan."""
 from __future__ import annotations
 
 import dataclasses
 
 from planner.cost import estimate
+
+HSDP_POOL = 8  # flat plans the search passes here at least (planner.search_cli)
 
 
 def replica_counts(dp: int) -> list[int]:

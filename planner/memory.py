@@ -147,13 +147,26 @@ def tied_matrix_grad_bytes(model: ModelConfig, tp: int, gb: float, micro_batches
 
 
 def backward_flow_bytes(model: ModelConfig, t, tp: int, sp: bool, dp: int, micro_batch: int) -> float:
-    """Bytes a backward holds for the layer computing in it beyond the saved activations: the
-    activation gradients flowing back (the layer's output and input gradients), and under sequence
-    parallelism keeping shards (training.sp_saved_inputs "shard", runtime.sp_shard) one input
-    gathered again for its linears' weight gradients, in the stream's dtype and, under autocast
-    (float32 stream), its 16-bit cast beside it."""
-    e, elems = DTYPES[t.dtype], micro_batch * t.seq_len * model.hidden
-    flow = 2 * e * elems
+    """Bytes a backward holds for the block computing in it beyond the saved activations: the
+    gradient of the block's output (the residual stream's, held through the block: float32 under
+    autocast) beside the largest set of gradients the block's operations hold at one moment, and
+    under sequence parallelism keeping shards (training.sp_saved_inputs "shard", runtime.sp_shard)
+    one input gathered again for its linears' weight gradients, in the stream's dtype and, under
+    autocast (float32 stream), its 16-bit cast beside it. Those moments, per token (autograd frees
+    a saved tensor once the last node reading it has run; traced op by op on CPU, session 38 in
+    docs/HISTORY.md):
+    - the MLP's gate (SwiGLU): the output projection's input gradient and the two the product's
+      backward makes from it, less the product it frees: 2 ffn/tp (GELU: its input gradient, ffn/tp);
+    - the attention core's backward: the gradients of its output, Q, K and V, K and V as many
+      heads as Q (grouped-query attention expands them): 4 q_dim/tp;
+    - the block's input gradient: hidden, gathered whole under sequence parallelism.
+    The weight-gradient temporary the output projection makes first (h ffn/tp) is the new
+    accumulated gradient the caller adds (accumulation_bytes)."""
+    e, tokens = DTYPES[t.dtype], micro_batch * t.seq_len
+    elems = tokens * model.hidden
+    stream = 4 if casts_weights(t, dp) else e
+    mlp = (2 if model.arch == "llama" else 1) * model.ffn_hidden / tp
+    flow = stream * elems + e * tokens * max(model.hidden, mlp, 4 * model.q_dim / tp)
     if keeps_shards(t, tp, sp):
         flow += (4 + e if casts_weights(t, dp) else e) * elems
     return flow

@@ -10,7 +10,7 @@ from planner import sizing
 from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, optimizer_settings, sized
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.hsdp import with_hsdp
+from planner.hsdp import HSDP_POOL, with_hsdp
 from planner.model import ConfigError, load_model
 from planner.report import describe_plan, estimate_table, sp_mode
 from planner.sp_modes import EITHER, search_either
@@ -106,14 +106,18 @@ def cmd_search(args) -> int:
     optimizer = optimizer_settings(args)
 
     def run_search(cluster, top=args.top):
+        # HSDP is priced on the flat plans found (planner.hsdp): on at least HSDP_POOL of them, so
+        # that a smaller --top gives the same best plan
+        pool = top if args.dp_replicate == [1] else max(top, HSDP_POOL)
         kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
-                  top=top, progress=progress, space=_search_space(args), **optimizer)
+                  top=pool, progress=progress, space=_search_space(args), **optimizer)
         # with a model profile, partitioned by the measured layers and ranked by the whole profile
         run = partial(search_profiled, model, cluster, mp) if mp is not None else partial(search, model, cluster)
         res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER
                else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
         t = time.perf_counter()
-        flat, res.results = res.results, with_hsdp(res.results, cluster, limit, mp, args.dp_replicate)  # planner.hsdp
+        flat = res.results
+        res.results = with_hsdp(flat, cluster, limit, mp, args.dp_replicate)[:top]  # planner.hsdp
         if flat and not res.results:  # what the flat plans needed says nothing of the split ones
             res.min_required_bytes = None
         res.elapsed_s += time.perf_counter() - t

@@ -20,14 +20,14 @@ SEQ_LEN = 32
 GLOBAL_BATCH = 8
 
 
-def write_plan(directory: Path, name: str, model="tiny", world: int = 1, **kw) -> Path:
+def write_plan(directory: Path, name: str, model="tiny", world: int = 1, seq_len: int = SEQ_LEN, **kw) -> Path:
     """A CPU plan of a model (zoo name or ModelConfig) on one node of `world` devices, written to
     directory/name.json."""
     kw.setdefault("global_batch", GLOBAL_BATCH)
     kw.setdefault("micro_batch", 2)
     cfg = ZOO[model] if isinstance(model, str) else model
     plan = build_plan(cfg, cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=world,
-                      seq_len=SEQ_LEN, dtype="fp32", **kw)
+                      seq_len=seq_len, dtype="fp32", **kw)
     path = Path(directory) / f"{name}.json"
     plan.write(path)
     return path
