@@ -5,7 +5,8 @@ import sys
 
 from planner.compare import busy_note
 from runtime.host_share import _cpu_ticks, busy_host
-from tests.torchrun_helpers import REPO, env, free_port
+from runtime.launch import free_port
+from tests.torchrun_helpers import REPO, env
 
 
 def test_the_notes_name_the_load_and_stay_quiet_without_one():

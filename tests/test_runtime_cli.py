@@ -10,7 +10,8 @@ import time
 import pytest
 
 from planner.model import ZOO
-from torchrun_helpers import REPO, assert_ok, env, free_port, losses_of, train, write_plan
+from runtime.launch import free_port
+from torchrun_helpers import REPO, assert_ok, env, losses_of, train, write_plan
 
 from runtime import launch, oneline
 from runtime import train as runtime_train

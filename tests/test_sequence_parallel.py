@@ -20,7 +20,8 @@ from planner.precision import runtime_held_bytes, sp_gathered_bytes
 from planner.search import search
 from planner.sp_modes import search_either
 from runtime.metrics import HEAP_READER
-from torchrun_helpers import REPO, env, free_port
+from runtime.launch import free_port
+from torchrun_helpers import REPO, env
 
 
 def _plan(sp=True, saved="shard", recompute="none", model="llama3-70b", schedule="1f1b"):

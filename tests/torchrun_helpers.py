@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +30,6 @@ def write_plan(directory: Path, name: str, model="tiny", world: int = 1, seq_len
     path = Path(directory) / f"{name}.json"
     plan.write(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:
