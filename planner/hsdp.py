@@ -21,7 +21,7 @@ import dataclasses
 
 from planner.cost import estimate
 
-HSDP_POOL = 8  # flat plans the search passes here at least (planner.search_cli)
+HSDP_POOL = 5  # flat plans the search passes here at least (planner.search_cli): the default --top
 
 
 def replica_counts(dp: int) -> list[int]:
