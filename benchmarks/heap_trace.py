@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import weakref
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 ROWS = 400_000  # operations one step may run
 
 
@@ -141,13 +139,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        from runtime.launch import free_port
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "runtime.torchrun", "--nproc-per-node", str(world), "--master-port",
-               str(free_port()), __file__, "--rank", args.plan, "--steps", str(args.steps), "--at", str(args.at),
-               "--dir", str(out)]
-        code = subprocess.run(cmd, env=env, cwd=REPO).returncode
+        from runtime.launch import run_local
+        code = run_local(world, [__file__, "--rank", args.plan, "--steps", str(args.steps), "--at", str(args.at),
+                                 "--dir", str(out)])
         if code:
             return code
         peaks = json.loads((out / "run.json").read_text())["peak_memory_bytes_per_rank"]

@@ -60,6 +60,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_local(nproc: int, target: list[str]) -> int:
+    """torchrun of `nproc` processes on this machine, through runtime.torchrun so that a failure
+    ends in one line, running `target` (["-m", MODULE, ...] or [SCRIPT, ...]) on a free port, with
+    this checkout importable and OMP_NUM_THREADS=1 per process unless set. Its exit status."""
+    cmd = [sys.executable, "-m", "runtime.torchrun", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), *target]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(cmd, env=env).returncode
+
+
 def node_commands(plan: Plan, args: argparse.Namespace) -> list[str]:
     """One torchrun command line per node of a multi-node plan."""
     c = plan.cluster
@@ -89,12 +101,7 @@ def main(argv: list[str]) -> int:
         for cmd in node_commands(plan, args):
             print(cmd)
         return 0
-    cmd = [sys.executable, "-m", "runtime.torchrun", "--nproc-per-node", str(plan.mesh.world_size),
-           "--master-port", str(free_port()), "-m", "runtime.train", *train_args(args)]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.run(cmd, env=env).returncode
+    return run_local(plan.mesh.world_size, ["-m", "runtime.train", *train_args(args)])
 
 
 if __name__ == "__main__":

@@ -342,7 +342,7 @@ def launch(argv) -> int:
     """`trident profile cluster|model ARGS [--nproc-per-node N]`: run this module under torchrun
     with N processes on this machine (default 4; a free port; OMP_NUM_THREADS=1 per process unless
     set), through runtime.torchrun so that a failure ends in one line. Returns its exit status."""
-    import subprocess
+    from runtime.launch import run_local
     argv = list(argv)
     nproc = "4"
     if "--nproc-per-node" in argv:
@@ -365,16 +365,7 @@ def launch(argv) -> int:
     except ConfigError as exc:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "runtime.torchrun", "--nproc-per-node", nproc, "--master-port", str(port),
-           "-m", "runtime.profile", *argv]
-    return subprocess.run(cmd, env=env).returncode
+    return run_local(int(nproc), ["-m", "runtime.profile", *argv])
 
 
 if __name__ == "__main__":
