@@ -1,5 +1,7 @@
 """tests/forkrun.py, the launcher the training and profiling tests start their ranks with: each rank
-gets torchrun's environment, and one rank failing stops the others and gives its exit status."""
+gets torchrun's environment, and one rank failing stops the others and gives its exit status;
+and tests/forkserver.py, which forks those launches from one import: a launch gets its own
+environment, directory and output, and one that runs past its timeout is killed with its ranks."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,9 @@ import subprocess
 import sys
 import time
 
-from torchrun_helpers import REPO, env
+import pytest
+
+from torchrun_helpers import REPO, env, ranks
 
 PROBE = '''
 import json, os, sys, time
@@ -23,7 +27,7 @@ def main(argv):
     dist.barrier()
     if argv[1] == "fail" and dist.get_rank() == 1:
         return 3
-    if argv[1] == "fail":
+    if argv[1] in ("fail", "hang"):
         time.sleep(60)  # as a rank waiting for a peer that is gone, where nothing tells it
     dist.destroy_process_group()
     return 0
@@ -56,3 +60,23 @@ def test_ranks_get_torchruns_environment_and_one_failure_stops_them_all(tmp_path
     for r in range(2):
         pid = json.loads((tmp_path / f"rank{r}.json").read_text())["pid"]
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_the_fork_server_runs_each_launch_apart_and_kills_one_past_its_timeout(tmp_path, monkeypatch):
+    (tmp_path / "forkrun_probe.py").write_text(PROBE + "\nprint('said', os.getcwd(), os.environ.get('PROBE_MARK'))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PROBE_MARK", "first")
+    proc = ranks(2, "forkrun_probe", tmp_path, "ok")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(f"said {REPO} first") == 1  # printed at import, once, in the launcher
+    assert json.loads((tmp_path / "rank1.json").read_text())["argv"] == ["forkrun_probe", str(tmp_path), "ok"]
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        ranks(2, "forkrun_probe", tmp_path, "hang", timeout=3)
+    assert time.monotonic() - start < 30
+    for r in range(2):
+        pid = json.loads((tmp_path / f"rank{r}.json").read_text())["pid"]
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    monkeypatch.setenv("PROBE_MARK", "second")  # the server goes on, and each launch has its environment
+    proc = ranks(1, "forkrun_probe", tmp_path, "ok")
+    assert proc.returncode == 0 and "second" in proc.stdout, proc.stderr

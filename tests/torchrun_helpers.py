@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from planner.build import build_plan
@@ -38,10 +42,60 @@ def env() -> dict:
     return e
 
 
-def ranks(nproc: int, module: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` in `nproc` gloo ranks on this machine (tests/forkrun.py)."""
-    cmd = [sys.executable, str(REPO / "tests" / "forkrun.py"), str(nproc), module, *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+class _ForkServer:
+    """The client of tests/forkserver.py: started on first use, one for the test session (it
+    ends with the session: the end of its stdin, or its parent's death)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkserver.py")], cwd=REPO, env=env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self.buf = b""
+        if "ready" not in self._answer(timeout=120):
+            raise RuntimeError("tests/forkserver.py did not start")
+
+    def _answer(self, timeout: float | None) -> dict:
+        """The server's next line; None at `timeout` seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"tests/forkserver.py ended (exit {self.proc.wait()})")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def launch(self, nproc: int | None, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """`module` in `nproc` ranks (tests/forkrun.py), or as one plain process where nproc is None."""
+        cmd = [sys.executable, *(["-m"] if nproc is None else ["tests/forkrun.py", str(nproc)]), module, *args]
+        with tempfile.TemporaryDirectory() as d:
+            out, err = Path(d) / "stdout", Path(d) / "stderr"
+            req = {"nproc": nproc, "module": module, "args": args, "cwd": str(REPO), "env": env(),
+                   "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            pid = self._answer(timeout=60)["pid"]
+            done = self._answer(timeout)
+            if done is None:  # the launch and its ranks, as subprocess.run's timeout kills its child
+                os.killpg(pid, signal.SIGKILL)
+                self._answer(timeout=60)
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"),
+                                                err.read_text(errors="replace"))
+            return subprocess.CompletedProcess(cmd, done["code"], out.read_text(errors="replace"),
+                                               err.read_text(errors="replace"))
+
+
+_SERVER: list[_ForkServer] = []
+
+
+def ranks(nproc: int | None, module: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in `nproc` gloo ranks on this machine (tests/forkrun.py), or in one
+    plain process where nproc is None: forked by the session's tests/forkserver.py."""
+    if not _SERVER or _SERVER[0].proc.poll() is not None:
+        _SERVER[:] = [_ForkServer()]
+    return _SERVER[0].launch(nproc, module, [str(a) for a in args], timeout)
 
 
 def profile_ranks(nproc: int, *args, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -51,10 +105,7 @@ def profile_ranks(nproc: int, *args, timeout: float = 120) -> subprocess.Complet
 
 def train(nproc: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
     """runtime.train with these arguments: in one plain process when nproc == 1, else in nproc ranks."""
-    if nproc > 1:
-        return ranks(nproc, "runtime.train", *args, timeout=timeout)
-    cmd = [sys.executable, "-m", "runtime.train", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return ranks(nproc if nproc > 1 else None, "runtime.train", *args, timeout=timeout)
 
 
 def losses_of(run_json: Path) -> list[float]:
