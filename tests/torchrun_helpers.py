@@ -76,7 +76,10 @@ class _ForkServer:
             req = {"nproc": nproc, "module": module, "args": args, "cwd": str(REPO), "env": env(),
                    "stdout": str(out), "stderr": str(err)}
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
-            pid = self._answer(timeout=60)["pid"]
+            started = self._answer(timeout=60)
+            if started is None:
+                raise RuntimeError("tests/forkserver.py did not fork the launch within 60 s")
+            pid = started["pid"]
             done = self._answer(timeout)
             if done is None:  # the launch and its ranks, as subprocess.run's timeout kills its child
                 os.killpg(pid, signal.SIGKILL)
