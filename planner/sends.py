@@ -18,7 +18,10 @@ most a stage holds at once (unproven_sends).
 """
 from __future__ import annotations
 
+import heapq
 from functools import lru_cache
+
+import numpy as np
 
 from planner.plan import stage_rank
 from planner.schedule import rank_order
@@ -55,9 +58,12 @@ def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
     col = {r: k for k, r in enumerate(ranks)}
     where = {r: {(("B" if a[0] in ("B", "I") else a[0]), a[1], a[2]): i for i, a in enumerate(orders[r])}
              for r in ranks}
-    clock = {r: [-1] * len(ranks) for r in ranks}
+    clock = {r: np.full(len(ranks), -1, dtype=np.int64) for r in ranks}  # numpy: pp 32 has 32 entries
     stamps: dict = {}  # (kind "F"/"B", receiving stage, micro-batch) -> the sender's clock
-    pending = {r: [] for r in ranks}  # [(consumer rank, its action's index, (stage, micro-batch))]
+    # per rank, per consumer rank, a heap of its sends not yet proven: (the consumer's action
+    # index, the send's number on this rank, (stage, micro-batch)); the earliest consumer first
+    pending: dict = {r: {} for r in ranks}
+    sent = dict.fromkeys(ranks, 0)
     proofs = {r: {} for r in ranks}
     nxt = dict.fromkeys(ranks, 0)
     while any(nxt[r] < len(orders[r]) for r in ranks):
@@ -70,18 +76,21 @@ def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
                     break
                 mine = clock[r]
                 if need is not None:
-                    mine[:] = [max(a, b) for a, b in zip(mine, stamps[(*need, j)])]
+                    np.maximum(mine, stamps[(*need, j)], out=mine)
                 mine[col[r]] = nxt[r]
-                known = [mine[col[p[0]]] >= p[1] for p in pending[r]]
-                if any(known):
-                    proofs[r][(kind, s, j)] = [p[2] for p, k in zip(pending[r], known) if k]
-                    pending[r] = [p for p, k in zip(pending[r], known) if not k]
+                known = []  # the sends whose consumer's action this rank now knows has run
+                for peer, heap in pending[r].items():
+                    while heap and heap[0][0] <= mine[col[peer]]:
+                        known.append(heapq.heappop(heap)[1:])
+                if known:
+                    proofs[r][(kind, s, j)] = [x for _, x in sorted(known)]  # in the order sent
                 msg = _message(kind, s, n_stages, rank_of, r)
                 if msg is not None:
                     stage, peer, backward = msg
-                    stamps[("B" if backward else "F", stage, j)] = list(mine)
+                    stamps[("B" if backward else "F", stage, j)] = mine.copy()
                     if backward:
-                        pending[r].append((peer, where[peer][("B", stage, j)], (s, j)))
+                        heapq.heappush(pending[r].setdefault(peer, []), (where[peer][("B", stage, j)], sent[r], (s, j)))
+                        sent[r] += 1
                 nxt[r] += 1
                 moved = True
         if not moved:
@@ -130,7 +139,7 @@ def _unproven(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -
     """(per stage at its rank's worst moment, per stage at its own), unproven_sends's two."""
     n = pp * virtual_stages
     orders = {r: rank_order(schedule, pp, virtual_stages, micro_batches, r) for r in range(pp)}
-    rank_of = lambda s: stage_rank(schedule, pp, s)  # noqa: E731
+    rank_of = [stage_rank(schedule, pp, s) for s in range(n)].__getitem__
     proofs = delivery_proofs(orders, rank_of, n)
     most: dict = {}
     peak: dict = {}
