@@ -58,9 +58,19 @@ def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
     col = {r: k for k, r in enumerate(ranks)}
     where = {r: {(("B" if a[0] in ("B", "I") else a[0]), a[1], a[2]): i for i, a in enumerate(orders[r])}
              for r in ranks}
+    # per rank, per action: the message it waits for, the message it sends, and for a backward
+    # send (peer column, the peer's action that consumes it): (kind "F"/"B", receiving stage, micro-batch)
+    table = {}
+    for r in ranks:
+        table[r] = rows = []
+        for kind, s, j in orders[r]:
+            need, msg = _awaited(kind, s, n_stages, rank_of, r), _message(kind, s, n_stages, rank_of, r)
+            sends = None if msg is None else ("B" if msg[2] else "F", msg[0], j)
+            back = (col[msg[1]], where[msg[1]][sends], (s, j)) if msg is not None and msg[2] else None
+            rows.append((None if need is None else (*need, j), sends, back))
     clock = {r: np.full(len(ranks), -1, dtype=np.int64) for r in ranks}  # numpy: pp 32 has 32 entries
-    stamps: dict = {}  # (kind "F"/"B", receiving stage, micro-batch) -> the sender's clock
-    # per rank, per consumer rank, a heap of its sends not yet proven: (the consumer's action
+    stamps: dict = {}  # message -> the sender's clock when it sent it
+    # per rank, per consumer's column, a heap of its sends not yet proven: (the consumer's action
     # index, the send's number on this rank, (stage, micro-batch)); the earliest consumer first
     pending: dict = {r: {} for r in ranks}
     sent = dict.fromkeys(ranks, 0)
@@ -69,30 +79,29 @@ def delivery_proofs(orders: dict, rank_of, n_stages: int) -> dict:
     while any(nxt[r] < len(orders[r]) for r in ranks):
         moved = False
         for r in ranks:
-            while nxt[r] < len(orders[r]):
-                kind, s, j = orders[r][nxt[r]]
-                need = _awaited(kind, s, n_stages, rank_of, r)
-                if need is not None and (*need, j) not in stamps:
-                    break
-                mine = clock[r]
+            i, rows, mine, heaps = nxt[r], table[r], clock[r], pending[r]
+            while i < len(rows):
+                need, sends, back = rows[i]
                 if need is not None:
-                    np.maximum(mine, stamps[(*need, j)], out=mine)
-                mine[col[r]] = nxt[r]
+                    got = stamps.get(need)
+                    if got is None:
+                        break
+                    np.maximum(mine, got, out=mine)
+                mine[col[r]] = i
                 known = []  # the sends whose consumer's action this rank now knows has run
-                for peer, heap in pending[r].items():
-                    while heap and heap[0][0] <= mine[col[peer]]:
+                for c, heap in heaps.items():
+                    while heap and heap[0][0] <= mine[c]:
                         known.append(heapq.heappop(heap)[1:])
                 if known:
-                    proofs[r][(kind, s, j)] = [x for _, x in sorted(known)]  # in the order sent
-                msg = _message(kind, s, n_stages, rank_of, r)
-                if msg is not None:
-                    stage, peer, backward = msg
-                    stamps[("B" if backward else "F", stage, j)] = mine.copy()
-                    if backward:
-                        heapq.heappush(pending[r].setdefault(peer, []), (where[peer][("B", stage, j)], sent[r], (s, j)))
+                    proofs[r][orders[r][i]] = [x for _, x in sorted(known)]  # in the order sent
+                if sends is not None:
+                    stamps[sends] = mine.copy()
+                    if back is not None:
+                        heapq.heappush(heaps.setdefault(back[0], []), (back[1], sent[r], back[2]))
                         sent[r] += 1
-                nxt[r] += 1
+                i += 1
                 moved = True
+            nxt[r] = i
         if not moved:
             raise ValueError("the compute orders wait on each other: no rank can run its next action")
     return proofs
