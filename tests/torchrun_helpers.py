@@ -1,6 +1,7 @@
 """Launching the runtime from tests: plans of the tiny models written for CPU, `runtime.train` and
 `runtime.profile` in several gloo ranks (tests/forkrun.py: forked as torchrun would start them,
-sharing one import of torch), and the checks on what a run reports. Shared by the test modules
+sharing one import of torch; each launch forked from tests/forkserver.py, which imported torch
+and the runtime once for the session), and the checks on what a run reports. Shared by the test modules
 that train or profile (test_runtime.py and the others)."""
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class _ForkServer:
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkserver.py")], cwd=REPO, env=env(),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self.buf = b""
-        if "ready" not in self._answer(timeout=120):
+        if "ready" not in (self._answer(timeout=120) or {}):
             raise RuntimeError("tests/forkserver.py did not start")
 
     def _answer(self, timeout: float | None) -> dict:
@@ -82,7 +83,10 @@ class _ForkServer:
             pid = started["pid"]
             done = self._answer(timeout)
             if done is None:  # the launch and its ranks, as subprocess.run's timeout kills its child
-                os.killpg(pid, signal.SIGKILL)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
                 self._answer(timeout=60)
                 raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"),
                                                 err.read_text(errors="replace"))
