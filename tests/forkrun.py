@@ -32,28 +32,43 @@ STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
 
 
-def _rank(module, r: int, nproc: int, port: int, args: list[str]) -> None:
-    """In the forked child: become rank r and never return."""
+def die_with_parent() -> None:
+    """This process gets SIGKILL when its parent dies (PR_SET_PDEATHSIG); it ends now if the parent
+    died before prctl took effect."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def exit_with(body) -> None:
+    """In a forked child: run body(), which returns an exit status as a module's main does, and
+    leave with it, never returning into the caller's loop whatever happened; as the modules' own
+    __main__ does, without interpreter teardown (gloo's threads)."""
     code = 1
     try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the launcher died before prctl took effect
-            os._exit(1)
-        os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                          GROUP_RANK="0", ROLE_RANK=str(r), ROLE_WORLD_SIZE=str(nproc),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        sys.argv = [module.__name__, *args]
-        code = module.main(args)
+        code = body()
     except SystemExit as exc:  # argparse's exit
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
-    finally:  # never return into the launcher's loop, whatever happened
+    finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
-        finally:  # as the modules' own __main__ does: no interpreter teardown under gloo
+        finally:
             os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+def _rank(module, r: int, nproc: int, port: int, args: list[str]) -> None:
+    """In the forked child: become rank r and never return."""
+    def body():
+        die_with_parent()
+        os.environ.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                          GROUP_RANK="0", ROLE_RANK=str(r), ROLE_WORLD_SIZE=str(nproc),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        sys.argv = [module.__name__, *args]
+        return module.main(args)
+    exit_with(body)
 
 
 def run(nproc: int, module_name: str, args: list[str]) -> int:

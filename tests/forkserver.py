@@ -10,41 +10,31 @@ one-process run as much; the suite launches some fifty times. A launch forked fr
 from the imported modules instead.
 
 The protocol, JSON lines: a request {"nproc", "module", "args", "cwd", "env", "stdout", "stderr"}
-(nproc null: one plain process; the last two: files the launch writes its output to) is answered by {"pid": P} once forked,
-and by {"code": C} when it ends (its exit status; -N when killed by signal N, as subprocess says
-it). The launch
-runs in its own process group (P's), so a caller that gives up kills the launch and its ranks
-with killpg; the ranks also die with their launcher (forkrun's PR_SET_PDEATHSIG), and the
-launcher and this server with their parents. The server reads no environment for a launch: each
+(nproc null: one plain process; the last two: files the launch writes its output to) is
+answered by {"pid": P} once forked, and by {"code": C} when it ends (its exit status; -N when
+killed by signal N, as subprocess says it). The launch runs in its own process group (P's), so
+a caller that gives up kills the launch and its ranks with killpg; the ranks also die with their
+launcher, and the launcher and this server with their parents (forkrun.die_with_parent). The server reads no environment for a launch: each
 gets the request's environment, directory and argv, as a fresh `python -m` would, and the
 launches never run in this process, so each starts from the state right after the imports.
 The server starts no thread (forkrun checks it in each launcher)."""
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
-import signal
 import sys
-import traceback
 
-PR_SET_PDEATHSIG = 1
+import forkrun
+
 PRELOAD = ("runtime.train", "runtime.profile")  # what the launches import: torch and its distributed packages
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _launch(req: dict) -> None:
     """In the forked launcher: become the launch the request describes and never return."""
-    code = 1
-    try:
+    def body():
         os.setpgid(0, 0)
-        _die_with_parent()
+        forkrun.die_with_parent()
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -57,22 +47,11 @@ def _launch(req: dict) -> None:
             os.dup2(f, fd)
             os.close(f)
         if req["nproc"] is not None:
-            import forkrun
-            code = forkrun.run(req["nproc"], req["module"], req["args"])
-        else:  # as `python -m MODULE ARGS` runs it
-            module = importlib.import_module(req["module"])
-            sys.argv = [module.__file__, *req["args"]]
-            code = module.main(req["args"])
-    except SystemExit as exc:  # argparse's exit
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:  # as the modules' own __main__ does: no interpreter teardown under gloo
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+            return forkrun.run(req["nproc"], req["module"], req["args"])
+        module = importlib.import_module(req["module"])  # as `python -m MODULE ARGS` runs it
+        sys.argv = [module.__file__, *req["args"]]
+        return module.main(req["args"])
+    forkrun.exit_with(body)
 
 
 def _answer(obj: dict) -> None:
@@ -81,7 +60,7 @@ def _answer(obj: dict) -> None:
 
 
 def serve() -> None:
-    _die_with_parent()
+    forkrun.die_with_parent()
     for name in PRELOAD:
         importlib.import_module(name)
     _answer({"ready": True})
