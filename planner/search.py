@@ -13,7 +13,8 @@ Every plan's step time under planner.cost.estimate is at least
 with m micro-batches, W_r the per-micro-batch work of pipeline rank r (its stages' forward and
 backward, and its own sends when they block), f_s, b_s those of stage s, tail = optimizer +
 ZeRO-1/2 gather: rank r works serially, cannot start before micro-batch 0 has come through stages
-0..r-1, and its last backward still has to flow back through them before rank 0 can finish.
+0..r-1, and its last backward still has to flow back through them before rank 0 can finish (the
+second term less rank r's last send back, when sends block: m W_r has it already).
 With v > 1 chunks a rank (interleaved 1F1B), also LB >= sum_s (f_s + b_s): micro-batch 0 goes
 forward through every stage and back.
 

@@ -117,6 +117,9 @@ class StageCosts(Menus, Bounds):
             return 0.0 if a == b else self.ctx.cluster.p2p_time(msg, _rank(mesh, a, 0, 0), _rank(mesh, b, 0, 0))
         self.sends = [(hop(ro[s], ro[s + 1]) if s < S - 1 else 0.0) + (hop(ro[s], ro[s - 1]) if s > 0 else 0.0)
                       if BLOCKING_P2P else 0.0 for s in range(S)]
+        # the chain's way back from rank r > 0 (lag[r - 1]) starts with r's last send to r - 1, which
+        # its serial work already counts when sends block: once in the bound (evaluate)
+        self.own_back = [back[r] if (BLOCKING_P2P and r > 0) else 0.0 for r in range(cfg.pp)]
         self.recv = self._recv()
         return self
 
@@ -249,7 +252,7 @@ class StageCosts(Menus, Bounds):
         if zbv:
             lb1 = max(pre[r] + mbs * W[r] + sync[r] + tail[r] for r in range(p))
         else:
-            lb1 = max(pre[r] + mbs * W[r] for r in range(p)) + sync[0] + tail[0]
+            lb1 = max(pre[r] + mbs * W[r] - self.own_back[r] for r in range(p)) + sync[0] + tail[0]
         if self.share:  # every F and B of every stage, done by its tp x dp processes, at most that fast
             lb1 = max(lb1, mbs * sum(row[1] for row in rows) / self.share)
         if self.cfg.v > 1 and not zbv:  # micro-batch 0's forward through every stage and backward back
