@@ -79,6 +79,8 @@ class Menus:
         kid = np.repeat(np.arange(len(ks)), sizes)  # each row's position in ks
         karr = np.array(ks, dtype=float)
         comp_b = np.concatenate([p[1] for p in parts]) + e_sum("bwd_compute_s")
+        comp_f = np.concatenate([p[6] for p in parts]) + e_sum("fwd_compute_s")
+        tp_f = np.concatenate([p[7] for p in parts]) + e_sum("fwd_tp_s")
         tp_b = np.concatenate([p[2] for p in parts]) + e_sum("bwd_tp_s")
         # the stage's output, which the runtime's pipeline keeps from each forward to its backward
         # (planner.memory.stage_output_bytes): every stage's but the last's
@@ -103,7 +105,9 @@ class Menus:
             held_iw += karr[kid] * held(1) + emb * held(0) + head * held(self.L + 1) + cb2 * blk[2].replay_bytes
 
         nz, nk = len(self.zeros), len(ks)
-        sc, shift, beside_k, copy_bk = self._menu_scalars(ks, emb, head, ends, cb_min)
+        sc, shift, beside_k, copy_bk, gather_f = self._menu_scalars(ks, emb, head, ends, cb_min)
+        # the dominance of exposed options compares forwards where they differ by mode (blocks)
+        fwd = None if len({x.fwd_compute_s + x.fwd_tp_s for x in blk}) == 1 else comp_f + tp_f
 
         # per ZeRO level: the options kept and their backward
         rows, tags, bs = [], [], []
@@ -119,7 +123,7 @@ class Menus:
                 if self.fb:  # and by the largest mode, as blocks() classes them
                     rid = rid * 3 + top_mode(cb_all[on], mode_act)
                 cls = kid[on] * (rid.max() + 1) + rid
-                keep = np.sort(np.concatenate((keep, on[_pareto(bx, act[on], cls)])))
+                keep = np.sort(np.concatenate((keep, on[_pareto(bx, act[on], cls, None if fwd is None else fwd[on])])))
             rows.append(keep)
             tags.append(np.full(len(keep), zi))
             bs.append(b)
@@ -131,6 +135,10 @@ class Menus:
         # the scalars of each (k, ZeRO level), repeated over its rows (contiguous, in that order)
         runs = np.bincount(kr * nz + tags, minlength=nk * nz)
         scal = np.repeat(sc.transpose(0, 2, 1).reshape(len(SCALARS), nk * nz), runs, axis=1)
+        # the forward: its compute and TP time (by mode where a model profile measured them apart),
+        # the ZeRO-3 gather beyond the compute, and FSDP2's copies (the scalar "f" so far)
+        ag = np.repeat(gather_f.T.reshape(nk * nz), runs)
+        scal[0] += comp_f[rows] + tp_f[rows] + np.maximum(0.0, ag - comp_f[rows])
         c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
         cols = dict(zip(SCALARS, scal))
         cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
@@ -165,9 +173,11 @@ class Menus:
         return out
 
     def _menu_scalars(self, ks, emb, head, ends, cb_min):
-        """Per (ZeRO level, k), arrays (levels, len(ks)): the SCALARS (sc, their names first), the
-        shift of every option's backward, what runs beside the backward where it is exposed beside
-        some options' (NaN elsewhere: those options re-sort) and FSDP2's backward copies."""
+        """Per (ZeRO level, k), arrays (levels, len(ks)): the SCALARS (sc, their names first; "f" only
+        FSDP2's forward copies, the rest of the forward depends on the option), the shift of every
+        option's backward, what runs beside the backward where it is exposed beside some options'
+        (NaN elsewhere: those options re-sort), FSDP2's backward copies and the ZeRO-3 forward's
+        gather."""
         ctx, lc, cfg = self.ctx, self.lc, self.cfg
         split, model = self.split, ctx.model
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
@@ -180,8 +190,6 @@ class Menus:
             tied_bytes, tied_end = tied_matrix_grad_bytes(model, cfg.tp, ctx.gb, cfg.micro_batches)
         nz, nk = len(self.zeros), len(ks)
         karr = np.array(ks, dtype=float)
-        comp_f = karr * blk[0].fwd_compute_s + e_sum("fwd_compute_s")
-        tp_f = karr * blk[0].fwd_tp_s + e_sum("fwd_tp_s")
         comp_w = karr * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
         Ps = [k * blk[0].params + root for k in ks]
         P = np.array(Ps, dtype=float)
@@ -197,6 +205,7 @@ class Menus:
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
         copy_bk = np.zeros((nz, nk))
+        gather_f = np.zeros((nz, nk))
         for zi, z in enumerate(self.zeros):
             state, copies, step_per_param = self._per_param(z)
             ag = gathered if z == 3 else np.zeros(nk)
@@ -205,7 +214,7 @@ class Menus:
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
             copy_f, copy_b, copy_s = (x * P for x in copies)
-            f = comp_f + tp_f + np.maximum(0.0, ag - comp_f) + copy_f
+            gather_f[zi] = ag
             copy_bk[zi] = copy_b
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
                 shift[zi] = 2 * ag + np.maximum(0.0, sync - comp_w) + copy_b
@@ -234,15 +243,21 @@ class Menus:
                 step = np.maximum(step, fixed + self.act_grad + tied_end)
                 fixed = fixed + tied_bytes
             logits = np.full(nk, self.head_logits if head else 0.0)
-            sc[:, zi] = (f, sync, opt, gather, fixed, np.full(nk, z), transient, step, fsdp, logits)
-        return sc, shift, beside_k, copy_bk
+            sc[:, zi] = (copy_f, sync, opt, gather, fixed, np.full(nk, z), transient, step, fsdp, logits)
+        return sc, shift, beside_k, copy_bk, gather_f
 
 
-def _pareto(b, act, replay):
-    """Indices not dominated in (b, act) within their replay class."""
+def _pareto(b, act, replay, f=None):
+    """Indices not dominated in (b, act) within their replay class; in (f, b, act) where the
+    forward times f differ (each dominated by another no worse in all three, or equal and first)."""
     n = len(b)
     if n == 1:
         return np.zeros(1, dtype=int)
+    if f is not None:
+        pts = np.stack([f, b, act])
+        no_worse = (pts[:, :, None] <= pts[:, None, :]).all(axis=0) & (replay[:, None] == replay[None, :])
+        better = (pts[:, :, None] < pts[:, None, :]).any(axis=0) | np.tri(n, k=-1, dtype=bool).T
+        return np.flatnonzero(~(no_worse & better).any(axis=0))
     order = np.lexsort((act, b, replay))  # by class, then b, then act
     r, a = replay[order], act[order]
     # one running minimum over all classes: each earlier class lifted above every later one

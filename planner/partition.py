@@ -139,7 +139,7 @@ class Inner(StageCosts):
             levels = mn["zero"]
             cuts = np.flatnonzero(np.diff(levels)) + 1  # a menu's options are grouped by ZeRO level
             spans = list(zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(levels)]))))
-            _, _, _, blk_act, blk_rep, _ = self.blocks(k)
+            _, _, _, blk_act, blk_rep, *_ = self.blocks(k)
             for m in self.modes:
                 want = np.array([k if RECOMPUTE_MODES[j] == m else 0 for j in range(3)])
                 combo = np.nonzero((mn["cb"] == want).all(axis=1))[0]
