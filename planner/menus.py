@@ -81,6 +81,7 @@ class Menus:
         comp_b = np.concatenate([p[1] for p in parts]) + e_sum("bwd_compute_s")
         comp_f = np.concatenate([p[6] for p in parts]) + e_sum("fwd_compute_s")
         tp_f = np.concatenate([p[7] for p in parts]) + e_sum("fwd_tp_s")
+        comp_w = np.concatenate([p[8] for p in parts]) + e_sum("bwd_weight_s")
         tp_b = np.concatenate([p[2] for p in parts]) + e_sum("bwd_tp_s")
         # the stage's output, which the runtime's pipeline keeps from each forward to its backward
         # (planner.memory.stage_output_bytes): every stage's but the last's
@@ -105,15 +106,16 @@ class Menus:
             held_iw += karr[kid] * held(1) + emb * held(0) + head * held(self.L + 1) + cb2 * blk[2].replay_bytes
 
         nz, nk = len(self.zeros), len(ks)
-        sc, shift, beside_k, copy_bk, gather_f = self._menu_scalars(ks, emb, head, ends, cb_min)
-        # the dominance of exposed options compares forwards where they differ by mode (blocks)
-        fwd = None if len({x.fwd_compute_s + x.fwd_tp_s for x in blk}) == 1 else comp_f + tp_f
+        sc, shift, beside_k, copy_bk, gather_f, w_sync = self._menu_scalars(ks, emb, head, ends, cb_min)
+        more = self._by_mode(comp_f + tp_f, comp_w)  # what dominance also compares (blocks)
 
         # per ZeRO level: the options kept and their backward
         rows, tags, bs = [], [], []
         for zi in range(nz):
             exposed = ~np.isnan(beside_k[zi])
             b = base + shift[zi][kid]
+            if not np.isnan(w_sync[zi]).all():  # split: what W's weight gradients leave of the reduce-scatter
+                b += np.maximum(0.0, w_sync[zi][kid] - comp_w)
             keep = plain[~exposed[kid[plain]]]
             if exposed.any():  # those k re-sorted by their shifted backward, per k and replay class
                 on = np.flatnonzero(exposed[kid])
@@ -123,7 +125,7 @@ class Menus:
                 if self.fb:  # and by the largest mode, as blocks() classes them
                     rid = rid * 3 + top_mode(cb_all[on], mode_act)
                 cls = kid[on] * (rid.max() + 1) + rid
-                keep = np.sort(np.concatenate((keep, on[_pareto(bx, act[on], cls, None if fwd is None else fwd[on])])))
+                keep = np.sort(np.concatenate((keep, on[_pareto(bx, act[on], cls, [x[on] for x in more])])))
             rows.append(keep)
             tags.append(np.full(len(keep), zi))
             bs.append(b)
@@ -176,12 +178,12 @@ class Menus:
         """Per (ZeRO level, k), arrays (levels, len(ks)): the SCALARS (sc, their names first; "f" only
         FSDP2's forward copies, the rest of the forward depends on the option), the shift of every
         option's backward, what runs beside the backward where it is exposed beside some options'
-        (NaN elsewhere: those options re-sort), FSDP2's backward copies and the ZeRO-3 forward's
-        gather."""
+        (NaN elsewhere: those options re-sort), FSDP2's backward copies, the ZeRO-3 forward's
+        gather, and under a split backward the reduce-scatter W's weight gradients run beside (NaN
+        elsewhere)."""
         ctx, lc, cfg = self.ctx, self.lc, self.cfg
         split, model = self.split, ctx.model
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
-        e_sum = lambda a: sum(getattr(x, a) for x in ends)  # noqa: E731
         root = sum(x.params for x in ends)  # the stage's parameters beside its blocks
         groups = fsdp_groups(model.tie_embeddings, ends[0].params if emb else None, ends[-1].params if head else None)
         dp, e, mbs = cfg.shards, ctx.e, cfg.micro_batches
@@ -189,8 +191,6 @@ class Menus:
         if tied:
             tied_bytes, tied_end = tied_matrix_grad_bytes(model, cfg.tp, ctx.gb, cfg.micro_batches)
         nz, nk = len(self.zeros), len(ks)
-        karr = np.array(ks, dtype=float)
-        comp_w = karr * blk[0].bwd_weight_s + e_sum("bwd_weight_s")
         Ps = [k * blk[0].params + root for k in ks]
         P = np.array(Ps, dtype=float)
         # one of each kind of layer the stage holds
@@ -206,6 +206,7 @@ class Menus:
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
         copy_bk = np.zeros((nz, nk))
         gather_f = np.zeros((nz, nk))
+        w_sync = np.full((nz, nk), np.nan)
         for zi, z in enumerate(self.zeros):
             state, copies, step_per_param = self._per_param(z)
             ag = gathered if z == 3 else np.zeros(nk)
@@ -217,7 +218,8 @@ class Menus:
             gather_f[zi] = ag
             copy_bk[zi] = copy_b
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
-                shift[zi] = 2 * ag + np.maximum(0.0, sync - comp_w) + copy_b
+                shift[zi] = 2 * ag + copy_b
+                w_sync[zi] = sync
             else:  # the same shift for every option, or where exposed beside some options' backward
                 exposed = (beside > cb_min) & (not split)
                 shift[zi] = copy_b
@@ -244,17 +246,18 @@ class Menus:
                 fixed = fixed + tied_bytes
             logits = np.full(nk, self.head_logits if head else 0.0)
             sc[:, zi] = (copy_f, sync, opt, gather, fixed, np.full(nk, z), transient, step, fsdp, logits)
-        return sc, shift, beside_k, copy_bk, gather_f
+        return sc, shift, beside_k, copy_bk, gather_f, w_sync
 
 
-def _pareto(b, act, replay, f=None):
-    """Indices not dominated in (b, act) within their replay class; in (f, b, act) where the
-    forward times f differ (each dominated by another no worse in all three, or equal and first)."""
+def _pareto(b, act, replay, more=()):
+    """Indices not dominated in (b, act) within their replay class; with `more` (arrays of other
+    times that differ among the options), in all of them (dominated by another no worse in every
+    one, or the same and earlier)."""
     n = len(b)
     if n == 1:
         return np.zeros(1, dtype=int)
-    if f is not None:
-        pts = np.stack([f, b, act])
+    if len(more):
+        pts = np.stack([b, act, *more])
         no_worse = (pts[:, :, None] <= pts[:, None, :]).all(axis=0) & (replay[:, None] == replay[None, :])
         better = (pts[:, :, None] < pts[:, None, :]).any(axis=0) | np.tri(n, k=-1, dtype=bool).T
         return np.flatnonzero(~(no_worse & better).any(axis=0))

@@ -171,11 +171,11 @@ class StageCosts(Menus, Bounds):
     def blocks(self, k):
         """Block part of a stage of k blocks per recompute combination: (combos, backward compute,
         backward TP time, activations, replay bytes, the combinations not dominated without ZeRO-3,
-        forward compute, forward TP time). Under a split backward (zbv) a full block's replay is held
-        from I to W (menu's held_iw), not a transient, and combinations are compared with those of
-        as many full blocks. A block's forward is the same in every mode as the cost model prices
-        it; a model profile measures each mode's, and then a combination is dominated only by one
-        no slower forward too."""
+        forward compute, forward TP time, weight-gradient time). Under a split backward (zbv) a full
+        block's replay is held from I to W (menu's held_iw), not a transient, and combinations are
+        compared with those of as many full blocks. A block's forward (and its backward's weight
+        share) is the same in every mode as the cost model prices it; a model profile measures each
+        mode's, and then a combination is dominated only by one no slower there too."""
         cfg = self.cfg
         split = self.split
         if "_blocks_key" not in self.__dict__:
@@ -194,11 +194,19 @@ class StageCosts(Menus, Bounds):
                 replay = classes = np.max(np.where(cb > 0, col("replay_bytes")[None, :], 0.0), axis=1)
                 if self.fb:  # a stage's first backward also depends on its largest mode (menus' "top")
                     classes = np.unique(replay, return_inverse=True)[1] * 3 + top_mode(cb, col("activation_bytes"))
-            comp_f, tp_f = cb @ col("fwd_compute_s"), cb @ col("fwd_tp_s")
-            fwd = col("fwd_compute_s") + col("fwd_tp_s")
-            keep = _pareto(comp_b + tp_b, act, classes, None if (fwd == fwd[0]).all() else comp_f + tp_f)
-            self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, keep, comp_f, tp_f)
+            comp_f, tp_f, comp_w = cb @ col("fwd_compute_s"), cb @ col("fwd_tp_s"), cb @ col("bwd_weight_s")
+            keep = _pareto(comp_b + tp_b, act, classes, self._by_mode(comp_f + tp_f, comp_w))
+            self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, keep, comp_f, tp_f, comp_w)
         return self.ctx._blocks[key]
+
+    def _by_mode(self, fwd, wgrad):
+        """Of an option's forward and (under a split backward) weight-gradient times, those that a
+        block's recompute mode changes (a model profile's measurements): what options must also be
+        no worse in to dominate another (planner.menus._pareto)."""
+        blk = [self.lc["blk"][r] for r in RECOMPUTE_MODES]
+        differ = lambda a: len({a(x) for x in blk}) > 1  # noqa: E731
+        return ([fwd] if differ(lambda x: x.fwd_compute_s + x.fwd_tp_s) else []) + \
+            ([wgrad] if self.split and differ(lambda x: x.bwd_weight_s) else [])
 
     def _state(self, z):
         """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z."""
