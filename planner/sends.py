@@ -128,9 +128,11 @@ def held_sends(order: list, proofs: dict, n_stages: int, rank_of, r: int) -> tup
 
 # micro-batches (in units of pp) past which what each stage holds no longer changes: the steady
 # state repeats and the last backwards are the same few. Each stage's most is constant from 1 x pp
-# on for both schedules, pp 2 to 8, up to 24 x pp, and so are the counts at a rank's worst moment
-# from 4 x pp on (tests/test_sends.py)
-STEADY_ROUNDS = 4
+# on for both schedules, and so are the counts at a rank's worst moment from 2 x pp on: pp 2 to 8
+# up to 24 x pp (tests/test_sends.py), and pp 2 to 32 at 2, 3 and 4 x pp, ZB-V's every count from
+# 2 x pp to 4 x pp for pp 2 to 16 (session 40; 4 x pp before, whose proofs took 2.4 s of the
+# gpt3-175b/1024 search)
+STEADY_ROUNDS = 2
 
 
 def unproven_sends(schedule: str, pp: int, virtual_stages: int, micro_batches: int, together: bool = True) -> tuple:

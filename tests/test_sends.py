@@ -98,8 +98,8 @@ def test_past_a_few_rounds_of_micro_batches_the_most_held_stays(schedule, v):
     pp 2 to 8 and up to 24 x pp micro-batches."""
     for p in range(2, 9):
         steady = _unproven(schedule, p, v, STEADY_ROUNDS * p)  # at the rank's worst moment, and each stage's most
-        odd = (5 * p + 1, 9 * p + 3) if schedule == "zbv" else ()  # ZB-V takes any number
-        for m in (5 * p, 9 * p, 24 * p, *odd):
+        odd = (2 * p + 1, 3 * p + 1, 5 * p + 1, 9 * p + 3) if schedule == "zbv" else ()  # ZB-V takes any number
+        for m in (3 * p, 4 * p, 5 * p, 9 * p, 24 * p, *odd):
             assert _unproven(schedule, p, v, m) == steady, (p, m)
 
 
