@@ -257,10 +257,11 @@ class Bounds:
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
             step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) else 0.0)
             step += sync if cfg.v == 1 else 0.0  # evaluate counts the sync of a rank's first stage
-            c = copy_f + copy_b + step / mbs
+            w = ctx.work  # in a forward or backward, as work (planner.menus: shared compute)
+            c = w * (copy_f + copy_b) + step / mbs
             bare = state - self._state(z)[1]
             if self.split and z >= 2 and dp > 1:  # planner.cost: I and W each gather, exposed
-                out.append((c + 2 * ag, 0.0, state, bare))
+                out.append((c + 2 * w * ag, 0.0, state, bare))
             else:
-                out.append((c, ag + beside, state, bare))
+                out.append((c, w * (ag + beside), state, bare))
         return out

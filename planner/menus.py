@@ -207,19 +207,24 @@ class Menus:
         copy_bk = np.zeros((nz, nk))
         gather_f = np.zeros((nz, nk))
         w_sync = np.full((nz, nk), np.nan)
+        # what runs in a forward or backward, collectives included, counts as work where measured
+        # layers are (Ctx.work: processes sharing compute, as the estimate plays them); the step's
+        # gradient sync, optimizer and gathers do not
+        w = ctx.work
         for zi, z in enumerate(self.zeros):
             state, copies, step_per_param = self._per_param(z)
             ag = gathered if z == 3 else np.zeros(nk)
             sync = all_reduced if z == 0 else scattered
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
-            beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
+            beside = w * (ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag)
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
             copy_f, copy_b, copy_s = (x * P for x in copies)
-            gather_f[zi] = ag
+            copy_f, copy_b = w * copy_f, w * copy_b
+            gather_f[zi] = w * ag
             copy_bk[zi] = copy_b
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
-                shift[zi] = 2 * ag + copy_b
-                w_sync[zi] = sync
+                shift[zi] = 2 * w * ag + copy_b
+                w_sync[zi] = w * sync
             else:  # the same shift for every option, or where exposed beside some options' backward
                 exposed = (beside > cb_min) & (not split)
                 shift[zi] = copy_b

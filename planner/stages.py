@@ -248,6 +248,26 @@ class StageCosts(Menus, Bounds):
         p, mbs = self.cfg.pp, self.cfg.micro_batches
         zbv = self.cfg.schedule == "zbv"
         rows = [self._row(mn, i) for _, mn, i in assign]
+        # memory first: an assignment that does not fit is not timed
+        for r in range(p):
+            mine = [rows[s] for s in self.stages_of[r]]
+            recv = sum(self.recv[s] for s in self.stages_of[r])
+            fixed = sum(row[4] for row in mine) + recv
+            acts = [row[5] for row in mine]
+            if self.cfg.v > 1:  # what each chunk holds from I to W, and its gradients once they exist
+                acts += [row[6] for row in mine] + [row[11] for row in mine]
+                fixed -= sum(row[11] for row in mine)
+            peak = float((self.flight[r] @ np.array(acts)).max())
+            if self.first_b[r]:  # one stage: its gradients grow as its first backward frees activations
+                row = mine[0]
+                fixed, peak = fixed - row[11], float(first_backward_peak(peak, row[5], row[11], row[12]))
+            rep = max(row[7] for row in mine) + self.act_grad  # one stage computes at a time
+            logits = max(row[10] for row in mine)  # the loss's forward, on the head's rank
+            if logits:
+                rep = max(rep, logits + max(row[9] for row in mine))
+            step = sum(row[8] for row in mine) + recv
+            if max(fixed + peak + rep, step) > self.ctx.lim_eff * (1 + TOL):
+                return None
         W = [0.0] * p
         tail = [0.0] * p
         pre, pref = [], 0.0
@@ -271,25 +291,6 @@ class StageCosts(Menus, Bounds):
             lb1 = max(lb1, mbs * sum(row[1] for row in rows) / self.share)
         if self.cfg.v > 1 and not zbv:  # micro-batch 0's forward through every stage and backward back
             lb1 = max(lb1, sum(row[1] for row in rows))
-        for r in range(p):
-            mine = [rows[s] for s in self.stages_of[r]]
-            recv = sum(self.recv[s] for s in self.stages_of[r])
-            fixed = sum(row[4] for row in mine) + recv
-            acts = [row[5] for row in mine]
-            if self.cfg.v > 1:  # what each chunk holds from I to W, and its gradients once they exist
-                acts += [row[6] for row in mine] + [row[11] for row in mine]
-                fixed -= sum(row[11] for row in mine)
-            peak = float((self.flight[r] @ np.array(acts)).max())
-            if self.first_b[r]:  # one stage: its gradients grow as its first backward frees activations
-                row = mine[0]
-                fixed, peak = fixed - row[11], float(first_backward_peak(peak, row[5], row[11], row[12]))
-            rep = max(row[7] for row in mine) + self.act_grad  # one stage computes at a time
-            logits = max(row[10] for row in mine)  # the loss's forward, on the head's rank
-            if logits:
-                rep = max(rep, logits + max(row[9] for row in mine))
-            step = sum(row[8] for row in mine) + recv
-            if max(fixed + peak + rep, step) > self.ctx.lim_eff * (1 + TOL):
-                return None
         return max(lb1, lb2)
 
 
