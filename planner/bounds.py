@@ -181,43 +181,54 @@ class Bounds:
             end_mem[:, r] += F[:, r, c] * x.activation_bytes + W[:, r, c] * held
         # the loss's forward holds its logits where a backward holds the activation gradients (M)
         end_mem[:, self.rank_of[-1]] += max(0.0, self.head_logits - self.act_grad)
+        # rank r starts once micro-batch 0's forward has come through stages 0..r-1 (its ranks'
+        # first chunks: the embedding, and a block each but the first), and all its work follows
+        f_blk = min(x.fwd_compute_s + x.fwd_tp_s for x in blk)
+        f_emb = lc["emb"].fwd_compute_s + lc["emb"].fwd_tp_s
+        fill = np.array([sum((f_emb if s == 0 else 0.0) + (f_blk if 0 < s < self.S - 1 else 0.0) for s in range(r))
+                         for r in range(p)]) / mbs
+        end_t, end_tp = end_t + fill, end_tp + fill
         pairs = [(i, j) for i in range(len(t0)) for j in range(i + 1, len(t0))]
-        levels = []
-        for c, g, full_state, bare_state in terms:
-            state = np.where(all_grads, full_state, bare_state)  # (moments, ranks)
-            t, gb = t0 + c * blk[0].params, (g + c) * blk[0].params + tp_min
-            # (moments, ranks, modes): each moment's memory is a constraint; a rank takes at most
-            # the least any of them allows
-            mem = state[..., None] * blk[0].params + kap_f[..., None] * a + kap_w[..., None] * h
-            room = M[None, :] - state * end_p[None, :] - end_mem  # (moments, ranks)
-            levels.append((t, gb, mem, end_t + c * end_p, end_tp + (g + c) * end_p, room))
-        if not np.any([(lv[5] >= 0).all(axis=0) for lv in levels], axis=0).all():
+        # every ZeRO level at once (the first axis of each array)
+        cs, gs, full, bare = (np.array(x) for x in zip(*terms))
+        state = np.where(all_grads[None], full[:, None, None], bare[:, None, None])  # (levels, moments, ranks)
+        P = blk[0].params
+        t, gb = t0[None, :] + cs[:, None] * P, (gs + cs) * P + tp_min
+        # (levels, moments, ranks, modes): each moment's memory is a constraint; a rank takes at
+        # most the least any of them allows
+        mem = state[..., None] * P + kap_f[None, ..., None] * a + kap_w[None, ..., None] * h
+        room = M[None, None, :] - state * end_p[None, None, :] - end_mem[None]  # (levels, moments, ranks)
+        off_t, off_g = end_t[None, :] + cs[:, None] * end_p[None, :], end_tp[None, :] + (gs + cs)[:, None] * end_p[None, :]
+        holds = (room >= 0).all(axis=1)  # (levels, ranks): the level holds the rank's ends
+        if not holds.any(axis=0).all():
             return math.inf  # a rank cannot hold its embedding, head or its chunks' first blocks
 
         def cap(U):
             """Blocks all ranks can take within each work budget of the array U."""
-            U = np.asarray(U, dtype=float)[:, None, None]  # (budgets, moments, ranks)
-            most = None
-            for t, gb, mem, off_t, off_g, room in levels:
-                Ut = U - off_t
-                best = np.max(np.minimum(Ut[..., None] / t, room[None, :, :, None] / mem), axis=3)
-                for i, j in pairs:  # both constraints tight: solve for n_i, n_j
-                    det = t[i] * mem[:, :, j] - t[j] * mem[:, :, i]
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        ni = (Ut * mem[:, :, j] - t[j] * room) / det
-                        nj = (t[i] * room - Ut * mem[:, :, i]) / det
-                        ok = (det != 0) & (ni >= 0) & (nj >= 0)  # not ok: an infinite or NaN n_i + n_j goes unused
-                        best = np.where(ok, np.maximum(best, ni + nj), best)
-                best = np.maximum(best, 0.0).min(axis=1)  # (budgets, ranks)
-                if gb > 0:
-                    best = np.minimum(best, (U[:, 0] - off_g) / gb)
-                best = np.where(best >= n_first * (1 - 1e-9), best, -np.inf)  # its chunks' first blocks
-                best = np.where((room >= 0).all(axis=0), best, -np.inf)  # this level cannot hold the ends
-                most = best if most is None else np.maximum(most, best)
-            return most.sum(axis=1)
+            U = np.asarray(U, dtype=float)
+            Ut = U[None, :, None, None] - off_t[:, None, None, :]  # (levels, budgets, moments, ranks)
+            best = np.max(np.minimum(Ut[..., None] / t[:, None, None, None, :], room[:, None, :, :, None] / mem[:, None]),
+                          axis=-1)
+            room_b = room[:, None]
+            for i, j in pairs:  # both constraints tight: solve for n_i, n_j
+                ti, tj = t[:, i, None, None, None], t[:, j, None, None, None]
+                mi, mj = mem[:, None, :, :, i], mem[:, None, :, :, j]
+                det = ti * mj - tj * mi
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ni = (Ut * mj - tj * room_b) / det
+                    nj = (ti * room_b - Ut * mi) / det
+                    ok = (det != 0) & (ni >= 0) & (nj >= 0)  # not ok: an infinite or NaN n_i + n_j goes unused
+                    best = np.where(ok, np.maximum(best, ni + nj), best)
+            best = np.maximum(best, 0.0).min(axis=2)  # (levels, budgets, ranks)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                comm = (U[None, :, None] - off_g[:, None, :]) / gb[:, None, None]
+            best = np.where(gb[:, None, None] > 0, np.minimum(best, comm), best)
+            best = np.where(best >= n_first * (1 - 1e-9), best, -np.inf)  # its chunks' first blocks
+            best = np.where(holds[:, None, :], best, -np.inf)  # this level cannot hold the ends
+            return best.max(axis=0).sum(axis=1)
 
         need = self.L * (1 - 1e-9)
-        top = max(max(lv[0].max(), lv[1]) * self.L + max(lv[3].max(), lv[4].max()) for lv in levels)
+        top = (np.maximum(t.max(axis=1), gb) * self.L + np.maximum(off_t.max(axis=1), off_g.max(axis=1))).max()
         probe = [top * 2] + ([bound / mbs] if math.isfinite(bound) else [])
         caps = cap(probe)
         if caps[0] < need:
@@ -227,7 +238,7 @@ class Bounds:
         # the smallest budget that places all L blocks (the largest infeasible one found): it lies
         # between the ranks' average least work and 2 top (feasible), searched on a geometric grid
         # of 16, then two linear ones
-        least = min(lv[0].min() for lv in levels) * self.L + np.min([lv[3] for lv in levels], axis=0).sum()
+        least = t.min() * self.L + off_t.min(axis=0).sum()
         lo, hi = max(least / p, top * 1e-6), 2 * top
         for n in range(3):
             grid = lo * (hi / lo) ** (np.arange(1, 17) / 16) if n == 0 else lo + (hi - lo) * np.arange(1, 17) / 16

@@ -163,12 +163,16 @@ class Menus:
                                           cols["logits"] + cols["fsdp"] - self.act_grad))[by_c]
         act_c = cols["act"][by_c]
         grads_c, first_c = cols["grads"][by_c], (cols["first"][by_c] if self.fb else cols["first"])
-        row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + 3 * act_c.itemsize
+        # each option's row as planner.stages.StageCosts.evaluate reads it (its column names)
+        rows_all = np.stack((cols["f"], cols["f"] + cols["b"], cols["opt"] + cols["gather"], cols["sync"], cols["fixed"],
+                             cols["act"], cols["held_iw"], cols["replay"] + cols["transient"], cols["step"],
+                             cols["fsdp"], cols["logits"], cols["grads"], cols["first"]), axis=1)
+        row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + 3 * act_c.itemsize + rows_all[0].nbytes
         out = {}
         for j, k in enumerate(ks):
             sl = slice(bounds[j], bounds[j + 1])
             mn = {name: col[sl] for name, col in cols.items()}
-            mn["cb"] = parts[j][0]
+            mn["cb"], mn["rows"] = parts[j][0], rows_all[sl]
             mn["order"], mn["mem_sorted"] = by_k[j], (mem[sl], act_c[sl])
             mn["first_sorted"] = (grads_c[sl], first_c[sl])
             out[k] = (mn, row_bytes * (sl.stop - sl.start))

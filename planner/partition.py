@@ -50,7 +50,12 @@ class Inner(StageCosts):
         for s in range(self.S):
             groups.setdefault(self.flags(s), []).append(s)
         for flags, ss in groups.items():
-            cnt = np.array([self.maxcnt[self.rank_of[s]][s // cfg.pp] for s in ss])[:, None]
+            # stages alike in what bounds their memory (micro-batches in flight, a first backward
+            # that binds) have the same options: each such kind once
+            alike = [(self.maxcnt[self.rank_of[s]][s // cfg.pp], self.fb and self.first_b[self.rank_of[s]]) for s in ss]
+            kinds = sorted(set(alike))
+            of_kind = [[s for s, a in zip(ss, alike) if a == kind] for kind in kinds]
+            cnt = np.array([c for c, _ in kinds])[:, None]
             if cfg.v == 1 or not share:
                 extra, lim = self.act_grad, ctx.lim_eff * (1 + TOL)
             else:
@@ -58,7 +63,7 @@ class Inner(StageCosts):
             kr = {s: set(self.k_range(s, kcap)) for s in ss}
             ks = sorted(set().union(*kr.values()))
             menus = self.menus(ks, *flags)
-            fb = np.array([self.first_b[self.rank_of[s]] for s in ss])[:, None] if self.fb else None
+            fb = np.array([b for _, b in kinds])[:, None] if self.fb else None
             for k in ks:
                 mn = menus[k]
                 order, (fixed_rep, act) = mn["order"], mn["mem_sorted"]  # options by c, their memory parts
@@ -70,9 +75,12 @@ class Inner(StageCosts):
                     held = np.maximum(held - mn["first_sorted"][0][None, :], 0.0)
                 fits = (fixed_rep + extra)[None, :] + held <= lim
                 anyfit = fits.any(axis=1)
-                for i, s in enumerate(ss):
-                    if anyfit[i] and k in kr[s]:
-                        opts[s][k] = (mn, order[fits[i]])
+                for i, same in enumerate(of_kind):
+                    if anyfit[i]:
+                        ok = order[fits[i]]
+                        for s in same:
+                            if k in kr[s]:
+                                opts[s][k] = (mn, ok)
         return opts
 
     def candidates(self, bound=math.inf, quick=False):
@@ -86,6 +94,12 @@ class Inner(StageCosts):
             self.exhaustive = False  # far too many partitions to enumerate, whatever fits
             return self._dp(self.options(kcap, share=self.cfg.v > 1), bound, quick) + \
                 ([] if quick and self.cfg.v == 1 else self._uniform())
+        limit = self.ctx.space.exhaustive_limit
+        if self.ctx.space.uneven and self.cfg.v > 1:  # the options that fit in 1/v of a rank (a subset) first:
+            shared = self.options(kcap, share=True)  # more assignments than the limit of those, not exhaustive
+            if self._count(shared) > limit:
+                self.exhaustive = False
+                return self._dp(shared, bound, quick) + self._uniform()
         opts = self.options(kcap)
         if not self.ctx.space.uneven:
             sizes = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
@@ -95,8 +109,17 @@ class Inner(StageCosts):
             if math.prod(len(opts[i][k][1]) for i, k in enumerate(sizes)) <= self.ctx.space.exhaustive_limit:
                 return self._enumerate(opts, fixed_sizes=sizes)
             self.exhaustive = False
-            alts = [self._assign(opts, sizes, z) for z in (None, *self.zeros)]
-            return [(lb, a) for a in alts if a for lb in [self.evaluate(a)] if lb is not None]
+            alts = [a for z in (None, *self.zeros) for a in [self._assign(opts, sizes, z)] if a]
+            return [(lb, a) for a, lb in zip(alts, self.evaluate_many(alts)) if lb is not None]
+        self.exhaustive = self._count(opts) <= limit
+        if self.exhaustive:
+            return self._enumerate(opts)
+        if self.cfg.v == 1:
+            return self._dp(opts, bound, quick) + ([] if quick else self._uniform())
+        return self._dp(shared, bound, quick) + self._uniform()
+
+    def _count(self, opts) -> float:
+        """How many assignments (partition and options) `opts` allows."""
         count = np.zeros(self.L + 1)  # assignments per blocks used so far
         count[0] = 1.0
         for s in range(self.S):
@@ -104,12 +127,7 @@ class Inner(StageCosts):
             for k, (_, ok) in opts[s].items():
                 new[k:] += count[:self.L + 1 - k] * len(ok)
             count = new
-        self.exhaustive = count[self.L] <= self.ctx.space.exhaustive_limit
-        if self.exhaustive:
-            return self._enumerate(opts)
-        if self.cfg.v == 1:
-            return self._dp(opts, bound, quick) + ([] if quick else self._uniform())
-        return self._dp(self.options(kcap, share=True), bound, quick) + self._uniform()
+        return count[self.L]
 
     def _uniform(self):
         """The even split with one ZeRO level and one recompute mode throughout (the least
@@ -117,17 +135,19 @@ class Inner(StageCosts):
         the schedule and, for v > 1, splits a rank's memory evenly over its chunks."""
         sizes = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
                  for st in even_stages(self.ctx.model, self.cfg.pp, self.cfg.v)]
-        out = []
+        tries = []
         kinds = [(k, *self.flags(s)) for s, k in enumerate(sizes)]  # each stage's (blocks, embedding, head)
         for z in self.zeros:
             for mode in [x for x in RECOMPUTE_MODES if x in self.modes]:
                 picks = {key: self._uniform_option(*key, z, mode) for key in set(kinds)}
                 assign = [(key[0], *picks[key]) for key in kinds]
                 if all(a[2] is not None for a in assign):
-                    lb = self.evaluate(assign)
-                    if lb is not None:
-                        out.append((lb, assign))
-                        break  # more recomputation is slower
+                    tries.append((z, assign))
+        out, done = [], set()
+        for (z, assign), lb in zip(tries, self.evaluate_many([a for _, a in tries])):
+            if lb is not None and z not in done:  # at each level the least recomputation that fits
+                out.append((lb, assign))
+                done.add(z)
         return out
 
     def _uniform_option(self, k, emb, head, z, mode):
@@ -155,7 +175,7 @@ class Inner(StageCosts):
         return mn, mn["uniform"].get((z, mode))
 
     def _enumerate(self, opts, fixed_sizes=None):
-        out = []
+        leaves = []
         reach = [set() for _ in range(self.S + 1)]  # blocks used before stage s from which L is reachable
         reach[self.S].add(self.L)
         for s in range(self.S - 1, -1, -1):
@@ -165,9 +185,7 @@ class Inner(StageCosts):
         def rec(s, used, acc):
             if s == self.S:
                 if used == self.L:
-                    lb = self.evaluate(acc)
-                    if lb is not None:
-                        out.append((lb, list(acc)))
+                    leaves.append(list(acc))
                 return
             ks = [fixed_sizes[s]] if fixed_sizes else opts[s]
             for k in ks:
@@ -179,7 +197,7 @@ class Inner(StageCosts):
                     rec(s + 1, used + k, acc)
                     acc.pop()
         rec(0, 0, [])
-        return out
+        return [(lb, a) for a, lb in zip(leaves, self.evaluate_many(leaves)) if lb is not None]
 
     def _dp(self, opts, bound=math.inf, quick=False):
         S, L = self.S, self.L
@@ -195,6 +213,8 @@ class Inner(StageCosts):
             if not opts[s]:
                 cost[s, 0] = INF
 
+        reads = [L + cols[None, :] - ks[:, None] for ks in ks_of]  # per stage: the pad entries of each (k, blocks)
+
         def run(T=None):
             """min-max (T None) or min-sum under threshold T; returns (value, sizes)."""
             c = cost if T is None else np.where(cost <= T * (1 + TOL), cost, INF)
@@ -203,7 +223,7 @@ class Inner(StageCosts):
             back = np.zeros((S, L + 1), dtype=int)
             for s in range(S):
                 ks = ks_of[s]
-                prev = pad[L + cols[None, :] - ks[:, None]]  # (len(ks), L + 1)
+                prev = pad[reads[s]]  # (len(ks), L + 1)
                 cand = np.maximum(prev, c[s, ks][:, None]) if T is None else prev + c[s, ks][:, None]
                 arg = cand.argmin(axis=0)
                 pad[L:] = cand[arg, cols]
@@ -224,47 +244,56 @@ class Inner(StageCosts):
         Ts = finite[(finite >= tstar * (1 - TOL)) & (finite <= tstar * 1.5)]
         if len(Ts) > 12:
             Ts = Ts[np.unique(np.linspace(0, len(Ts) - 1, 12).astype(int))]
-        seen, out = set(), []
+        seen, sweep = set(), []
         for T in [tstar] if quick else [tstar, *Ts]:
             _, sz = run(T)
             if sz is None or tuple(sz) in seen:
                 continue
             seen.add(tuple(sz))
-            assign = self._assign(opts, sz)
-            lb = self.evaluate(assign)
-            if lb is not None:
-                out.append((lb, assign))
+            sweep.append(self._assign(opts, sz))
+        out = [(lb, a) for a, lb in zip(sweep, self.evaluate_many(sweep)) if lb is not None]
         if quick and self.cfg.v == 1:
             return out
         # quick, several chunks a rank: the split at T* polished (its min-max ignores that a rank
         # holds several chunks and the schedule's fill), else the search keys the configuration by a
         # split far slower than its best (planner.search)
+        alts = []
         for lb, assign in ([] if quick else sorted(out, key=lambda x: x[0])[:2]):  # the same with one ZeRO level throughout
             for z in self.zeros:
                 alt = self._assign(opts, [k for k, _, _ in assign], z)
                 if alt and [i for _, _, i in alt] != [i for _, _, i in assign]:
-                    alb = self.evaluate(alt)
-                    if alb is not None:
-                        out.append((alb, alt))
+                    alts.append(alt)
+        out += [(lb, a) for a, lb in zip(alts, self.evaluate_many(alts)) if lb is not None]
         if S <= 16:  # the DP ignores the pipeline's fill and drain: polish the best by moving blocks
             for lb, assign in [x for x in sorted(out, key=lambda x: x[0])[:2] if x[0] < bound * 1.1]:
-                sz = [k for k, _, _ in assign]
-                improved = True
-                while improved:
-                    improved = False
-                    for s, d in itertools.product(range(S - 1), (1, -1)):
-                        new = list(sz)
-                        new[s] -= d
-                        new[s + 1] += d
-                        if tuple(new) in seen or any(k not in opts[i] for i, k in enumerate(new)):
-                            continue
-                        seen.add(tuple(new))
-                        cand = self._assign(opts, new)
-                        nlb = self.evaluate(cand)
-                        if nlb is not None and nlb < lb:
-                            lb, sz, improved = nlb, new, True
-                            out.append((nlb, cand))
+                self._polish(opts, lb, [k for k, _, _ in assign], seen, out)
         return out
+
+    def _polish(self, opts, lb, sz, seen, out):
+        """Move one block between neighbouring stages while that lowers the LB, each move in turn
+        from the split just made (first improvement, passes until none improves); the splits
+        found go to `out`. The moves still to try from a split are evaluated together."""
+        moves = list(itertools.product(range(self.S - 1), (1, -1)))
+        improved = True
+        while improved:
+            improved, i = False, 0
+            while i < len(moves):
+                batch = []  # (move, split) of the moves from i on, not seen and with options
+                for j in range(i, len(moves)):
+                    s, d = moves[j]
+                    new = list(sz)
+                    new[s] -= d
+                    new[s + 1] += d
+                    if tuple(new) not in seen and all(k in opts[x] for x, k in enumerate(new)):
+                        batch.append((j, new))
+                cands = [self._assign(opts, new) for _, new in batch]
+                i = len(moves)
+                for (j, new), cand, nlb in zip(batch, cands, self.evaluate_many(cands)):
+                    seen.add(tuple(new))
+                    if nlb is not None and nlb < lb:
+                        lb, sz, improved, i = nlb, new, True, j + 1
+                        out.append((nlb, cand))
+                        break
 
     @staticmethod
     def _assign(opts, sizes, zero=None):

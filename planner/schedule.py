@@ -49,6 +49,7 @@ neighbours move together and a forward step waits for the neighbour's backward s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -136,7 +137,7 @@ def rank_order(schedule: str, pp: int, virtual_stages: int, micro_batches: int, 
     if p == 1:  # no pipeline: each micro-batch runs forward then backward (gradient accumulation)
         return [x for j in range(m) for x in (("F", 0, j), ("B", 0, j))]
     if schedule == "zbv":
-        return _zbv_order(p, m, rank)
+        return list(_zbv_orders(p, m)[rank])
     if schedule == "gpipe":
         stages = [c * p + rank for c in range(v)]
         order = [("F", s, j) for s in stages for j in range(m)]
@@ -171,6 +172,12 @@ def interleaved_sequence(p: int, v: int, m: int, rank: int):
     order[pos_f], order[pos_b] = k, k
     chunk = (order % (p * v)) // p
     return forward, np.where(forward, chunk, v - 1 - chunk), (order // (p * v)) * p + order % p
+
+
+@lru_cache(maxsize=64)
+def _zbv_orders(p: int, m: int) -> tuple:
+    """_zbv_order of every rank, cached: the search asks for the same few many times."""
+    return tuple(tuple(_zbv_order(p, m, r)) for r in range(p))
 
 
 def _zbv_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
@@ -233,32 +240,65 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
     if sharing is not None:
         ops, free = _play_shared(orders, stages, p2p, blocking_p2p, sharing)
         return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
+    plays = _plays(orders, stages, p2p, blocking_p2p)
     done: dict[tuple[str, int, int], float] = {}
     pos = [0] * pp
     free = [0.0] * pp
-    ops: list[list[Op]] = [[] for _ in range(pp)]
+    times: list[list] = [[] for _ in range(pp)]  # per rank: (start, end) of each operation played
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(pp):
-            while pos[r] < len(orders[r]):
-                kind, s, j = orders[r][pos[r]]
-                dep, lag = _needs(kind, s, j, stages, p2p)
-                if dep is not None and dep not in done:
-                    break
-                ready = done[dep] + lag if dep is not None else 0.0
-                start = max(free[r], ready)
-                dur = stages[s].duration(kind)
-                end_op = start + dur
-                done[(kind, s, j)] = end_op
-                ops[r].append(Op(kind, s, j, start, end_op))
-                free[r] = end_op + (_send(kind, s, stages) if p2p and blocking_p2p else 0.0)
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
+            i, now, play, out = pos[r], free[r], plays[r], times[r]
+            while i < len(play):
+                key, dep, lag, dur, send = play[i]
+                if dep is not None:
+                    ready = done.get(dep)
+                    if ready is None:
+                        break
+                    ready += lag
+                    if ready > now:  # max(now, ready + lag), inline
+                        now = ready
+                end_op = now + dur
+                done[key] = end_op
+                out.append((now, end_op))
+                now = end_op + send
+                i += 1
+            if i > pos[r]:
+                remaining -= i - pos[r]
+                pos[r], free[r], progressed = i, now, True
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={virtual_stages}, m={micro_batches})")
+    ops = [[Op(*op, start, end) for op, (start, end) in zip(order, t)] for order, t in zip(orders, times)]
     return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
+
+
+def _plays(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
+    """Per rank, its operations as (key, dependency, transfer lag, duration, own send): _needs,
+    StageTimes.duration and _send of each, computed inline (a step plays thousands)."""
+    last = len(stages) - 1
+    dur = [{"F": x.fwd_s, "B": x.bwd_s, "I": x.bwd_s - x.bwd_weight_s, "W": x.bwd_weight_s} for x in stages]
+    fwd_lag = [x.send_fwd_s if p2p else 0.0 for x in stages]
+    bwd_lag = [x.send_bwd_s if p2p else 0.0 for x in stages]
+    sends = [{"F": x.send_fwd_s if s < last else 0.0, "W": 0.0, "B": x.send_bwd_s if s > 0 else 0.0,
+              "I": x.send_bwd_s if s > 0 else 0.0} if p2p and blocking_p2p else dict.fromkeys("FWBI", 0.0)
+             for s, x in enumerate(stages)]
+    plays = []
+    for order in orders:
+        play = []
+        for op in order:
+            kind, s, j = op
+            if kind == "F":
+                dep, lag = (("F", s - 1, j), fwd_lag[s - 1]) if s > 0 else (None, 0.0)
+            elif kind == "W":
+                dep, lag = ("I", s, j), 0.0
+            elif s < last:
+                dep, lag = (kind, s + 1, j), bwd_lag[s + 1]
+            else:
+                dep, lag = ("F", s, j), 0.0
+            play.append((op, dep, lag, dur[s][kind], sends[s][kind]))
+        plays.append(play)
+    return plays
 
 
 def _needs(kind: str, s: int, j: int, stages: list, p2p: bool):

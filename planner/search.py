@@ -122,6 +122,7 @@ class Ctx:
         self._fsdp_extra: dict = {}  # planner.fsdp_memory.fsdp_extra_parts of a stage's blocks and root
         self._blocks: dict = {}
         self._flight: dict = {}
+        self._recv: dict = {}  # planner.stages.StageCosts._recv
 
     def in_flight(self, cfg):
         """planner.bounds.in_flight_counts of the configuration's schedule, cached."""

@@ -112,15 +112,20 @@ class StageCosts(Menus, Bounds):
         # a rank that waits for its own sends (blocking point-to-point) also spends them serially;
         # none between two stages of one rank (zbv's middle)
         S, ro = self.S, self.rank_of
+        known = {(r, (r + 1) % cfg.pp): p2p[r] for r in range(cfg.pp)}
+        known.update({(r, (r - 1) % cfg.pp): back[r] for r in range(cfg.pp)})
 
         def hop(a, b):
-            return 0.0 if a == b else self.ctx.cluster.p2p_time(msg, _rank(mesh, a, 0, 0), _rank(mesh, b, 0, 0))
+            if a == b:
+                return 0.0
+            if (a, b) not in known:
+                known[(a, b)] = self.ctx.cluster.p2p_time(msg, _rank(mesh, a, 0, 0), _rank(mesh, b, 0, 0))
+            return known[(a, b)]
         self.sends = [(hop(ro[s], ro[s + 1]) if s < S - 1 else 0.0) + (hop(ro[s], ro[s - 1]) if s > 0 else 0.0)
                       if BLOCKING_P2P else 0.0 for s in range(S)]
         # the chain's way back from rank r > 0 (lag[r - 1]) starts with r's last send to r - 1, which
         # its serial work already counts when sends block: once in the bound (evaluate)
         self.own_back = [back[r] if (BLOCKING_P2P and r > 0) else 0.0 for r in range(cfg.pp)]
-        self.recv = self._recv()
         return self
 
     def _message(self):
@@ -133,8 +138,11 @@ class StageCosts(Menus, Bounds):
         search builds have them): fixed by the configuration, whatever the partition."""
         S, msg = self.S, self._message()
         cfg = self.cfg
-        return [stage_recv_bytes(RUNTIME_RECV_BUFFERS, True, cfg.schedule, cfg.pp, s, S - 1, cfg.micro_batches, msg)
-                for s in range(S)]
+        key = (cfg.schedule, cfg.pp, S, cfg.micro_batches, msg)
+        if key not in self.ctx._recv:  # the search's cache
+            self.ctx._recv[key] = [stage_recv_bytes(RUNTIME_RECV_BUFFERS, True, cfg.schedule, cfg.pp, s, S - 1,
+                                                    cfg.micro_batches, msg) for s in range(S)]
+        return self.ctx._recv[key]
 
     def _recv_by_rank(self):
         recv = self._recv()
@@ -229,69 +237,69 @@ class StageCosts(Menus, Bounds):
     def flags(self, s):
         return s == 0, s == self.S - 1
 
-    def _row(self, mn, i):
-        """(f, f + b, optimizer + gather, sync, fixed, act, held_iw, replay + transient, step, FSDP2's
-        transient, the loss's, gradients, first backward's bytes) of option i of menu mn, as floats;
-        read once per configuration (its menus live as long as it)."""
-        rows = self.__dict__.setdefault("_rows", {})
-        key = (id(mn), i)
-        if key not in rows:
-            f = mn["f"][i]
-            rows[key] = (float(f), float(f + mn["b"][i]), float(mn["opt"][i] + mn["gather"][i]), float(mn["sync"][i]),
-                         float(mn["fixed"][i]), float(mn["act"][i]), float(mn["held_iw"][i]),
-                         float(mn["replay"][i] + mn["transient"][i]), float(mn["step"][i]), float(mn["fsdp"][i]),
-                         float(mn["logits"][i]), float(mn["grads"][i]), float(mn["first"][i]))
-        return rows[key]
+    # columns of an option's row (Menus._build_menus' "rows"; what evaluate reads)
+    F, FB, TAIL, SYNC, FIXED, ACT, HELD_IW, REPLAY, STEP, FSDP, LOGITS, GRADS, FIRST = range(13)
+
+    def _evaluate_setup(self):
+        """What evaluate reads of the configuration, as arrays over pipeline ranks."""
+        cfg, p = self.cfg, self.cfg.pp
+        width = max(f.shape[1] for f in self.flight)
+        flight = np.zeros((p, max(len(f) for f in self.flight), width))
+        for r, f in enumerate(self.flight):  # padded with moments holding nothing
+            flight[r, :len(f)] = f
+        zbv = cfg.schedule == "zbv"
+        self._ev = SimpleNamespace(
+            sidx=np.array(self.stages_of), flight=flight, recv=self._recv_by_rank(),
+            first_b=np.array(self.first_b, dtype=bool), sends=np.array(self.sends)[np.array(self.stages_of)],
+            own_back=np.array(self.own_back), lag=np.array(self.fwd_lag if zbv else self.lag), zbv=zbv)
+        return self._ev
 
     def evaluate(self, assign):
-        """Exact LB and memory check of an assignment [(k, menu, option index) per stage]."""
+        """Exact LB and memory check of an assignment [(k, menu, option index) per stage]: its LB,
+        or None where it does not fit."""
+        return self.evaluate_many([assign])[0]
+
+    def evaluate_many(self, assigns) -> list:
+        """evaluate of each assignment, together (numpy's cost per call paid once)."""
+        if not assigns:
+            return []
+        ev = self.__dict__.get("_ev") or self._evaluate_setup()
         p, mbs = self.cfg.pp, self.cfg.micro_batches
-        zbv = self.cfg.schedule == "zbv"
-        rows = [self._row(mn, i) for _, mn, i in assign]
+        rows = np.array([[mn["rows"][i] for _, mn, i in a] for a in assigns])  # (assignments, stages, 13)
+        a = rows[:, ev.sidx]  # (assignments, ranks, chunks, 13): each rank's stages
         # memory first: an assignment that does not fit is not timed
-        for r in range(p):
-            mine = [rows[s] for s in self.stages_of[r]]
-            recv = sum(self.recv[s] for s in self.stages_of[r])
-            fixed = sum(row[4] for row in mine) + recv
-            acts = [row[5] for row in mine]
-            if self.cfg.v > 1:  # what each chunk holds from I to W, and its gradients once they exist
-                acts += [row[6] for row in mine] + [row[11] for row in mine]
-                fixed -= sum(row[11] for row in mine)
-            peak = float((self.flight[r] @ np.array(acts)).max())
-            if self.first_b[r]:  # one stage: its gradients grow as its first backward frees activations
-                row = mine[0]
-                fixed, peak = fixed - row[11], float(first_backward_peak(peak, row[5], row[11], row[12]))
-            rep = max(row[7] for row in mine) + self.act_grad  # one stage computes at a time
-            logits = max(row[10] for row in mine)  # the loss's forward, on the head's rank
-            if logits:
-                rep = max(rep, logits + max(row[9] for row in mine))
-            step = sum(row[8] for row in mine) + recv
-            if max(fixed + peak + rep, step) > self.ctx.lim_eff * (1 + TOL):
-                return None
-        W = [0.0] * p
-        tail = [0.0] * p
-        pre, pref = [], 0.0
-        for s, row in enumerate(rows):
-            r = self.rank_of[s]
-            fb = row[1]
-            W[r] += fb + self.sends[s]
-            tail[r] += row[2]
-            if s < p:
-                pre.append(pref)
-                # the chain to rank r: the earlier stages' forwards, and (1F1B, interleaved) their
-                # backwards after r's last; under zbv their weight gradients need not wait: forwards only
-                pref += row[0] + self.fwd_lag[s] if zbv else fb + self.lag[s]
-        sync = [rows[self.stages_of[r][0]][3] for r in range(p)]
-        lb2 = max(mbs * W[r] + sync[r] + tail[r] for r in range(p))
-        if zbv:
-            lb1 = max(pre[r] + mbs * W[r] + sync[r] + tail[r] for r in range(p))
+        fixed = a[..., self.FIXED].sum(axis=-1) + ev.recv
+        acts = a[..., self.ACT]
+        if self.cfg.v > 1:  # what each chunk holds from I to W, and its gradients once they exist
+            acts = np.concatenate((acts, a[..., self.HELD_IW], a[..., self.GRADS]), axis=-1)
+            fixed -= a[..., self.GRADS].sum(axis=-1)
+        peak = (ev.flight[None] @ acts[..., None])[..., 0].max(axis=-1)  # the worst moment's
+        if self.fb:  # one stage: its gradients grow as its first backward frees activations
+            one = a[:, :, 0]
+            fixed = np.where(ev.first_b, fixed - one[..., self.GRADS], fixed)
+            peak = np.where(ev.first_b, first_backward_peak(peak, one[..., self.ACT], one[..., self.GRADS],
+                                                             one[..., self.FIRST]), peak)
+        rep = a[..., self.REPLAY].max(axis=-1) + self.act_grad  # one stage computes at a time
+        logits = a[..., self.LOGITS].max(axis=-1)  # the loss's forward, on the head's rank
+        rep = np.where(logits > 0, np.maximum(rep, logits + a[..., self.FSDP].max(axis=-1)), rep)
+        step = a[..., self.STEP].sum(axis=-1) + ev.recv
+        fits = (np.maximum(fixed + peak + rep, step) <= self.ctx.lim_eff * (1 + TOL)).all(axis=-1)
+        work = mbs * (a[..., self.FB] + ev.sends).sum(axis=-1)  # m W_r
+        once = a[:, :, 0, self.SYNC] + a[..., self.TAIL].sum(axis=-1)  # its first stage's sync, every tail
+        # the chain to rank r: the earlier stages' forwards, and (1F1B, interleaved) their backwards
+        # after r's last; under zbv their weight gradients need not wait: forwards only
+        hop = rows[:, :p, self.F if ev.zbv else self.FB] + ev.lag
+        pre = np.concatenate((np.zeros((len(rows), 1)), np.cumsum(hop[:, :-1], axis=1)), axis=1)
+        lb = (work + once).max(axis=-1)
+        if ev.zbv:
+            lb = np.maximum(lb, (pre + work + once).max(axis=-1))
         else:
-            lb1 = max(pre[r] + mbs * W[r] - self.own_back[r] for r in range(p)) + sync[0] + tail[0]
+            lb = np.maximum(lb, (pre + work - ev.own_back).max(axis=-1) + once[:, 0])
         if self.share:  # every F and B of every stage, done by its tp x dp processes, at most that fast
-            lb1 = max(lb1, mbs * sum(row[1] for row in rows) / self.share)
-        if self.cfg.v > 1 and not zbv:  # micro-batch 0's forward through every stage and backward back
-            lb1 = max(lb1, sum(row[1] for row in rows))
-        return max(lb1, lb2)
+            lb = np.maximum(lb, mbs * rows[..., self.FB].sum(axis=-1) / self.share)
+        if self.cfg.v > 1 and not ev.zbv:  # micro-batch 0's forward through every stage and backward back
+            lb = np.maximum(lb, rows[..., self.FB].sum(axis=-1))
+        return [float(x) if ok else None for x, ok in zip(lb, fits)]
 
 
 def _rank(mesh, pp, dp, tp):
