@@ -238,7 +238,8 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
         return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
     orders = [rank_order(schedule, pp, virtual_stages, micro_batches, r) for r in range(pp)]
     if sharing is not None:
-        ops, free = _play_shared(orders, stages, p2p, blocking_p2p, sharing)
+        from planner.shared_play import play_shared
+        ops, free = play_shared(orders, stages, p2p, blocking_p2p, sharing)
         return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
     plays = _plays(orders, stages, p2p, blocking_p2p)
     done: dict[tuple[str, int, int], float] = {}
@@ -274,8 +275,10 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
 
 
 def _plays(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
-    """Per rank, its operations as (key, dependency, transfer lag, duration, own send): _needs,
-    StageTimes.duration and _send of each, computed inline (a step plays thousands)."""
+    """Per rank, its operations as (key, dependency, transfer lag, duration, own send): a forward
+    needs the previous stage's, a backward (B, or a split one's I) the next stage's, a W its own
+    stage's I; a forward sends its output on, a backward (B or I) its input gradient back, a W
+    nothing (a step plays thousands: computed once)."""
     last = len(stages) - 1
     dur = [{"F": x.fwd_s, "B": x.bwd_s, "I": x.bwd_s - x.bwd_weight_s, "W": x.bwd_weight_s} for x in stages]
     fwd_lag = [x.send_fwd_s if p2p else 0.0 for x in stages]
@@ -299,74 +302,6 @@ def _plays(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
             play.append((op, dep, lag, dur[s][kind], sends[s][kind]))
         plays.append(play)
     return plays
-
-
-def _needs(kind: str, s: int, j: int, stages: list, p2p: bool):
-    """(dependency, transfer lag) of operation (kind, s, j): a forward needs the previous stage's,
-    a backward (B, or a split one's I) the next stage's, a W its own stage's I."""
-    last = len(stages) - 1
-    if kind == "F":
-        return (("F", s - 1, j), stages[s - 1].send_fwd_s if p2p else 0.0) if s > 0 else (None, 0.0)
-    if kind == "W":
-        return ("I", s, j), 0.0
-    if s < last:
-        return (kind, s + 1, j), stages[s + 1].send_bwd_s if p2p else 0.0
-    return ("F", s, j), 0.0
-
-
-def _send(kind: str, s: int, stages: list) -> float:
-    """The transfer operation (kind, s) sends on: its output forward, its input gradient back (B
-    or I); a W sends nothing."""
-    if kind == "F":
-        return stages[s].send_fwd_s if s < len(stages) - 1 else 0.0
-    if kind == "W":
-        return 0.0
-    return stages[s].send_bwd_s if s > 0 else 0.0
-
-
-def _play_shared(orders, stages, p2p, blocking_p2p, sharing: Sharing):
-    """Play the orders in time, the running operations sharing compute (processor sharing):
-    between two events every running operation advances at sharing.rate(running ranks)."""
-    pp = len(orders)
-    done: dict = {}
-    pos, free = [0] * pp, [0.0] * pp
-    ops: list[list[Op]] = [[] for _ in range(pp)]
-    running: dict = {}  # rank -> [op key, remaining work, start]
-    now, remaining = 0.0, sum(len(o) for o in orders)
-    while remaining:
-        wake = float("inf")
-        for r in range(pp):
-            if r in running or pos[r] == len(orders[r]):
-                continue
-            kind, s, j = orders[r][pos[r]]
-            dep, lag = _needs(kind, s, j, stages, p2p)
-            if dep is not None and dep not in done:
-                continue
-            ready = max(free[r], done[dep] + lag if dep is not None else 0.0)
-            if ready <= now:
-                dur = stages[s].duration(kind)
-                running[r] = [(kind, s, j), sharing.work(dur), now]
-            else:
-                wake = min(wake, ready)
-        if not running and wake == float("inf"):
-            raise RuntimeError(f"schedule deadlocked with shared compute (pp={pp})")
-        rate = sharing.rate(len(running))
-        step = min([rem / rate for _, rem, _ in running.values()] + [wake - now])
-        now += step
-        for r in list(running):
-            key, rem, start = running[r]
-            rem -= rate * step
-            if rem > 1e-12 * max(1.0, now):
-                running[r][1] = rem
-                continue
-            del running[r]
-            kind, s, j = key
-            done[key] = now
-            ops[r].append(Op(kind, s, j, start, now))
-            free[r] = now + (_send(kind, s, stages) if p2p and blocking_p2p else 0.0)
-            pos[r] += 1
-            remaining -= 1
-    return ops, free
 
 
 def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce) -> Timeline:
