@@ -102,8 +102,7 @@ class Inner(StageCosts):
                 return self._dp(shared, bound, quick) + self._uniform()
         opts = self.options(kcap)
         if not self.ctx.space.uneven:
-            sizes = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
-                     for st in even_stages(self.ctx.model, self.cfg.pp, self.cfg.v)]
+            sizes = self._even_sizes()
             if any(k not in opts[i] for i, k in enumerate(sizes)):
                 return []
             if math.prod(len(opts[i][k][1]) for i, k in enumerate(sizes)) <= self.ctx.space.exhaustive_limit:
@@ -133,16 +132,14 @@ class Inner(StageCosts):
         """The even split with one ZeRO level and one recompute mode throughout (the least
         recomputation that fits): a safety net for the DP, which prices stages by c rather than by
         the schedule and, for v > 1, splits a rank's memory evenly over its chunks."""
-        sizes = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
-                 for st in even_stages(self.ctx.model, self.cfg.pp, self.cfg.v)]
+        kinds = [(k, *self.flags(s)) for s, k in enumerate(self._even_sizes())]  # (blocks, embedding, head)
+        menus = {key: self._uniform_options(*key) for key in set(kinds)}
         tries = []
-        kinds = [(k, *self.flags(s)) for s, k in enumerate(sizes)]  # each stage's (blocks, embedding, head)
         for z in self.zeros:
             for mode in [x for x in RECOMPUTE_MODES if x in self.modes]:
-                picks = {key: self._uniform_option(*key, z, mode) for key in set(kinds)}
-                assign = [(key[0], *picks[key]) for key in kinds]
-                if all(a[2] is not None for a in assign):
-                    tries.append((z, assign))
+                picks = {key: memo.get((z, mode)) for key, (_, memo) in menus.items()}
+                if all(i is not None for i in picks.values()):
+                    tries.append((z, [(key[0], menus[key][0], picks[key]) for key in kinds]))
         out, done = [], set()
         for (z, assign), lb in zip(tries, self.evaluate_many([a for _, a in tries])):
             if lb is not None and z not in done:  # at each level the least recomputation that fits
@@ -150,9 +147,18 @@ class Inner(StageCosts):
                 done.add(z)
         return out
 
-    def _uniform_option(self, k, emb, head, z, mode):
-        """(menu, option) of k blocks all in `mode` at ZeRO level z, or (when that combination was
-        dropped as dominated) the fastest option at z holding no more activations and replay."""
+    def _even_sizes(self):
+        """Blocks of each stage of the even split (planner.build.even_stages), once per search."""
+        key = (self.cfg.pp, self.cfg.v)
+        if key not in self.ctx._even:
+            self.ctx._even[key] = [st.num_layers - (st.start == 0) - (st.end == self.L + 2)
+                                   for st in even_stages(self.ctx.model, self.cfg.pp, self.cfg.v)]
+        return self.ctx._even[key]
+
+    def _uniform_options(self, k, emb, head):
+        """(menu, {(ZeRO level z, mode): option}) of a stage of k blocks: the option of all blocks in
+        `mode` at level z, or (when that combination was dropped as dominated) the fastest at z
+        holding no more activations and replay."""
         mn = self.menu(k, emb, head)
         if "uniform" not in mn:  # the menu's key fixes everything but (z, mode): all of them at once
             memo = mn["uniform"] = {}
@@ -172,7 +178,7 @@ class Inner(StageCosts):
                     best = i + int(np.argmin(b[i:j]))
                     if ok[best]:
                         memo[(int(levels[i]), m)] = best
-        return mn, mn["uniform"].get((z, mode))
+        return mn, mn["uniform"]
 
     def _enumerate(self, opts, fixed_sizes=None):
         leaves = []

@@ -123,6 +123,7 @@ class Ctx:
         self._blocks: dict = {}
         self._flight: dict = {}
         self._recv: dict = {}  # planner.stages.StageCosts._recv
+        self._even: dict = {}  # planner.partition.Inner._even_sizes
 
     def in_flight(self, cfg):
         """planner.bounds.in_flight_counts of the configuration's schedule, cached."""
