@@ -171,8 +171,7 @@ class Menus:
         out = {}
         for j, k in enumerate(ks):
             sl = slice(bounds[j], bounds[j + 1])
-            mn = {name: col[sl] for name, col in cols.items()}
-            mn["cb"], mn["rows"] = parts[j][0], rows_all[sl]
+            mn = Menu(cols, sl, cb=parts[j][0], rows=rows_all[sl])
             mn["order"], mn["mem_sorted"] = by_k[j], (mem[sl], act_c[sl])
             mn["first_sorted"] = (grads_c[sl], first_c[sl])
             out[k] = (mn, row_bytes * (sl.stop - sl.start))
@@ -235,15 +234,12 @@ class Menus:
                 beside_k[zi] = np.where(exposed, beside, np.nan)
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (gathered if z in (1, 2) else 0.0) + copy_s
-            parts_z = []
-            for k in ks:
-                extra = (z, dp, mbs > 1, split, blk[0].params, k, groups)  # all FSDP2's buffers depend on
-                if extra not in ctx._fsdp_extra:
-                    ctx._fsdp_extra[extra] = fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, groups[0], ctx.pb,
-                                                              ctx.gb, ctx.spb, split, ctx.cluster.backend == "gloo",
-                                                              groups[1])
-                parts_z.append(ctx._fsdp_extra[extra])
-            held_b, transient = np.array(parts_z).T
+            extra = (z, dp, mbs > 1, split, blk[0].params, groups)  # all FSDP2's buffers depend on, and k
+            if len(ctx._fsdp_extra.get(extra, ())) <= max(ks):  # every k up to the largest, at once
+                ctx._fsdp_extra[extra] = np.array([
+                    fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, groups[0], ctx.pb, ctx.gb, ctx.spb, split,
+                                     ctx.cluster.backend == "gloo", groups[1]) for k in range(max(ks) + 1)])
+            held_b, transient = ctx._fsdp_extra[extra][list(ks)].T
             fsdp = transient
             transient = transient + accum
             fixed = P * state + held_b
@@ -256,6 +252,19 @@ class Menus:
             logits = np.full(nk, self.head_logits if head else 0.0)
             sc[:, zi] = (copy_f, sync, opt, gather, fixed, np.full(nk, z), transient, step, fsdp, logits)
         return sc, shift, beside_k, copy_bk, gather_f, w_sync
+
+
+class Menu(dict):
+    """A stage's menu: its columns, each sliced on first use from the arrays of all the block
+    counts built together (a search builds tens of thousands and reads a few columns of each)."""
+
+    def __init__(self, cols: dict, sl: slice, **items):
+        super().__init__(**items)
+        self._cols, self._sl = cols, sl
+
+    def __missing__(self, name):
+        col = self[name] = self._cols[name][self._sl]
+        return col
 
 
 def _pareto(b, act, replay, more=()):
