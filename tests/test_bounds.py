@@ -124,3 +124,28 @@ def test_an_assignments_bound_is_below_its_estimate():
     space = SearchSpace(zero=(0, 3), recompute=("none", "full"))
     train = Training(global_batch=8, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
     assert assert_bounds_below_estimates(Ctx(shrunk(4), cluster, train, 80 * GiB, space), 8, 1024) >= 300
+
+
+@pytest.mark.parametrize("layers,gpus,gbs,limit,space", [CASES[1], CASES[2]])
+def test_assignments_bounded_together_get_each_its_own_bound(layers, gpus, gbs, limit, space):
+    """The search bounds assignments in batches (StageCosts.evaluate_many): each one's LB, or None
+    where it does not fit, is the one it gets alone, whatever it is batched with."""
+    model = shrunk(layers)
+    cluster = load_cluster("dgx-a100-80gb").shaped_as(1, gpus)
+    train = Training(global_batch=gbs, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
+    ctx = Ctx(model, cluster, train, limit * GiB, space)
+    fit = unfit = 0
+    for cfg in _configs(ctx, gbs):
+        inner = Inner(ctx, cfg).setup()
+        opts = inner.options(inner.L)
+        per_stage = [[(k, mn, int(i)) for k, (mn, ok) in opts[s].items() for i in ok] for s in range(inner.S)]
+        batch = [list(a) for a in itertools.islice(itertools.product(*per_stage), 20_000)
+                 if sum(k for k, _, _ in a) == inner.L][:300]
+        alone = [inner.evaluate(a) for a in batch]
+        for together in (inner.evaluate_many(batch), inner.evaluate_many(batch[::-1])[::-1]):
+            assert [x is None for x in together] == [x is None for x in alone], cfg
+            assert [x for x in together if x is not None] == pytest.approx([x for x in alone if x is not None],
+                                                                            rel=1e-12), cfg
+        fit += sum(x is not None for x in alone)
+        unfit += sum(x is None for x in alone)
+    assert fit >= 100 and unfit >= 100  # both kinds are batched
