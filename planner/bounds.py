@@ -185,8 +185,8 @@ class Bounds:
         # first chunks: the embedding, and a block each but the first), and all its work follows
         f_blk = min(x.fwd_compute_s + x.fwd_tp_s for x in blk)
         f_emb = lc["emb"].fwd_compute_s + lc["emb"].fwd_tp_s
-        fill = np.array([sum((f_emb if s == 0 else 0.0) + (f_blk if 0 < s < self.S - 1 else 0.0) for s in range(r))
-                         for r in range(p)]) / mbs
+        first = [(f_emb if s == 0 else 0.0) + (f_blk if 0 < s < self.S - 1 else 0.0) for s in range(p - 1)]
+        fill = np.concatenate(([0.0], np.cumsum(first))) / mbs
         end_t, end_tp = end_t + fill, end_tp + fill
         pairs = [(i, j) for i in range(len(t0)) for j in range(i + 1, len(t0))]
         # every ZeRO level at once (the first axis of each array)

@@ -241,7 +241,7 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
         from planner.shared_play import play_shared
         ops, free = play_shared(orders, stages, p2p, blocking_p2p, sharing)
         return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
-    plays = _plays(orders, stages, p2p, blocking_p2p)
+    plays = prepared_ops(orders, stages, p2p, blocking_p2p)
     done: dict[tuple[str, int, int], float] = {}
     pos = [0] * pp
     free = [0.0] * pp
@@ -274,7 +274,7 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
     return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
 
 
-def _plays(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
+def prepared_ops(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
     """Per rank, its operations as (key, dependency, transfer lag, duration, own send): a forward
     needs the previous stage's, a backward (B, or a split one's I) the next stage's, a W its own
     stage's I; a forward sends its output on, a backward (B or I) its input gradient back, a W

@@ -3,14 +3,14 @@ there are of them, played in time under processor sharing (planner.schedule.simu
 `sharing`; the module doc there says how)."""
 from __future__ import annotations
 
-from planner.schedule import Op, Sharing, _plays
+from planner.schedule import Op, Sharing, prepared_ops
 
 
 def play_shared(orders, stages, p2p, blocking_p2p, sharing: Sharing):
     """Play the orders in time, the running operations sharing compute (processor sharing):
     between two events every running operation advances at sharing.rate(running ranks)."""
     pp = len(orders)
-    plays = _plays(orders, stages, p2p, blocking_p2p)
+    plays = prepared_ops(orders, stages, p2p, blocking_p2p)
     done: dict = {}
     pos, free = [0] * pp, [0.0] * pp
     ops: list[list[Op]] = [[] for _ in range(pp)]

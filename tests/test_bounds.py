@@ -62,15 +62,18 @@ CASES = [  # (layers, gpus, global batch, memory limit GiB, space): some configu
 ]
 
 
+def _case_ctx(layers, gpus, gbs, limit, space) -> Ctx:
+    """The search's context of a CASES row: a shrunk model on one node of `gpus` A100s."""
+    train = Training(global_batch=gbs, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
+    return Ctx(shrunk(layers), load_cluster("dgx-a100-80gb").shaped_as(1, gpus), train, limit * GiB, space)
+
+
 @pytest.mark.parametrize("layers,gpus,gbs,limit,space", CASES)
 def test_configuration_bounds_are_below_every_assignment(layers, gpus, gbs, limit, space):
     """Over every configuration whose inner problem is enumerated exhaustively: the balance and
     config bounds never exceed the best assignment's LB, so the search can skip a configuration by
     them without losing a plan, and infinite bounds come only with nothing that fits."""
-    model = shrunk(layers)
-    cluster = load_cluster("dgx-a100-80gb").shaped_as(1, gpus)
-    train = Training(global_batch=gbs, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
-    ctx = Ctx(model, cluster, train, limit * GiB, space)
+    ctx = _case_ctx(layers, gpus, gbs, limit, space)
     fit = none = 0
     for cfg in _configs(ctx, gbs):
         inner = Inner(ctx, cfg).setup()
@@ -130,10 +133,7 @@ def test_an_assignments_bound_is_below_its_estimate():
 def test_assignments_bounded_together_get_each_its_own_bound(layers, gpus, gbs, limit, space):
     """The search bounds assignments in batches (StageCosts.evaluate_many): each one's LB, or None
     where it does not fit, is the one it gets alone, whatever it is batched with."""
-    model = shrunk(layers)
-    cluster = load_cluster("dgx-a100-80gb").shaped_as(1, gpus)
-    train = Training(global_batch=gbs, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
-    ctx = Ctx(model, cluster, train, limit * GiB, space)
+    ctx = _case_ctx(layers, gpus, gbs, limit, space)
     fit = unfit = 0
     for cfg in _configs(ctx, gbs):
         inner = Inner(ctx, cfg).setup()
