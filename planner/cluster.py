@@ -116,8 +116,8 @@ class ClusterSpec:
     # device has its own compute, as GPUs do), scaled with the node count. Processes sharing CPU
     # cores share them: planner.schedule.Sharing
     compute_slots: float | None = None
-    # the collectives' library: "nccl" (GPUs), or "gloo" (CPU processes), whose reduce-scatter
-    # takes a temporary as large as its input (planner.fsdp_memory.fsdp_extra_parts)
+    # the collectives' library: "nccl" (GPUs), or "gloo" (CPU processes), whose reduce-scatter and
+    # all-gather take temporaries as large as their input and output (planner.fsdp_memory)
     backend: str = "nccl"
     profile_hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)

@@ -43,85 +43,115 @@ def fsdp_groups(tie_embeddings: bool, embedding: float | None, head: float | Non
 
 
 def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
-                     pb: float, gb: float, shard_pb: float | None = None,
-                     split: bool = False, rs_temp: bool = False, own: tuple = (0.0, 0.0)) -> tuple[float, float]:
+                     pb: float, gb: float, shard_pb: float | None = None, split: bool = False,
+                     rs_temp: bool = False, own: tuple = (0.0, 0.0), head_held: bool = False) -> tuple[float, float]:
     """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block, on the embedding
-    and on the head, and on the stage's root module) holds beyond the ZeRO paper's accounting of one stage, per device; `held` all step, `transient`
-    only while the stage computes, so a rank with several stages (interleaved) holds the held
-    bytes of each and the transient bytes of one. `root_params` are those of the root's group,
-    `own` the (embedding, head) parameters in groups of their own (fsdp_groups): the embedding's
-    is a group like a block's, resharded after forward under ZeRO 3 and reduced last; the head's,
-    not resharded after forward, is held as the root's is, and reduced first. Replicate (ZeRO 0)
-    takes the chunk as one.
-    ZeRO 1/2 (not resharded after forward): held, the sharded parameters besides the unsharded
-    ones (shard_pb bytes each, default pb; none under mixed precision, where the shard is the
-    float32 master copy the optimizer state counts); transient, the flat reduce-scatter input of
-    one group's gradients (ZeRO 0, FSDP2's replicate, all-reduces the same flat input); under
-    ZeRO 2 with several micro-batches, a group's gradients and input beside the previous group's
-    input. ZeRO 3: held, the root's and the head's groups unsharded (FSDP2 does not reshard the
-    root after forward; the runtime keeps the head's to its backward); transient, the root's
-    unsharded gradients from the head's backward to the end of the backward (its post-backward
-    runs last), the two largest blocks (or the embedding) unsharded at once (current and
-    prefetched), the gather of the next one in flight (its all-gather input, the shard, and flat
-    output, which FSDP2 copies out into the unsharded parameters before freeing it: torch/
-    distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather and
-    foreach_all_gather_copy_out), and one reduce-scatter input. ZeRO 2/3 with several micro-batches reduce-scatter in every backward,
-    and FSDP2 keeps the last input of each until the next: held by every stage of a rank.
+    and on the head, and on the stage's root module) holds beyond the ZeRO paper's accounting of
+    one stage, per device; `held` all step, `transient` only while the stage computes, so a rank
+    with several stages (interleaved) holds the held bytes of each and the transient bytes of one.
+    `root_params` are those of the root's group, `own` the (embedding, head) parameters in groups
+    of their own (fsdp_groups): the embedding's is a group like a block's, resharded after forward
+    under ZeRO 3 and reduced last; the head's, not resharded after forward (the runtime keeps it to
+    its backward), is reduced first. Replicate (ZeRO 0) takes the chunk as one.
+    ZeRO 0 and 1: transient, the flat all-reduce or reduce-scatter input of one group's gradients;
+    ZeRO 1-2 (not resharded after forward) hold the sharded parameters besides the unsharded ones
+    (shard_pb bytes each, default pb; none under mixed precision, where the shard is the float32
+    master copy the optimizer state counts). ZeRO 3 holds the root's group unsharded (FSDP2 does
+    not reshard the root after forward), and the head's where the rank holds several stages
+    (`head_held`: between the head's forward and its backward the others compute); with one stage a
+    rank the head's backward is a moment of its own. ZeRO 2 and 3 reduce-scatter in every
+    backward, group by group: their transient is the backward's worst moment (backward_moments).
+    ZeRO 2/3 with several micro-batches keep the last input of each backward until the next: held
+    by every stage of a rank.
     Under a split backward (`split`: zbv's I and W, runtime.pipeline) ZeRO 2 and 3 compute a
     chunk's weight gradients at once (W) before reduce-scattering them group by group: the whole
     chunk's unsharded gradients beside one group's flat input; ZeRO 3 also gathers the whole
     chunk's blocks and embedding for I and for W (torch differentiates with respect to the
     parameters the module holds then), with one block's gather in flight.
-    `rs_temp`: the collectives' library takes a temporary as large as a reduce-scatter's input
-    while it runs (gloo: measured here, a 16.8 MB reduce_scatter_single peaked 16.8 MB above its
-    buffers, an all-reduce or all-gather of that size 0.005 MB; NCCL reduces in place): one more
-    largest group's gradients in the transient of ZeRO 1-3.
-    Measured on CPU against run.json peaks (benchmarks/prediction_accuracy.py;
-    tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
+    `rs_temp`: the collectives' library takes a temporary as large as a collective's output while
+    it runs (gloo: measured here, a 16.8 MB reduce_scatter_single peaked 16.8 MB above its buffers,
+    and FSDP2's all-gather of a 12 MiB block 12 MiB above its output; NCCL works in place): one
+    more largest group's gradients in the transient of ZeRO 1 and of split backwards, and in
+    backward_moments where each collective runs.
+    Measured on CPU against run.json peaks (benchmarks/zero_memory.py,
+    benchmarks/prediction_accuracy.py; tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
     emb, head = own
     if zero == 0:  # replicate: the chunk is one group
         root_params, emb, head = root_params + emb + head, 0.0, 0.0
-    held, transient = _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb, emb, head)
-    group = max(list(block_params) + [root_params, emb, head])  # the largest reduce-scatter's parameters
+    blocks = list(block_params)
+    group = max(blocks + [root_params, emb, head])  # the largest reduce-scatter's parameters
+    # the last reduce-scatter input of a backward, which FSDP2 keeps until the stage's next
+    # backward starts reducing: in backward order the root's, else the embedding's, else the first
+    # block's, else the head's; under a split backward, whose W reduces the groups in module order
+    # (runtime.pipeline), the head's, else the last block's, else the embedding's or the root's
+    last = ((head or (blocks[-1] if blocks else emb or root_params)) if split
+            else (root_params or emb or (blocks[0] if blocks else head)))
+    retains = zero >= 2 and dp > 1 and (micro_batches > 1 or split)
+    held, transient = _fsdp_extra(zero, dp, blocks, root_params, pb, gb, shard_pb, emb, head,
+                                  head_held or split)
     if split and zero >= 2 and dp > 1:
-        transient = (sum(block_params) + root_params + emb + head + group) * gb
+        transient = (sum(blocks) + root_params + emb + head + group) * gb
         if zero == 3:
-            transient += (sum(block_params) + emb + max(list(block_params) + [emb], default=0.0) / dp) * pb
-    if rs_temp and zero >= 1 and dp > 1:
+            transient += (sum(blocks) + emb + max(blocks + [emb], default=0.0) / dp) * pb
+    if rs_temp and dp > 1 and (zero == 1 or (split and zero >= 2)):
         transient += group * gb
-    if zero >= 2 and dp > 1 and (micro_batches > 1 or split):
-        # FSDP2 keeps the last reduce-scatter input of a backward until the stage's next backward
-        # starts reducing: in backward order the root's, else the embedding's, else the first
-        # block's, else the head's; under a split backward, whose W reduces the groups in module
-        # order (runtime.pipeline), the head's, else the last block's, else the embedding's or the
-        # root's. A rank's other stages (interleaved) hold theirs while one computes.
-        last = ((head or (block_params[-1] if block_params else emb or root_params)) if split
-                else (root_params or emb or (block_params[0] if block_params else head)))
+    if zero >= 2 and dp > 1 and not split:
+        transient += backward_moments(zero, dp, blocks, root_params, emb, head, pb, gb,
+                                      last if retains else 0.0, rs_temp, head_held)
+    if retains:
+        # a rank's other stages (interleaved) hold theirs while one computes; the stage's own
+        # backward frees it when it starts reducing (in its transient until then)
         retained = last * gb
         return held + retained, transient - retained
     return held, transient
 
 
-def _fsdp_extra(zero, dp, micro_batches, block_params, root_params, pb, gb, shard_pb, emb, head):
+def backward_moments(zero: int, dp: int, blocks: list, root: float, emb: float, head: float, pb: float,
+                     gb: float, before: float, temp: bool, head_held: bool) -> float:
+    """The most ZeRO 2 and 3 hold beyond the ZeRO paper's accounting at one moment of a stage's
+    backward, as FSDP2 runs it (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:
+    pre_backward unshards a group, copies its gathered parameters out, frees the flat all-gather
+    output and prefetches the next group's; post_backward reshards the group, drops the previous
+    group's reduce-scatter input and reduces its gradients through a flat input of their own,
+    which it keeps until the next group reduces). Groups run their backward head, blocks last to
+    first, embedding, root. While group X computes: its unsharded parameters (ZeRO 3; the head's
+    are held where `head_held`), the previous group's reduce-scatter input (`before`, the last
+    backward's last input, for the first group), the next group's gather in flight (ZeRO 3: its
+    flat output, whose input is a view of it) and X's gradients as autograd makes them (in the
+    parameters' dtype, pb bytes each), or gloo's temporary of the gather (`temp`). While X reduces:
+    the gather still in flight, X's gradients, their flat input and sharded output (in the
+    gradients' dtype, gb bytes each: float32 under mixed precision, MixedPrecisionPolicy
+    reduce_dtype) and gloo's temporary of the input (`temp`). The root's group (a tied embedding
+    and head) reduces last; until the embedding's backward autograd holds the tied matrix's
+    gradient from the head's (planner.memory.tied_matrix_grad_bytes, counted there). `blocks`: the
+    stage's blocks' parameters in layer order. Heap-traced on CPU (docs/HISTORY.md, session 42).
+    Not counted (an over-prediction): the runtime's ZeRO 1 and 2 reshard each group after the
+    last micro-batch's backward (runtime.train; not in a pipeline, runtime.pipeline), so with one
+    micro-batch a group's parameters are gone before it reduces."""
+    t = 1.0 if temp else 0.0
+    n, gathers = len(blocks), zero == 3
+    # (group, its parameters gathered, the input reduced before it, the group prefetched beside
+    # it), in backward order; blocks alike give few distinct rows
+    rows = {(head, 0.0 if head_held else head, before, blocks[-1] if n else emb)}
+    rows |= {(blocks[j], blocks[j], blocks[j + 1] if j + 1 < n else head or before, blocks[j - 1] if j else emb)
+             for j in range(n)}
+    rows.add((emb, emb, blocks[0] if n else head or before, 0.0))
+    most = max([(own + nxt) * gathers * pb + r * gb + max(x, nxt * gathers * t) * pb for x, own, r, nxt in rows if x]
+               + [(nxt * gathers + x) * pb + x * gb * (1 + 1 / dp + t) for x, _, _, nxt in rows if x]
+               # the root's own reduce-scatter, last, beside nothing else of FSDP2's
+               + [root * pb + root * gb * (1 + 1 / dp + t)], default=0.0)
+    return most
+
+
+def _fsdp_extra(zero, dp, blocks, root_params, pb, gb, shard_pb, emb, head, head_held):
+    """(held, transient) of ZeRO 0 and 1, and what ZeRO 2 and 3 hold all step."""
     if dp <= 1:
         return 0.0, 0.0
-    group = max(list(block_params) + [root_params, emb, head])
+    group = max(blocks + [root_params, emb, head])
     if zero == 0:
         return 0.0, group * gb
     if zero in (1, 2):
-        rs = group * gb
-        if zero == 2 and micro_batches > 1:
-            # ZeRO 2 reduce-scatters during every backward: a group's unsharded gradients and their
-            # flat input, beside the previous group's input, which FSDP2 keeps until the next
-            # reduce-scatter starts (FSDPCommContext.reduce_scatter_states, at most one; torch
-            # _fsdp_param_group.py post_backward). Groups reduce in backward order: the head, the
-            # blocks last to first, the embedding, then the root (its post-backward waits for the
-            # embedding's gradient); each term bounds one pair, any block standing for the largest.
-            big, second = (sorted(block_params, reverse=True) + [0.0, 0.0])[:2]
-            rs = max(2 * head, max(head, second) + 2 * big if big else 0.0, (big or head) + 2 * emb,
-                     max(big, emb, head) + 2 * root_params) * gb
-        return (sum(block_params) + root_params + emb + head) * (pb if shard_pb is None else shard_pb) / dp, rs
-    ordered = sorted(list(block_params) + ([emb] if emb else []), reverse=True) or [0.0]
-    gather = ordered[0] * (1 + 1 / dp)
-    # held: the groups not resharded after forward; the root's gradients wait for the embedding's
-    return (root_params + head) * pb, (sum(ordered[:2]) + gather) * pb + (root_params + group) * gb
+        return ((sum(blocks) + root_params + emb + head) * (pb if shard_pb is None else shard_pb) / dp,
+                group * gb if zero == 1 else 0.0)
+    # the groups not resharded after forward
+    return (root_params + (head if head_held else 0.0)) * pb, 0.0

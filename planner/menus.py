@@ -234,11 +234,13 @@ class Menus:
                 beside_k[zi] = np.where(exposed, beside, np.nan)
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (gathered if z in (1, 2) else 0.0) + copy_s
-            extra = (z, dp, mbs > 1, split, blk[0].params, groups)  # all FSDP2's buffers depend on, and k
+            # all FSDP2's buffers depend on, and k
+            extra = (z, dp, mbs > 1, split, cfg.v > 1, blk[0].params, groups)
             if len(ctx._fsdp_extra.get(extra, ())) <= max(ks):  # every k up to the largest, at once
                 ctx._fsdp_extra[extra] = np.array([
                     fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, groups[0], ctx.pb, ctx.gb, ctx.spb, split,
-                                     ctx.cluster.backend == "gloo", groups[1]) for k in range(max(ks) + 1)])
+                                     ctx.cluster.backend == "gloo", groups[1], head_held=cfg.v > 1)
+                    for k in range(max(ks) + 1)])
             held_b, transient = ctx._fsdp_extra[extra][list(ks)].T
             fsdp = transient
             transient = transient + accum

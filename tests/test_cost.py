@@ -192,18 +192,21 @@ def test_fsdp2_holds_more_than_the_zero_paper_counts():
     assert fsdp_extra_parts(0, 8, 1, blocks, root, 2, 4) == (0.0, pytest.approx(100 * 4))
     # ZeRO 1/2: the sharded copy beside the unsharded parameters, one group's reduce-scatter input
     assert fsdp_extra_parts(1, 4, 2, blocks, root, 2, 4) == (pytest.approx(350 * 2 / 4), pytest.approx(100 * 4))
-    # ZeRO 2 reduce-scatters in every backward: a block's gradients and input beside the previous
-    # block's input (the root, smaller here, reduces last); the root's input stays until the next
-    # backward (held)
+    # ZeRO 2 reduce-scatters in every backward, group by group (planner.fsdp_memory.backward_moments):
+    # at worst a block's gradients (2 bytes each), their flat input and sharded output (4 bytes
+    # each); the root (smaller here) reduces last, its input stays until the next backward (held)
     retained = 50 * 4
+    reduce = 100 * 2 + 100 * 4 * (1 + 1 / 4)
     assert fsdp_extra_parts(2, 4, 2, blocks, root, 2, 4) == (pytest.approx(350 * 2 / 4 + retained),
-                                                             pytest.approx((100 + 2 * 100) * 4 - retained))
-    assert sum(fsdp_extra_parts(2, 4, 2, blocks, 300.0, 2, 4)) == pytest.approx(600 * 2 / 4 + (100 + 2 * 300) * 4)
-    assert fsdp_extra_parts(2, 4, 1, blocks, root, 2, 4)[1] == pytest.approx(100 * 4)  # one micro-batch: as ZeRO 1
-    # ZeRO 3: the root group unsharded all step with its gradients (one micro-batch); while the
-    # stage computes, two blocks gathered, the next one's all-gather input and output in flight,
-    # one reduce-scatter input
-    gathered = (200 + 100 * (1 + 1 / 4)) * 2 + 50 * 4 + 100 * 4
+                                                             pytest.approx(reduce - retained))
+    # a root of 300: its own reduce, last: its gradients, their input and output
+    assert sum(fsdp_extra_parts(2, 4, 2, blocks, 300.0, 2, 4)) == \
+        pytest.approx(600 * 2 / 4 + 300 * 2 + 300 * 4 * (1 + 1 / 4))
+    assert fsdp_extra_parts(2, 4, 1, blocks, root, 2, 4)[1] == pytest.approx(reduce)  # one micro-batch
+    # ZeRO 3: the root group unsharded all step; while a block computes, it gathered (100 x 2) with
+    # its gradients (100 x 2), the block above's reduce-scatter input (100 x 4) and the next
+    # block's gather in flight (100 x 2)
+    gathered = (100 + 100 + 100) * 2 + 100 * 4
     assert fsdp_extra_parts(3, 4, 1, blocks, root, 2, 4) == (pytest.approx(50 * 2), pytest.approx(gathered))
     assert fsdp_extra_parts(3, 4, 2, blocks, root, 2, 4) == (pytest.approx(50 * 2 + retained),
                                                              pytest.approx(gathered - retained))

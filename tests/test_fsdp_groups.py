@@ -22,17 +22,32 @@ def test_only_a_tied_embedding_and_head_share_the_roots_group():
     assert fsdp_groups(False, None, None) == (0.0, (0.0, 0.0))
 
 
-def test_zero3_holds_the_head_gathered_and_gathers_the_embedding_as_a_block():
+def test_zero3_prices_the_backwards_worst_moment_group_by_group():
+    """FSDP2's backward, group by group (planner.fsdp_memory.backward_moments): head, blocks,
+    embedding. Each figure by hand, parameters 2 bytes, gradients 4, 4 shards."""
     blocks, pb, gb, dp = [100.0, 100.0], 2, 4, 4
     held, transient = fsdp_extra_parts(3, dp, 1, blocks, 0.0, pb, gb, own=(300.0, 50.0))
-    assert held == pytest.approx(50 * pb)  # the head, not resharded after its forward
-    # the embedding, the largest group, gathered beside a block with its gather in flight; one
-    # reduce-scatter input, the embedding's; no gradients held from the head's backward to the end
-    assert transient == pytest.approx((300 + 100 + 300 * (1 + 1 / dp)) * pb + 300 * gb)
-    # the same parameters in the root's group (tied): gathered all step, their gradients held
+    # one stage a rank: the head is gathered in its forward and resharded after its backward
+    assert held == 0.0
+    # the worst moment is the embedding's reduce-scatter (the largest group, last): its gradients
+    # (300 x 2), their flat input (300 x 4) and sharded output (300 x 4 / 4); a block computing
+    # (its 100 x 2 gathered and gradients, the block above's input 100 x 4, the embedding
+    # prefetched 300 x 2) holds 1,400
+    assert transient == pytest.approx(300 * pb + 300 * gb * (1 + 1 / dp))
+    # a small embedding: the last block's reduce-scatter, beside the first block's gather in flight
+    assert fsdp_extra_parts(3, dp, 1, [100.0, 100.0], 0.0, pb, gb, own=(30.0, 50.0))[1] == \
+        pytest.approx((100 + 100) * pb + 100 * gb * (1 + 1 / dp))
+    # several stages a rank (interleaved): the head stays gathered while the others compute
+    held_v, transient_v = fsdp_extra_parts(3, dp, 1, blocks, 0.0, pb, gb, own=(300.0, 50.0), head_held=True)
+    assert (held_v, transient_v) == (pytest.approx(50 * pb), pytest.approx(transient))
+    # gloo's temporaries: as large as the reduce-scatter's input, and as the gather's output
+    assert fsdp_extra_parts(3, dp, 1, blocks, 0.0, pb, gb, rs_temp=True, own=(300.0, 50.0))[1] == \
+        pytest.approx(transient + 300 * gb)
+    # the same parameters in the root's group (tied): gathered all step; the root reduces last
+    # (its gradients, their input and output)
     held_t, transient_t = fsdp_extra_parts(3, dp, 1, blocks, 350.0, pb, gb)
     assert held_t == pytest.approx(350 * pb)
-    assert transient_t == pytest.approx((200 + 100 * (1 + 1 / dp)) * pb + (350 + 350) * gb)
+    assert transient_t == pytest.approx(350 * pb + 350 * gb * (1 + 1 / dp))
     # with several micro-batches the last reduce-scatter input (the embedding's) stays to the next backward
     held2, transient2 = fsdp_extra_parts(3, dp, 2, blocks, 0.0, pb, gb, own=(300.0, 50.0))
     assert (held2 - held, transient - transient2) == (pytest.approx(300 * gb), pytest.approx(300 * gb))
@@ -40,36 +55,45 @@ def test_zero3_holds_the_head_gathered_and_gathers_the_embedding_as_a_block():
 
 def test_zero2_reduces_the_head_first_and_the_embedding_last():
     pb, gb, dp = 2, 4, 4
-    # backward order head, blocks, embedding: each group's gradients and input beside the
-    # previous group's input
+    # backward order head, blocks, embedding: a group's gradients beside the previous group's
+    # input while it computes; its gradients, their input and output while it reduces (FSDP2
+    # drops the previous input first)
     held, transient = fsdp_extra_parts(2, dp, 2, [100.0, 100.0], 0.0, pb, gb, own=(30.0, 300.0))
     retained = 30 * gb  # the embedding's input, kept to the next backward
     assert held == pytest.approx((200 + 30 + 300) * pb / dp + retained)
-    assert transient + retained == pytest.approx(2 * 300 * gb)  # the head's, first: nothing before it
+    assert transient + retained == pytest.approx(300 * pb + 300 * gb * (1 + 1 / dp))  # the head's, first
     _, transient = fsdp_extra_parts(2, dp, 2, [100.0, 100.0], 0.0, pb, gb, own=(300.0, 30.0))
-    assert transient + 300 * gb == pytest.approx((100 + 2 * 300) * gb)  # the embedding's after a block's
+    assert transient + 300 * gb == pytest.approx(300 * pb + 300 * gb * (1 + 1 / dp))  # the embedding's, last
+    # one micro-batch: a block's reduce without the block above's input beside it
+    assert fsdp_extra_parts(2, dp, 1, [100.0, 100.0], 0.0, pb, gb) == \
+        (pytest.approx(200 * pb / dp), pytest.approx(100 * pb + 100 * gb * (1 + 1 / dp)))
     # replicate (ZeRO 0) takes the chunk as one group: the own groups change nothing
     assert fsdp_extra_parts(0, dp, 2, [100.0], 0.0, pb, gb, own=(300.0, 30.0)) == \
         fsdp_extra_parts(0, dp, 2, [100.0], 330.0, pb, gb)
 
 
-def test_an_untied_model_under_zero3_holds_only_its_heads_weights_all_step():
-    """Llama 3 8B on one DGX H100 node, ZeRO 3: FSDP2 holds all step only the head's group (its
-    final norm and its 525M-parameter projection, in bf16), where the root's group of embedding and
-    head held both matrices and their gradients to the end of the backward."""
+def test_an_untied_model_under_zero3_holds_nothing_all_step_and_peaks_in_its_heads_reduce():
+    """Llama 3 8B on one DGX H100 node, ZeRO 3: FSDP2 holds nothing unsharded all step (the root's
+    group of a tied embedding and head would hold both matrices, and their gradients to the end of
+    the backward). Its worst moment is the head's reduce-scatter (its 525M-parameter projection and
+    final norm the largest group, first in the backward): the head's bf16 gradients, their float32
+    flat input and sharded output, beside the last block's gather in flight."""
     m = ZOO["llama3-8b"]
     plan = build_plan(m, cluster_name="dgx-h100-80gb", device="h100", nodes=1, devices_per_node=8,
                       seq_len=8192, dtype="bf16", global_batch=8, micro_batch=1, zero=3, recompute="full")
     parts = estimate(plan, H100).breakdown["memory"]["other_parts"]
     head = m.vocab * m.hidden + m.hidden
-    assert parts["fsdp_buffers"] == pytest.approx(head * 2)
+    block = (m.num_parameters() - 2 * head + m.hidden) / m.layers  # the final norm is the head's
+    assert parts["fsdp_buffers"] == 0.0
+    assert parts["fsdp_gathers"] == pytest.approx((block + head) * 2 + head * 4 * (1 + 1 / 8))
 
 
 def test_tied_and_untied_models_under_zero3_train_like_one_process_and_hold_what_is_counted(tmp_path):
     """Two gloo processes, ZeRO 3: a GPT whose head is its embedding (both in the root's group) and
     a Llama (embedding and head in groups of their own) train to one process's losses, each rank
-    within what the planner counts for its groups (measured 0.82 and 0.85 of it). Splitting the
-    tied pair into two groups makes the run fail."""
+    within what the planner counts for its groups (measured 0.91 of it both; 0.84 and 0.85 when
+    FSDP2's buffers were added up as if all met at one moment of the backward, before session 42).
+    Splitting the tied pair into two groups makes the run fail."""
     import dataclasses
     import json
 
@@ -88,4 +112,4 @@ def test_tied_and_untied_models_under_zero3_train_like_one_process_and_hold_what
         assert_same_losses(losses_of(run), losses_of(tmp_path / "runs" / f"{ref.stem}.json"), path.stem)
         pred = estimate(Plan.read(path), cluster).peak_memory_bytes
         measured = json.loads(run.read_text())["peak_memory_bytes"]
-        assert 0.75 * pred <= measured <= 1.03 * pred, (path.stem, measured / pred)
+        assert 0.88 * pred <= measured <= 1.03 * pred, (path.stem, measured / pred)
