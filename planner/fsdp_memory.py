@@ -44,7 +44,8 @@ def fsdp_groups(tie_embeddings: bool, embedding: float | None, head: float | Non
 
 def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
                      pb: float, gb: float, shard_pb: float | None = None, split: bool = False,
-                     rs_temp: bool = False, own: tuple = (0.0, 0.0), head_held: bool = False) -> tuple[float, float]:
+                     rs_temp: bool = False, own: tuple = (0.0, 0.0), head_held: bool = False,
+                     resharded: bool = False) -> tuple[float, float]:
     """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block, on the embedding
     and on the head, and on the stage's root module) holds beyond the ZeRO paper's accounting of
     one stage, per device; `held` all step, `transient` only while the stage computes, so a rank
@@ -97,7 +98,7 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
         transient += group * gb
     if zero >= 2 and dp > 1 and not split:
         transient += backward_moments(zero, dp, blocks, root_params, emb, head, pb, gb,
-                                      last if retains else 0.0, rs_temp, head_held)
+                                      last if retains else 0.0, rs_temp, head_held, resharded)
     if retains:
         # a rank's other stages (interleaved) hold theirs while one computes; the stage's own
         # backward frees it when it starts reducing (in its transient until then)
@@ -107,7 +108,7 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
 
 
 def backward_moments(zero: int, dp: int, blocks: list, root: float, emb: float, head: float, pb: float,
-                     gb: float, before: float, temp: bool, head_held: bool) -> float:
+                     gb: float, before: float, temp: bool, head_held: bool, resharded: bool = False) -> float:
     """The most ZeRO 2 and 3 hold beyond the ZeRO paper's accounting at one moment of a stage's
     backward, as FSDP2 runs it (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:
     pre_backward unshards a group, copies its gathered parameters out, frees the flat all-gather
@@ -125,11 +126,12 @@ def backward_moments(zero: int, dp: int, blocks: list, root: float, emb: float, 
     and head) reduces last; until the embedding's backward autograd holds the tied matrix's
     gradient from the head's (planner.memory.tied_matrix_grad_bytes, counted there). `blocks`: the
     stage's blocks' parameters in layer order. Heap-traced on CPU (docs/HISTORY.md, session 42).
-    Not counted (an over-prediction): the runtime's ZeRO 1 and 2 reshard each group after the
-    last micro-batch's backward (runtime.train; not in a pipeline, runtime.pipeline), so with one
-    micro-batch a group's parameters are gone before it reduces."""
+    `resharded`: the runtime reshards each ZeRO 1/2 group after the step's last backward
+    (runtime.train; not in a pipeline, runtime.pipeline), so with one micro-batch a ZeRO 2 group's
+    gathered parameters (in the ZeRO paper's count) are gone before it reduces; the groups
+    reduced before it are too, not counted (an over-prediction)."""
     t = 1.0 if temp else 0.0
-    n, gathers = len(blocks), zero == 3
+    n, gathers, kept = len(blocks), zero == 3, 0.0 if zero == 2 and resharded else 1.0
     # (group, its parameters gathered, the input reduced before it, the group prefetched beside
     # it), in backward order; blocks alike give few distinct rows
     rows = {(head, 0.0 if head_held else head, before, blocks[-1] if n else emb)}
@@ -137,9 +139,10 @@ def backward_moments(zero: int, dp: int, blocks: list, root: float, emb: float, 
              for j in range(n)}
     rows.add((emb, emb, blocks[0] if n else head or before, 0.0))
     most = max([(own + nxt) * gathers * pb + r * gb + max(x, nxt * gathers * t) * pb for x, own, r, nxt in rows if x]
-               + [(nxt * gathers + x) * pb + x * gb * (1 + 1 / dp + t) for x, _, _, nxt in rows if x]
+               # X's gradients (less its parameters where resharded first) with their input and output
+               + [(nxt * gathers + x * kept) * pb + x * gb * (1 + 1 / dp + t) for x, _, _, nxt in rows if x]
                # the root's own reduce-scatter, last, beside nothing else of FSDP2's
-               + [root * pb + root * gb * (1 + 1 / dp + t)], default=0.0)
+               + [root * kept * pb + root * gb * (1 + 1 / dp + t)], default=0.0)
     return most
 
 

@@ -278,7 +278,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
                 o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
-                                               two, rs_temp, own, head_held=v > 1)
+                                               two, rs_temp, own, head_held=v > 1,
+                                               resharded=pp == 1 and mbs == 1)
             if first:
                 block_acts = [c.activation_bytes for c, k in zip(si["costs"], kinds) if k == "block"]
                 first_bytes = float(first_backward_bytes(

@@ -235,11 +235,12 @@ class Menus:
             opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (gathered if z in (1, 2) else 0.0) + copy_s
             # all FSDP2's buffers depend on, and k
-            extra = (z, dp, mbs > 1, split, cfg.v > 1, blk[0].params, groups)
+            extra = (z, dp, mbs > 1, split, cfg.v > 1, cfg.pp == 1, blk[0].params, groups)
             if len(ctx._fsdp_extra.get(extra, ())) <= max(ks):  # every k up to the largest, at once
                 ctx._fsdp_extra[extra] = np.array([
                     fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, groups[0], ctx.pb, ctx.gb, ctx.spb, split,
-                                     ctx.cluster.backend == "gloo", groups[1], head_held=cfg.v > 1)
+                                     ctx.cluster.backend == "gloo", groups[1], head_held=cfg.v > 1,
+                                     resharded=cfg.pp == 1 and mbs == 1)
                     for k in range(max(ks) + 1)])
             held_b, transient = ctx._fsdp_extra[extra][list(ks)].T
             fsdp = transient

@@ -67,6 +67,11 @@ def test_zero2_reduces_the_head_first_and_the_embedding_last():
     # one micro-batch: a block's reduce without the block above's input beside it
     assert fsdp_extra_parts(2, dp, 1, [100.0, 100.0], 0.0, pb, gb) == \
         (pytest.approx(200 * pb / dp), pytest.approx(100 * pb + 100 * gb * (1 + 1 / dp)))
+    # without a pipeline the runtime reshards a group after the step's last backward, before it
+    # reduces: its gathered parameters go as its gradients' flat input comes, so the worst moment
+    # is the first block computing beside the second's input
+    assert fsdp_extra_parts(2, dp, 1, [100.0, 100.0], 0.0, pb, gb, resharded=True)[1] == \
+        pytest.approx(100 * gb + 100 * pb)
     # replicate (ZeRO 0) takes the chunk as one group: the own groups change nothing
     assert fsdp_extra_parts(0, dp, 2, [100.0], 0.0, pb, gb, own=(300.0, 30.0)) == \
         fsdp_extra_parts(0, dp, 2, [100.0], 330.0, pb, gb)
