@@ -107,6 +107,19 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     return held, transient
 
 
+def forward_loss_bytes(zero: int, dp: int, head: float, pb: float, head_held: bool) -> float:
+    """What FSDP2 holds beyond the ZeRO paper's accounting and `fsdp_extra_parts`' held bytes
+    while the stage holding the head runs the head's forward and the loss (runtime.train computes
+    the loss after the model's forward, runtime/loss.py): under ZeRO 3 the head's gathered
+    parameters (not resharded after forward; held all step where `head_held`) and, through the
+    head's product, its flat all-gather output, which FSDP2 frees at the root's post-forward
+    (_fsdp_state.py). `head`: the parameters of the head's own group (fsdp_groups; a tied head is
+    the root's, held). Nothing under ZeRO 0-2, whose parameters stay gathered in forward."""
+    if zero != 3 or dp <= 1:
+        return 0.0
+    return head * pb * (1.0 if head_held else 2.0)
+
+
 def backward_moments(zero: int, dp: int, blocks: list, root: float, emb: float, head: float, pb: float,
                      gb: float, before: float, temp: bool, head_held: bool, resharded: bool = False) -> float:
     """The most ZeRO 2 and 3 hold beyond the ZeRO paper's accounting at one moment of a stage's

@@ -8,11 +8,11 @@ A pass over the plans the search finds, not a dimension of the partition search
 (planner.search): HSDP changes only the data-parallel collectives and the sharded states, never
 the compute, so only a plan whose data-parallel communication is exposed can gain. `trident
 search` passes its best HSDP_POOL flat plans at least, whatever --top asks, so a smaller --top
-gives the same best plan. Not every plan: on 4 nodes of 4 A100s sharing one 200 Gb/s NIC a node
-(Llama 3 8B, 16 GPUs, global batch 64 at 8k tokens, tests/test_search_cli.py) the fifth flat plan
-of the default search, 0.1% slower than the first (9.941 s against 9.929 s), splits into 2
-replicas of 2 shards at 9.790 s, the best (session 42; --thorough's best flat plan, ZB-V at 9.795
-s, no split beats, and its five best flat plans hold none that does). On the
+gives the same best plan. Not every plan gains, and the one that gains need not be among the
+first: on 4 nodes of 4 A100s sharing one 200 Gb/s NIC a node (Llama 3 8B, 16 GPUs, global batch
+64 at 8k tokens) the fifth flat plan of the default search (tp2 pp2 dp4, interleaved 1F1B of 2
+chunks, 9.941 s) splits into 2 replicas of 2 shards at 9.820 s, second behind a flat tp1 pp2 dp8
+plan at 9.572 s that no split improves (session 42). On the
 shipped eight-NIC profiles the flat group is not slower in any case tried: NCCL's ring over the
 whole dp group carries 1/8 of the gradients across each node's boundary per NIC, where the
 replicas' all-reduce carries a quarter (twice an eighth); a measured profile whose large groups

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from planner.fsdp_memory import fsdp_extra_parts, fsdp_groups, zero_state_bytes
+from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups, zero_state_bytes
 from planner.model import ModelConfig
 from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import (ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes,
@@ -257,7 +257,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         # of the stage computing in its backward, one at a time on a rank: its replay, FSDP2
         # buffers and accumulated gradient
         transient_parts = (0.0, 0.0, 0.0)
-        fsdp_transient = 0.0  # FSDP2's part of it alone, which its forward may hold too
+        fsdp_forward = 0.0  # what FSDP2 holds beside the loss's forward (the head's stage)
         first = first_backward_binds(pipe.schedule, pp, v, mbs, rr)  # then one stage: ids == [rr]
         first_bytes = 0.0
         for i in ids:
@@ -293,7 +293,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             acc = accumulation_bytes(m, range(st.start, st.end), tp, dp, mbs, gb)
             if stage_replay + transient + acc > sum(transient_parts):
                 transient_parts = (stage_replay, transient, acc)
-            fsdp_transient = max(fsdp_transient, transient)
+            fsdp_forward = max(fsdp_forward, forward_loss_bytes(st.zero, dp, own[1], pb, v > 1))
             if st.zero == 0 and dp > 1:
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
@@ -308,7 +308,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         # the loss's logits and float32 work run in the head's forward (runtime/loss.py), a block's
         # replay, a new accumulated gradient and the activation gradients in a backward: one
         # operation at a time on a rank, so the two never add up
-        forward = head_logits + fsdp_transient if head_logits else 0.0
+        forward = head_logits + fsdp_forward if head_logits else 0.0
         other = held_other + tied + max(forward, transient_bytes + act_grad)
         acts, grads_held = peak_with_gradients(pipe.schedule, pp, v, mbs, rr, {**zero, **weights}, split,
                                                grads_of if v > 1 else None)
@@ -320,7 +320,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         held_parts = dict(OTHER_PARTS, fsdp_buffers=fsdp_held, replicated_gradients=replicated,
                           pipeline_receive_buffers=recv)
         if forward > transient_bytes + act_grad:
-            moment = dict(loss_logits=head_logits, fsdp_gathers=fsdp_transient)
+            moment = dict(loss_logits=head_logits, fsdp_gathers=fsdp_forward)
         else:
             moment = dict(zip(("recompute_replay", "fsdp_gathers", "gradient_accumulation"), transient_parts),
                           activation_gradients=act_grad)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import numpy as np
 
 from planner.layers import tied_head
-from planner.fsdp_memory import fsdp_extra_parts, fsdp_groups
+from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups
 from planner.memory import accumulation_bytes, first_backward_bytes, held_i_to_w_bytes, tied_matrix_grad_bytes
 from planner.model import RECOMPUTE_MODES
 
 # one value per (k, ZeRO level); "transient" is the backward's (FSDP2's buffers and a new accumulated
-# gradient), "fsdp" FSDP2's alone and "logits" the loss's transient (the head's forward: planner.memory)
+# gradient), "fsdp" what FSDP2 holds beside the loss (planner.fsdp_memory.forward_loss_bytes) and
+# "logits" the loss's transient (the head's forward: planner.memory)
 SCALARS = ("f", "sync", "opt", "gather", "fixed", "zero", "transient", "step", "fsdp", "logits")
 
 
@@ -243,7 +244,7 @@ class Menus:
                                      resharded=cfg.pp == 1 and mbs == 1)
                     for k in range(max(ks) + 1)])
             held_b, transient = ctx._fsdp_extra[extra][list(ks)].T
-            fsdp = transient
+            fsdp = np.full(nk, forward_loss_bytes(z, dp, groups[1][1], ctx.pb, cfg.v > 1))  # beside the loss
             transient = transient + accum
             fixed = P * state + held_b
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones

@@ -108,7 +108,7 @@ def cmd_search(args) -> int:
     def run_search(cluster, top=args.top):
         # HSDP is priced on the flat plans found (planner.hsdp): on at least HSDP_POOL of them, so
         # that a smaller --top gives the same best plan
-        pool = top if args.dp_replicate == [1] else max(top, HSDP_POOL)
+        pool = top if tuple(args.dp_replicate or ()) == (1,) else max(top, HSDP_POOL)
         kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
                   top=pool, progress=progress, space=_search_space(args), **optimizer)
         # with a model profile, partitioned by the measured layers and ranked by the whole profile
