@@ -1,11 +1,13 @@
 """How fast `trident search` is, and how good its plans are against published configurations.
 
-    python benchmarks/search_speed.py [--repeat N] [--case NAME] [--profile] [--sp-saved-inputs MODE]
+    python benchmarks/search_speed.py [--repeat N] [--case NAME] [--profile] [--sp-saved-inputs MODE] [--flat]
     python benchmarks/search_speed.py --quality [--csv PATH]
 
 Speed: each case runs in a fresh process (so that caches and peak RSS are its own) `--repeat`
-times; the table gives the median wall time of the search call and the peak resident memory of
-the process (resource.getrusage, ru_maxrss). Targets: llama2-7b on 8 GPUs < 1 s, gpt3-175b on
+times; the table gives the median wall time of the search as `trident search` runs it (asked for
+HSDP's pool of 5 flat plans, each then priced split into replicas; `--flat`: the search alone,
+asked for --top plans, as `--dp-replicate 1` runs it and as this benchmark timed until session
+42) and the peak resident memory of the process (resource.getrusage, ru_maxrss). Targets: llama2-7b on 8 GPUs < 1 s, gpt3-175b on
 1024 GPUs < 10 s, llama3-405b on 16384 GPUs < 30 s, peak memory < 2 GiB.
 
 Quality: for every Megatron row of shared/reference/published_runs.csv, the published configuration
@@ -40,12 +42,16 @@ CASES = {
 }
 
 
-def run_case(name: str, repeat: int, top: int, profile: bool, saved: str = "shard") -> dict:
+def run_case(name: str, repeat: int, top: int, profile: bool, saved: str = "shard", flat: bool = False) -> dict:
     """In this process: search `repeat` times, return the timings, the best plan and peak RSS.
-    `saved`: the search's --sp-saved-inputs (either: planner.sp_modes, both modes searched)."""
+    `saved`: the search's --sp-saved-inputs (either: planner.sp_modes, both modes searched). As
+    `trident search --top TOP` does: the search asked for HSDP's pool of flat plans at least
+    (planner.hsdp.HSDP_POOL), each priced split into replicas where that beats it; `flat`: the
+    search asked for `top` plans alone, no HSDP (`trident search --dp-replicate 1`)."""
     from functools import partial
 
     from planner.cluster import load_cluster
+    from planner.hsdp import HSDP_POOL, with_hsdp
     from planner.model import load_model
     from planner.report import sp_mode
     from planner.search import SearchSpace, search
@@ -57,11 +63,18 @@ def run_case(name: str, repeat: int, top: int, profile: bool, saved: str = "shar
         cluster.with_nodes(c["gpus"] // cluster.devices_per_node)
     model = load_model(c["model"])
     limit = c["memory_limit"] * GiB if c.get("memory_limit") else None
-    kw = dict(global_batch=c["global_batch"], seq_len=c.get("seq_len"), memory_limit_bytes=limit, top=top)
+    kw = dict(global_batch=c["global_batch"], seq_len=c.get("seq_len"), memory_limit_bytes=limit,
+              top=top if flat else max(top, HSDP_POOL))
     if saved == EITHER:
-        run = partial(search_either, partial(search, model, cluster), space=SearchSpace(), **kw)
+        flat_run = partial(search_either, partial(search, model, cluster), space=SearchSpace(), **kw)
     else:
-        run = partial(search, model, cluster, sp_saved_inputs=saved, **kw)
+        flat_run = partial(search, model, cluster, sp_saved_inputs=saved, **kw)
+
+    def run():  # planner.search_cli's run_search
+        res = flat_run()
+        if not flat:
+            res.results = with_hsdp(res.results, cluster, limit)[:top]
+        return res
     times, res = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -90,7 +103,7 @@ def speed(args) -> int:
     rows = []
     for name in ([args.case] if args.case else CASES):
         cmd = [sys.executable, __file__, "--child", name, "--repeat", str(args.repeat), "--top", str(args.top),
-               "--sp-saved-inputs", args.sp_saved_inputs]
+               "--sp-saved-inputs", args.sp_saved_inputs] + ["--flat"] * args.flat
         if args.profile:
             cmd.append("--profile")
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -148,6 +161,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--top", type=int, default=1, help="alternatives kept (the CLI's --top; default 1)")
+    ap.add_argument("--flat", action="store_true",
+                    help="the search alone, asked for --top plans (the CLI's --dp-replicate 1); by default as "
+                         "`trident search` runs: HSDP's pool of flat plans, each priced split into replicas")
     ap.add_argument("--case", choices=list(CASES))
     ap.add_argument("--profile", action="store_true", help="cProfile the search (to stderr)")
     ap.add_argument("--sp-saved-inputs", choices=("shard", "gathered", "either"), default="shard",
@@ -157,7 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run_case(args.child, args.repeat, args.top, args.profile, args.sp_saved_inputs)))
+        print(json.dumps(run_case(args.child, args.repeat, args.top, args.profile, args.sp_saved_inputs, args.flat)))
         return 0
     return quality(args) if args.quality else speed(args)
 
