@@ -146,3 +146,24 @@ def test_thorough_search_expands_what_the_quick_split_would_drop(tmp_path, capsy
     assert thorough["step_time_s"] < quick["step_time_s"] * 0.995
     # the ZB-V plan: 3 pipeline ranks of 2 chunks
     assert len(thorough["stages"]) == 6 and {st["pp_rank"] for st in thorough["stages"]} == {0, 1, 2}
+
+
+def test_the_search_is_asked_for_hsdps_pool_unless_hsdp_is_left_out(monkeypatch, capsys):
+    """`trident search` asks the search for HSDP_POOL flat plans at least, so that the splits it
+    prices do not depend on --top; with --dp-replicate 1 (no HSDP) for --top plans alone. The
+    parsed counts are a tuple: compared with the list [1], --dp-replicate 1 asked for 5 until
+    session 42."""
+    import planner.search
+    from planner.hsdp import HSDP_POOL
+    asked, real = [], planner.search.search
+
+    def spy(*args, **kw):
+        asked.append(kw["top"])
+        return real(*args, **kw)
+    monkeypatch.setattr(planner.search, "search", spy)
+    args = ["search", "--model", "tiny", "--cluster", "dgx-a100-80gb", "--gpus", "4", "--global-batch", "8",
+            "--top", "1", "--json"]
+    for extra in ([], ["--dp-replicate", "1"], ["--dp-replicate", "1,2"]):
+        assert main([*args, *extra]) == 0
+        capsys.readouterr()
+    assert asked == [HSDP_POOL, 1, HSDP_POOL]
