@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.prediction_accuracy import torchrun  # noqa: E402
 from planner.build import build_plan  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
 from planner.cost import estimate  # noqa: E402
@@ -62,19 +60,6 @@ PLANS = {
 }
 
 
-def train(paths: list, world: int, dtype: str, out: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    # runtime.train trains float32 on a CPU unless told the plan's dtype
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(port),
-           "-m", "runtime.train", "--plan", *map(str, paths), "--steps", "3", "--dtype", dtype, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=sorted(PLANS), default=None)
@@ -100,10 +85,10 @@ def main(argv=None) -> int:
             missing = [p.name for p in paths if not (work / "runs" / p.name).exists()]
             if missing:
                 sys.exit(f"--reuse: no run record of {', '.join(missing)} in {work / 'runs'}; run without --reuse")
-        elif len(paths) == 1:  # runtime.train's --out names a file for one plan, a folder for several
-            train(paths, world, dtype, work / "runs" / paths[0].name)
-        else:
-            train(paths, world, dtype, work / "runs")
+        else:  # runtime.train trains float32 on a CPU unless told the plan's dtype; its --out names a
+            # file for one plan, a folder for several
+            out = work / "runs" / paths[0].name if len(paths) == 1 else work / "runs"
+            torchrun(world, "runtime.train", "--plan", *paths, "--steps", 3, "--dtype", dtype, "--out", out)
         cluster = dataclasses.replace(load_cluster("dgx-a100-80gb").shaped_as(1, world), backend="gloo")
         for path in paths:
             breakdown = estimate(Plan.read(path), cluster).breakdown

@@ -280,7 +280,7 @@ def prepared_ops(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
     stage's I; a forward sends its output on, a backward (B or I) its input gradient back, a W
     nothing (a step plays thousands: computed once)."""
     last = len(stages) - 1
-    dur = [{"F": x.fwd_s, "B": x.bwd_s, "I": x.bwd_s - x.bwd_weight_s, "W": x.bwd_weight_s} for x in stages]
+    dur = [{kind: x.duration(kind) for kind in "FBIW"} for x in stages]
     fwd_lag = [x.send_fwd_s if p2p else 0.0 for x in stages]
     bwd_lag = [x.send_bwd_s if p2p else 0.0 for x in stages]
     sends = [{"F": x.send_fwd_s if s < last else 0.0, "W": 0.0, "B": x.send_bwd_s if s > 0 else 0.0,
