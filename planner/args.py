@@ -103,6 +103,12 @@ def int_list(low: int = 1, high: int | None = None):
     return parse
 
 
+def replica_list(text: str):
+    """--dp-replicate: comma-separated HSDP replica counts (int_list), or 'all': every count valid
+    for a configuration (planner.configs.replica_counts)."""
+    return "all" if text.strip() == "all" else int_list()(text)
+
+
 def choice_list(choices):
     """A parser of comma-separated names among `choices` to a tuple in the order of `choices`."""
     def parse(text: str) -> tuple:

@@ -93,11 +93,12 @@ class Bounds:
         # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
         # parameters (alpha + beta P), and for v = 1 each rank has one stage.
         ag, ar, rs, _ = ctx.collectives(cfg)
+        rep = ctx.replicas(cfg)[0]  # HSDP: each stage's reduced shard all-reduced across the replicas
         segmented = not all(x.affine for op in ctx.cluster.collectives.values() for x in op.values())
         ab = lambda f: (0.0, 0.0) if segmented else (f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0))
         alphas, betas = [], []
         for z in self.zeros:
-            a_s, b_s = ab(ar if z == 0 else rs) if dp > 1 else (0.0, 0.0)
+            a_s, b_s = ab(ar if z == 0 else lambda n: rs(n) + rep(n / dp)) if dp > 1 else (0.0, 0.0)
             a_g, b_g = ab(ag) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
             betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
@@ -260,6 +261,8 @@ class Bounds:
         shape = ctx.collectives(cfg)[3]
         slope = (lambda op: ctx.cluster.seconds_per_byte(op, shape)) if dp > 1 else (lambda op: 0.0)  # noqa: E731
         s_ag, s_ar, s_rs = slope("all_gather"), slope("all_reduce"), slope("reduce_scatter")
+        rep_shape = ctx.replicas(cfg)[1]  # HSDP: the shard all-reduced across the replicas once a step
+        s_rep = ctx.cluster.seconds_per_byte("all_reduce", rep_shape) * ctx.gb / dp if rep_shape else 0.0
         out = []
         for z in self.zeros:
             state, (copy_f, copy_b, copy_s), _ = self._per_param(z)
@@ -267,7 +270,8 @@ class Bounds:
             sync = (s_ar if z == 0 else s_rs) * ctx.gb
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
             step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) else 0.0)
-            step += sync if cfg.v == 1 else 0.0  # evaluate counts the sync of a rank's first stage
+            if cfg.v == 1:  # evaluate counts the sync of a rank's first stage (HSDP: and the replicas')
+                step += sync + (s_rep if z >= 1 else 0.0)
             w = ctx.work  # in a forward or backward, as work (planner.menus: shared compute)
             c = w * (copy_f + copy_b) + step / mbs
             bare = state - self._state(z)[1]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from planner.cluster import load_cluster
 from planner.args import (MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, non_negative_int, non_negative_number,
-                          nonempty, positive_int)
+                          nonempty, positive_int, replica_list)
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import LR_DECAYS, SCHEDULES, SP_SAVED_INPUTS, Plan, Training, priced_on
@@ -289,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dp", type=int_list(), default=None, help="data-parallel degrees")
     c.add_argument("--cp", type=int_list(), default=None,
                    help="context-parallel degrees (default: 1 and those leaving a rank at least 8192 tokens)")
-    c.add_argument("--dp-replicate", type=int_list(), default=None,
-                   help="HSDP replica counts (planner/hsdp.py; 1: flat data parallelism)")
+    c.add_argument("--dp-replicate", type=replica_list, default=None,
+                   help="HSDP replica counts searched with the rest, or 'all' (planner/hsdp.py; 1: flat data "
+                        "parallelism; default: the flat plans found are split)")
     c.add_argument("--micro-batch", type=int_list(), default=None, help="sequences per micro-batch")
     c.add_argument("--schedule", type=choice_list(SCHEDULES), default=None,
                    help=f"pipeline schedules among {', '.join(SCHEDULES)}")

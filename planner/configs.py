@@ -32,6 +32,10 @@ class SearchSpace:
     recompute_granularity: str = "layer"  # layer (counts per stage) | stage | plan
     sequence_parallel: tuple = (False, True)
     cp: tuple | None = None  # context-parallel degrees; None: cp_degrees
+    # HSDP replica counts (mesh.dp_replicate) searched as a dimension of the configuration (None:
+    # every valid count); by default flat data parallelism alone, and `trident search` splits the
+    # plans found (planner.hsdp) unless --dp-replicate names the counts
+    dp_replicate: tuple | None = (1,)
     orders: tuple = ORDERS
     uneven: bool = True  # False: only planner.plan.even_stages partitions
     exhaustive_limit: int = 3000  # inner assignments enumerated exhaustively up to this many
@@ -40,6 +44,9 @@ class SearchSpace:
     # (every configuration that bound cannot rule out gets the full sweep); False: the quick
     # split's bound, which is not a bound on the other splits (module doc), about 1.5x faster
     thorough: bool = False
+    # with several chunks a rank the full sweep also tries rank-balanced splits
+    # (planner.rank_split); False leaves them out (benchmarks/search_variants.py)
+    rank_splits: bool = True
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,16 @@ class Config:
     zero: int | None  # None: chosen per stage
     recompute: str | None  # None: chosen per stage / layer
     cp: int = 1  # context parallelism (planner.mesh)
+    dp_replicate: int = 1  # HSDP's replicas (planner.mesh): ZeRO shards within dp / dp_replicate
 
     @property
     def shards(self) -> int:
-        """The ranks that hold a stage's parameters (ZeRO shards over them): dp x cp."""
+        """The ranks ZeRO shards a stage's parameters over: dp x cp, or HSDP's shard group x cp."""
+        return self.dp // self.dp_replicate * self.cp
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks that hold a stage's parameters: dp x cp."""
         return self.dp * self.cp
 
     @property
@@ -87,6 +100,14 @@ def cp_degrees(seq_len: int) -> list[int]:
         out.append(c)
         c *= 2
     return out
+
+
+def replica_counts(space: SearchSpace, dp: int, cp: int) -> list[int]:
+    """The HSDP replica counts of `space` a dp degree admits (planner.plan_checks: r divides dp and
+    leaves a shard group of at least 2 ranks), 2 and more only where ZeRO 1-3 is allowed."""
+    sharded = any(z >= 1 for z in space.zero)
+    return [r for r in (space.dp_replicate or divisors(dp))
+            if r == 1 or (sharded and r > 1 and dp % r == 0 and dp // r * cp >= 2)]
 
 
 def configs(ctx, global_batch: int):
@@ -124,13 +145,16 @@ def configs(ctx, global_batch: int):
                 orders = distinct_orders(c, tp, pp, dp, cand, cp) if (pp > 1 and dp > 1) else cand[:1]
                 zeros = [None] if sp_.zero_per_stage else (sp_.zero if dp * cp > 1 else sp_.zero[:1])
                 recs = sp_.recompute if sp_.recompute_granularity == "plan" else [None]
-                for (sched, v), sp, order, z, r in itertools.product(scheds, sps, orders, zeros, recs):
-                    yield Config(tp, pp, dp, b, mbs, sched, v, sp, tuple(order), z, r, cp)
+                for (sched, v), sp, order, z, r, n in itertools.product(scheds, sps, orders, zeros, recs,
+                                                                      replica_counts(sp_, dp, cp)):
+                    if n == 1 or z is None or z >= 1:  # HSDP shards: ZeRO 1-3 (StageCosts.zeros)
+                        yield Config(tp, pp, dp, b, mbs, sched, v, sp, tuple(order), z, r, cp, n)
 
 
 # the user's constraints on a search (SearchSpace fields), by the command-line option that sets them
 CONSTRAINTS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "micro_batch": "--micro-batch", "schedules": "--schedule",
-               "virtual_stages": "--virtual-stages", "sequence_parallel": "--sequence-parallel"}
+               "virtual_stages": "--virtual-stages", "sequence_parallel": "--sequence-parallel",
+               "dp_replicate": "--dp-replicate"}
 
 
 def no_configuration(ctx, global_batch: int) -> str:
@@ -140,8 +164,12 @@ def no_configuration(ctx, global_batch: int) -> str:
     default = SearchSpace()
     where = f"{global_batch} sequences on {c.world_size} GPUs of {m.name}"
     given = {f: getattr(space, f) for f in CONSTRAINTS if getattr(space, f) != getattr(default, f)}
-    # context parallelism lifted: every degree that could be asked for, not only the default's
-    lift = dict(vars(default), cp=tuple(d for d in divisors(c.world_size) if ctx.train.seq_len % (2 * d) == 0))
+    if space.dp_replicate is not None and 1 not in space.dp_replicate and not any(z >= 1 for z in space.zero):
+        return (f"--dp-replicate: {','.join(map(str, space.dp_replicate))} (HSDP) shards with ZeRO 1-3, which "
+                f"--zero {','.join(map(str, space.zero))} leaves out; allow --zero 1, 2 or 3, or --dp-replicate 1")
+    # context parallelism and HSDP lifted: every count that could be asked for, not only the default's
+    lift = dict(vars(default), cp=tuple(d for d in divisors(c.world_size) if ctx.train.seq_len % (2 * d) == 0),
+                dp_replicate=None)
     for field in given:
         lifted = copy.copy(ctx)  # the search's context (planner.search.Ctx) under the lifted space
         lifted.space = dataclasses.replace(space, **{field: lift[field]})
@@ -151,10 +179,11 @@ def no_configuration(ctx, global_batch: int) -> str:
         attr = {"schedules": "schedule", "virtual_stages": "v", "sequence_parallel": "sp"}.get(field, field)
         ok = sorted({getattr(cfg, attr) for cfg in cfgs if field != "virtual_stages" or cfg.v > 1})
         show = lambda vals: ", ".join("on" if v is True else "off" if v is False else str(v) for v in vals)  # noqa: E731
-        return (f"{CONSTRAINTS[field]}: {show(given[field])} admits no configuration of {where} with the other "
-                f"choices; possible: {show(ok) or 'none'}")
+        return (f"{CONSTRAINTS[field]}: {show(given[field] or ('all',))} admits no configuration of {where} with "
+                f"the other choices; possible: {show(ok) or 'none'}")
     if given:
-        opts = " ".join(f"{CONSTRAINTS[f]} {','.join(str(v) for v in vals)}" for f, vals in given.items())
+        opts = " ".join(f"{CONSTRAINTS[f]} {','.join(str(v) for v in vals) if vals is not None else 'all'}"
+                        for f, vals in given.items())
         return f"{opts}: together these admit no configuration of {where}; lift one of them"
     return (f"global_batch: {global_batch} sequences admit no configuration on {c.world_size} GPUs of {m.name} "
             f"(dp must divide it, tp the heads, and a data-parallel rank may run at most {MAX_MICRO_BATCHES} "

@@ -39,6 +39,7 @@ class Menus:
         """What a menu depends on: the data-parallel group by its shape, not by the mesh order that made it."""
         cfg, ctx = self.cfg, self.ctx
         return (cfg.tp, cfg.micro_batch, cfg.cp, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
+                self.rep_shape,
                 self.zeros, self.modes, ctx.space.recompute_granularity, k, emb, head, self.split, self.fb)
 
     def menus(self, ks, emb, head):
@@ -205,6 +206,8 @@ class Menus:
                 ctx._coll_times[(self.dp_shape, x)] = ((self.ag(x * e), self.ar(x * ctx.gb), self.rs(x * ctx.gb))
                                                        if dp > 1 else (0.0, 0.0, 0.0))
         gathered, all_reduced, scattered = np.array([ctx._coll_times[(self.dp_shape, x)] for x in Ps]).T
+        # HSDP: each stage's reduced shard all-reduced across the replicas once a step (planner.cost)
+        replicas = np.array([self.rep_ar(x * ctx.gb / dp) for x in Ps]) if self.rep_shape else 0.0
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
@@ -218,9 +221,10 @@ class Menus:
         for zi, z in enumerate(self.zeros):
             state, copies, step_per_param = self._per_param(z)
             ag = gathered if z == 3 else np.zeros(nk)
-            sync = all_reduced if z == 0 else scattered
+            reduced = all_reduced if z == 0 else scattered
+            sync = reduced + replicas
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
-            beside = w * (ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag)
+            beside = w * (ag + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag)
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
             copy_f, copy_b, copy_s = (x * P for x in copies)
             copy_f, copy_b = w * copy_f, w * copy_b
@@ -228,7 +232,7 @@ class Menus:
             copy_bk[zi] = copy_b
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
                 shift[zi] = 2 * w * ag + copy_b
-                w_sync[zi] = w * sync
+                w_sync[zi] = w * reduced
             else:  # the same shift for every option, or where exposed beside some options' backward
                 exposed = (beside > cb_min) & (not split)
                 shift[zi] = copy_b

@@ -13,6 +13,9 @@ account for the pipeline's fill and drain, the best are also tried with one ZeRO
 throughout, and the even split with one ZeRO level and recompute mode throughout is always a
 candidate. With v > 1 the DP gives each chunk 1/v of its rank's memory (safe, not exact); every
 candidate's memory is then checked exactly (the schedule's micro-batches in flight per chunk).
+With v > 1 the full sweep also balances ranks rather than stages (planner.rank_split: a rank's chunks
+summed, under the sweep's first bottlenecks as caps on a stage), which the stage-level min-max
+and the one-block polish do not reach where balancing takes moving blocks across several ranks.
 Each candidate gets the lower bound LB of planner.search's docstring.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from planner.memory import first_backward_peak
 from planner.model import RECOMPUTE_MODES
 from planner.plan import Plan, Stage
 from planner.build import even_stages
+from planner.rank_split import rank_split
 from planner.stages import TOL, StageCosts
 
 
@@ -87,6 +91,7 @@ class Inner(StageCosts):
         """[(LB, assignment)] for this configuration, assignment = [(k, menu, option)], leaving out
         what provably cannot beat `bound` (a stage of k blocks takes at least m k w_block)."""
         lc, mbs = self.lc, self.cfg.micro_batches
+        self.rank_balanced = []  # _dp's rank-balanced splits (planner.rank_split), [(LB, assignment)]
         wblk = min(x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s for x in lc["blk"].values())
         kcap = self.L if not math.isfinite(bound) or wblk <= 0 else int(bound / (mbs * wblk) * (1 + TOL)) + 1
         self.exhaustive = True
@@ -273,6 +278,19 @@ class Inner(StageCosts):
         if S <= 16:  # the DP ignores the pipeline's fill and drain: polish the best by moving blocks
             for lb, assign in [x for x in sorted(out, key=lambda x: x[0])[:2] if x[0] < bound * 1.1]:
                 self._polish(opts, lb, [k for k, _, _ in assign], seen, out)
+        if self.cfg.v > 1 and not quick and self.ctx.space.rank_splits:
+            # several chunks a rank: splits that balance ranks, not stages alone, apart from the
+            # others (their bounds are loose, planner.search prices a few of them besides)
+            ranked = []
+            for T in [tstar, *Ts[:3]]:
+                sz = rank_split(cost, self.L, self.stages_of, T)
+                if sz is not None and tuple(sz) not in seen:
+                    seen.add(tuple(sz))
+                    ranked.append(self._assign(opts, sz))
+            self.rank_balanced = [(lb, a) for a, lb in zip(ranked, self.evaluate_many(ranked)) if lb is not None]
+            if S <= 16 and self.rank_balanced:
+                lb, assign = min(self.rank_balanced, key=lambda x: x[0])
+                self._polish(opts, lb, [k for k, _, _ in assign], seen, self.rank_balanced)
         return out
 
     def _polish(self, opts, lb, sz, seen, out):

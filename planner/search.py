@@ -81,6 +81,14 @@ class SearchResult:
         return self.results[0] if self.results else None
 
 
+RANK_BALANCED_PRICED = 3  # of a configuration's rank-balanced splits (planner.rank_split)
+
+
+def _mesh(cfg) -> Mesh:
+    """The mesh of a configuration (its rank order and degrees)."""
+    return Mesh(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp, dp_replicate=cfg.dp_replicate)
+
+
 def _affine(cluster: ClusterSpec, op: str, ranks: list):
     """collective_time(op, n, ranks) as a function of n: a + c n for n > 0 (alpha-beta), computed
     once; a profile with per-message-size segments or curves is asked every time."""
@@ -136,11 +144,22 @@ class Ctx:
         """(all-gather, all-reduce, reduce-scatter) time functions of the data-parallel group of
         pipeline rank 0 (every rank's group has the same shape when TP is innermost), and that
         group's shape (ClusterSpec.group_shape: all the three depend on)."""
-        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order)
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order, cfg.dp_replicate)
         if key not in self._coll:
-            ranks = Mesh(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp).shard_group(pp=0, tp=0)
+            ranks = _mesh(cfg).shard_group(pp=0, tp=0)
             self._coll[key] = tuple(_affine(self.cluster, op, ranks) for op in ("all_gather", "all_reduce", "reduce_scatter")) \
                 + (self.cluster.group_shape(ranks),)
+        return self._coll[key]
+
+    def replicas(self, cfg):
+        """HSDP's all-reduce across the replicas of pipeline rank 0's shards, as a time function,
+        and the replica group's shape (None without HSDP)."""
+        if cfg.dp_replicate == 1:
+            return (lambda n: 0.0), None
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order, cfg.dp_replicate, "replicas")
+        if key not in self._coll:
+            ranks = _mesh(cfg).replicate_group(pp=0, tp=0)
+            self._coll[key] = _affine(self.cluster, "all_reduce", ranks), self.cluster.group_shape(ranks)
         return self._coll[key]
 
     def layers(self, tp, b, sp, multi, dp1, split=False, cp=1):
@@ -191,7 +210,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
         return build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=cluster.nodes,
                           devices_per_node=cluster.devices_per_node, global_batch=global_batch,
                           micro_batch=cfg.micro_batch, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
-                          schedule=cfg.schedule, virtual_stages=cfg.v, dtype=dtype,
+                          schedule=cfg.schedule, virtual_stages=cfg.v, dtype=dtype, dp_replicate=cfg.dp_replicate,
                           profile_hash=cluster.profile_hash, order=list(cfg.order), stages=stages, **training)
 
     bounded, mem_lbs = [], []
@@ -208,10 +227,19 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
     bounded.sort(key=lambda x: x[0])
     best: dict = {}  # config -> Found
 
+    known = [None]  # kth's value until `best` changes
+
     def kth():
-        if len(best) < top:
-            return cutoff_s
-        return min(cutoff_s, sorted(f.estimate.step_time_s for f in best.values())[top - 1])
+        """The top-th best step time of the configurations priced (cutoff_s until there are top):
+        of configurations distinct but for HSDP's replica count, so that an HSDP twin priced
+        beside its flat configuration prunes no more than that configuration alone."""
+        if known[0] is None:
+            twins: dict = {}
+            for c, f in best.items():
+                k = dataclasses.replace(c, dp_replicate=1) if c.dp_replicate > 1 else c
+                twins[k] = min(twins.get(k, math.inf), f.estimate.step_time_s)
+            known[0] = cutoff_s if len(twins) < top else min(cutoff_s, sorted(twins.values())[top - 1])
+        return known[0]
 
     def price(cfg, inner, assign):
         """Estimate an assignment's plan; keep it as the configuration's best if it fits and is faster."""
@@ -221,6 +249,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
         mine = best.get(cfg)
         if est.fits and (mine is None or est.step_time_s < mine.estimate.step_time_s):
             best[cfg] = Found(plan, est, cfg)
+            known[0] = None
 
     last = t0
     heap = [(lb, n, 0, cfg) for n, (lb, cfg) in enumerate(bounded)]
@@ -260,6 +289,12 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
                 break
             price(cfg, inner, assign)
             priced += 1
+        # the full sweep's rank-balanced splits (several chunks a rank), a few of them besides
+        for clb, assign in sorted(inner.rank_balanced, key=lambda x: x[0])[:RANK_BALANCED_PRICED]:
+            mine = best.get(cfg)
+            if clb >= min(kth(), mine.estimate.step_time_s if mine else math.inf) * (1 - TOL):
+                break
+            price(cfg, inner, assign)
     res.results = sorted(best.values(), key=lambda f: f.estimate.step_time_s)[:top]
     res.cutoff_s = kth()
     if not res.results and cutoff_s == math.inf:

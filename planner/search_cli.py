@@ -55,6 +55,8 @@ def _search_space(args):
         space = replace(space, uneven=False)
     if args.thorough:
         space = replace(space, thorough=True)
+    if args.dp_replicate is not None:  # HSDP's replica counts searched with the rest (planner.hsdp)
+        space = replace(space, dp_replicate=None if args.dp_replicate == "all" else tuple(args.dp_replicate))
     return space
 
 
@@ -106,9 +108,11 @@ def cmd_search(args) -> int:
     optimizer = optimizer_settings(args)
 
     def run_search(cluster, top=args.top):
-        # HSDP is priced on the flat plans found (planner.hsdp): on at least HSDP_POOL of them, so
-        # that a smaller --top gives the same best plan
-        pool = top if tuple(args.dp_replicate or ()) == (1,) else max(top, HSDP_POOL)
+        # HSDP is priced on the plans found (planner.hsdp): on at least HSDP_POOL of them, so that a
+        # smaller --top gives the same best plan; with --dp-replicate the search also searches the
+        # replica counts, and the pass tries each plan's assignment under the others
+        flat = args.dp_replicate is not None and tuple(args.dp_replicate) == (1,)
+        pool = top if flat else max(top, HSDP_POOL)
         kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
                   top=pool, progress=progress, space=_search_space(args), **optimizer)
         # with a model profile, partitioned by the measured layers and ranked by the whole profile
@@ -116,10 +120,8 @@ def cmd_search(args) -> int:
         res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER
                else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
         t = time.perf_counter()
-        flat = res.results
-        res.results = with_hsdp(flat, cluster, limit, mp, args.dp_replicate)[:top]  # planner.hsdp
-        if flat and not res.results:  # what the flat plans needed says nothing of the split ones
-            res.min_required_bytes = None
+        allowed = None if args.dp_replicate in (None, "all") else args.dp_replicate
+        res.results = with_hsdp(res.results, cluster, limit, mp, allowed)[:top]  # planner.hsdp
         res.elapsed_s += time.perf_counter() - t
         if shown[0]:
             print("\r\033[K", end="", file=sys.stderr, flush=True)

@@ -76,6 +76,8 @@ class StageCosts(Menus, Bounds):
         self.L = m.layers
         self.S = cfg.pp * cfg.v
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
+        if cfg.dp_replicate > 1:  # HSDP shards: ZeRO 1-3 on every stage (configs leaves at least one)
+            z = [x for x in z if x >= 1]
         self.zeros = tuple(z) if cfg.shards > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
         self.split = split_backward(cfg.schedule, cfg.pp)  # I and W apart (zbv)
@@ -90,14 +92,15 @@ class StageCosts(Menus, Bounds):
         t = ctx.train
         # processes sharing fewer compute units than there are of them (planner.schedule.Sharing):
         # the machine does at most max(slots, 1) process-seconds of the operations' work a second
-        slots, world = ctx.cluster.compute_slots, cfg.pp * cfg.shards * cfg.tp
-        self.share = max(slots, 1.0) / (cfg.tp * cfg.shards) if (slots is not None and slots < world) else None
+        slots, world = ctx.cluster.compute_slots, cfg.pp * cfg.grad_ranks * cfg.tp
+        self.share = max(slots, 1.0) / (cfg.tp * cfg.grad_ranks) if (slots is not None and slots < world) else None
         self.act_grad = backward_flow_bytes(m, t, cfg.tp, cfg.sp, cfg.shards, cfg.rank_micro_batch)
         self.head_logits = m.loss_bytes(cfg.rank_micro_batch, t.seq_len, cfg.tp, ctx.e)[1]
 
     def setup(self):
         """Collective costs of the data-parallel group and the activations in flight."""
         self.ag, self.ar, self.rs, self.dp_shape = self.ctx.collectives(self.cfg)
+        self.rep_ar, self.rep_shape = self.ctx.replicas(self.cfg)
         self.flight, self.maxcnt, _ = self.ctx.in_flight(self.cfg)
         cfg = self.cfg
         msg = self._message()

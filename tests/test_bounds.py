@@ -59,6 +59,7 @@ CASES = [  # (layers, gpus, global batch, memory limit GiB, space): some configu
     (6, 8, 16, 2.0, SearchSpace(schedules=("zbv", "interleaved-1f1b"))),
     (5, 4, 8, 1.8, SearchSpace(schedules=("zbv", "1f1b"), zero=(0, 3))),
     (6, 4, 8, 1.5, SearchSpace(schedules=("zbv",))),
+    (4, 8, 16, 1.6, SearchSpace(dp_replicate=(1, 2, 4), zero=(0, 2, 3))),  # HSDP's configurations too
 ]
 
 
@@ -106,7 +107,8 @@ def assert_bounds_below_estimates(ctx, gbs, seq, per_config=6, model_profile=Non
             return build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=cluster.nodes,
                               devices_per_node=cluster.devices_per_node, global_batch=gbs, micro_batch=cfg.micro_batch,
                               seq_len=seq, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, schedule=cfg.schedule,
-                              virtual_stages=cfg.v, order=list(cfg.order), stages=stages, **training)
+                              virtual_stages=cfg.v, order=list(cfg.order), stages=stages,
+                              dp_replicate=cfg.dp_replicate, **training)
         inner = Inner(ctx, cfg).setup()
         for lb, assign in inner.candidates(math.inf)[:per_config]:
             est = estimate(inner.to_plan(assign, build), cluster, model_profile=model_profile, profile_extras=False)
@@ -124,7 +126,7 @@ def test_an_assignments_bound_is_below_its_estimate():
     d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
     d["collectives"]["send_recv"]["intra_node"] = {"alpha_s": 2e-4, "bus_bandwidth_bytes_per_s": 2e9}
     cluster = cluster_from_dict(d).shaped_as(1, 4)
-    space = SearchSpace(zero=(0, 3), recompute=("none", "full"))
+    space = SearchSpace(zero=(0, 3), recompute=("none", "full"), dp_replicate=(1, 2))
     train = Training(global_batch=8, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
     assert assert_bounds_below_estimates(Ctx(shrunk(4), cluster, train, 80 * GiB, space), 8, 1024) >= 300
 
@@ -149,3 +151,34 @@ def test_assignments_bounded_together_get_each_its_own_bound(layers, gpus, gbs, 
         fit += sum(x is not None for x in alone)
         unfit += sum(x is None for x in alone)
     assert fit >= 100 and unfit >= 100  # both kinds are batched
+
+
+@pytest.mark.parametrize("schedule,pp,v,blocks", [("zbv", 2, 2, 7), ("zbv", 3, 2, 8), ("interleaved-1f1b", 2, 3, 8)])
+def test_the_rank_split_balances_ranks_as_well_as_any_split(schedule, pp, v, blocks):
+    """planner.rank_split (several chunks a rank) against every split of a few blocks over the
+    stages: its busiest rank (a rank's cost: its chunks' summed costs) costs the least any split
+    achieves under the same cap on a stage, and it places every block. Costs grow with the blocks,
+    each stage's at its own rate, and the first and last stages hold the embedding and the head."""
+    import numpy as np
+    from planner.plan import stage_rank
+    from planner.rank_split import rank_split
+    rng = np.random.default_rng(pp * 10 + blocks)
+    S = pp * v
+    owner = [stage_rank(schedule, pp, s) for s in range(S)]
+    stages_of = [[s for s in range(S) if owner[s] == r] for r in range(pp)]
+    for trial in range(20):
+        rate = rng.uniform(0.8, 1.2, S)
+        cost = np.cumsum(np.tile(rate[:, None], blocks + 1), axis=1) - rate[:, None] + rng.uniform(0, 0.3, S)[:, None]
+        cost[1:-1, 0] = np.inf  # a middle stage holds a block at least
+        cost[:, blocks - 1:] = np.inf if trial % 2 else cost[:, blocks - 1:]  # and at most blocks - 2, now and then
+        for cap in (np.inf, np.sort(cost[np.isfinite(cost)])[len(cost) * 2]):
+            capped = np.where(cost <= cap, cost, np.inf)
+            best = min((max(sum(capped[s, k[s]] for s in st) for st in stages_of)
+                        for k in itertools.product(range(blocks + 1), repeat=S) if sum(k) == blocks), default=np.inf)
+            sizes = rank_split(cost, blocks, stages_of, cap)
+            if not np.isfinite(best):
+                assert sizes is None
+                continue
+            assert sum(sizes) == blocks and all(np.isfinite(capped[s, k]) for s, k in enumerate(sizes))
+            busiest = max(sum(capped[s, sizes[s]] for s in st) for st in stages_of)
+            assert busiest == pytest.approx(best, rel=1e-12), (trial, cap, sizes)

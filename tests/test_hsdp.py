@@ -172,6 +172,32 @@ def test_the_search_keeps_to_the_replica_counts_it_is_given(tmp_path, capsys):
             a["degrees"]["dp_replicate"] for a in found["alternatives"]]
     assert replicas(str(slow_large_groups(tmp_path)), "1") == [1, 1]  # flat only, where HSDP is faster
     assert set(replicas("dgx-a100-80gb", "4,8")) <= {4, 8}  # split only, where it is slower
-    assert main(base + ["dgx-a100-80gb", "--dp-replicate", "3"]) == 3  # 3 does not divide dp 32
+    assert main(base + ["dgx-a100-80gb", "--dp-replicate", "3"]) == 2  # 3 does not divide dp 32
     err = capsys.readouterr().err
-    assert "under --tp 1 --pp 1 --dp-replicate 3" in err and "least memory" not in err
+    assert "--dp-replicate: 3 admits no configuration" in err and "possible: 1, 2, 4, 8, 16" in err
+
+
+def test_asked_for_replica_counts_the_search_searches_them_beyond_the_flat_plans_split(tmp_path, capsys):
+    """With --dp-replicate the replica count is a dimension of the search (planner.configs), so its
+    partitions, ZeRO levels and micro-batches are chosen under HSDP's own costs. Before session 43
+    the flat search's best 5 plans were split after the fact: Llama 3 8B on two DGX H100 nodes
+    came out at 13.52 s (tp1 pp4 interleaved, 2 x 2) where 2 x 8 with ZeRO 3 and no pipeline takes
+    13.33 s, and the tiny model on 6 GPUs, whose best flat plans all replicate (ZeRO 0), had no
+    plan at all (exit 3, 'no plan fits')."""
+    from planner.hsdp import with_hsdp
+    from planner.model import load_model
+    from planner.search import search
+    args = ["search", "--model", "llama3-8b", "--cluster", "dgx-h100-80gb", "--nodes", "2", "--global-batch", "256",
+            "--dp-replicate", "2", "--json", "-o", str(tmp_path / "p.json")]
+    assert main(args) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert Plan.from_json((tmp_path / "p.json").read_text()).mesh.dp_replicate == 2
+    # every split into 2 replicas of the 40 best flat plans is slower
+    h100 = load_cluster("dgx-h100-80gb").with_nodes(2)
+    flat = search(load_model("llama3-8b"), h100, global_batch=256, top=40).results
+    split = with_hsdp(flat, h100, allowed=[2])
+    assert split and found["step_time_s"] < split[0].estimate.step_time_s * 0.995
+    assert main(["search", "--model", "tiny", "--cluster", "hgx-h200-141gb", "--gpus", "6", "--global-batch", "24",
+                 "--dp-replicate", "2", "-o", str(tmp_path / "t.json")]) == 0
+    mesh = Plan.from_json((tmp_path / "t.json").read_text()).mesh
+    assert (mesh.dp_replicate, mesh.dp) == (2, 6)
