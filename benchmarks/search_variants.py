@@ -9,7 +9,7 @@ in this process, as `trident search` runs it (HSDP's pool of 5 plans, each then 
 replicas where that is faster, planner.hsdp.with_hsdp):
 
 - `hsdp`: the default (flat plans found, split afterwards) against `--dp-replicate all` (the
-  replica count a dimension of the search, planner.configs.replica_counts);
+  replica count a dimension of the search, planner.configs.allowed_replicas);
 - `rank-splits`: the search without the full sweep's rank-balanced splits of ranks of several
   chunks (SearchSpace.rank_splits False, as before session 43) against the default.
 

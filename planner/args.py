@@ -105,7 +105,7 @@ def int_list(low: int = 1, high: int | None = None):
 
 def replica_list(text: str):
     """--dp-replicate: comma-separated HSDP replica counts (int_list), or 'all': every count valid
-    for a configuration (planner.configs.replica_counts)."""
+    for a configuration (planner.configs.allowed_replicas)."""
     return "all" if text.strip() == "all" else int_list()(text)
 
 

@@ -9,6 +9,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from planner.hsdp import replica_counts
 from planner.model import RECOMPUTE_MODES
 from planner.plan import SCHEDULES
 from planner.plan_checks import MAX_MICRO_BATCHES
@@ -102,12 +103,11 @@ def cp_degrees(seq_len: int) -> list[int]:
     return out
 
 
-def replica_counts(space: SearchSpace, dp: int, cp: int) -> list[int]:
-    """The HSDP replica counts of `space` a dp degree admits (planner.plan_checks: r divides dp and
-    leaves a shard group of at least 2 ranks), 2 and more only where ZeRO 1-3 is allowed."""
-    sharded = any(z >= 1 for z in space.zero)
-    return [r for r in (space.dp_replicate or divisors(dp))
-            if r == 1 or (sharded and r > 1 and dp % r == 0 and dp // r * cp >= 2)]
+def allowed_replicas(space: SearchSpace, dp: int, cp: int) -> list[int]:
+    """The HSDP replica counts of `space` (None: every one) a dp degree admits
+    (planner.hsdp.replica_counts, and 1), 2 and more only where ZeRO 1-3 is allowed."""
+    valid = [1] + (replica_counts(dp, cp) if any(z >= 1 for z in space.zero) else [])
+    return [r for r in valid if space.dp_replicate is None or r in space.dp_replicate]
 
 
 def configs(ctx, global_batch: int):
@@ -146,7 +146,7 @@ def configs(ctx, global_batch: int):
                 zeros = [None] if sp_.zero_per_stage else (sp_.zero if dp * cp > 1 else sp_.zero[:1])
                 recs = sp_.recompute if sp_.recompute_granularity == "plan" else [None]
                 for (sched, v), sp, order, z, r, n in itertools.product(scheds, sps, orders, zeros, recs,
-                                                                      replica_counts(sp_, dp, cp)):
+                                                                      allowed_replicas(sp_, dp, cp)):
                     if n == 1 or z is None or z >= 1:  # HSDP shards: ZeRO 1-3 (StageCosts.zeros)
                         yield Config(tp, pp, dp, b, mbs, sched, v, sp, tuple(order), z, r, cp, n)
 

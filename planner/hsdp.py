@@ -9,7 +9,7 @@ By default a pass over the plans the search finds, not a dimension of the partit
 the compute, so only a plan whose data-parallel communication is exposed can gain. `trident
 search` passes its best HSDP_POOL flat plans at least, whatever --top asks, so a smaller --top
 gives the same best plan. With `--dp-replicate COUNTS` (or `all`) the replica count is a dimension
-of the search as well (planner.configs.replica_counts, SearchSpace.dp_replicate): layer splits,
+of the search as well (planner.configs.allowed_replicas, SearchSpace.dp_replicate): layer splits,
 ZeRO levels and micro-batches are then chosen under HSDP's own costs, which the pass cannot do,
 and the pass then tries each plan found with the other counts allowed. Not the default: with
 every count the search takes about 1.9x the time (3x on the largest benchmarks) and, not being
@@ -34,9 +34,10 @@ from planner.cost import estimate
 HSDP_POOL = 5  # flat plans the search passes here at least (planner.search_cli): the default --top
 
 
-def replica_counts(dp: int) -> list[int]:
-    """The values of mesh.dp_replicate a dp degree admits besides 1."""
-    return [r for r in range(2, dp // 2 + 1) if dp % r == 0]
+def replica_counts(dp: int, cp: int = 1) -> list[int]:
+    """The values of mesh.dp_replicate a dp degree admits besides 1 (planner.plan_checks: r divides
+    dp and leaves a shard group of dp / r x cp ranks, at least 2)."""
+    return [r for r in range(2, dp + 1) if dp % r == 0 and dp // r * cp >= 2]
 
 
 def with_hsdp(results: list, cluster, memory_limit_bytes=None, model_profile=None, allowed=None) -> list:

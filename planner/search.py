@@ -279,22 +279,15 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             cands = inner.candidates(kth())
         done += 1
         res.expanded = done
-        cands = sorted(cands, key=lambda x: x[0])
-        priced = 0
-        for clb, assign in cands:
-            mine = best.get(cfg)
-            if clb >= min(kth(), mine.estimate.step_time_s if mine else math.inf) * (1 - TOL):
-                break
-            if not inner.exhaustive and priced >= space.max_priced_per_config:
-                break
-            price(cfg, inner, assign)
-            priced += 1
-        # the full sweep's rank-balanced splits (several chunks a rank), a few of them besides
-        for clb, assign in sorted(inner.rank_balanced, key=lambda x: x[0])[:RANK_BALANCED_PRICED]:
-            mine = best.get(cfg)
-            if clb >= min(kth(), mine.estimate.step_time_s if mine else math.inf) * (1 - TOL):
-                break
-            price(cfg, inner, assign)
+        # the candidates by bound (a few where not exhaustive), then the full sweep's rank-balanced
+        # splits (several chunks a rank), a few of them besides; each while its bound can win
+        for group, budget in ((cands, None if inner.exhaustive else space.max_priced_per_config),
+                              (inner.rank_balanced, RANK_BALANCED_PRICED)):
+            for clb, assign in sorted(group, key=lambda x: x[0])[:budget]:
+                mine = best.get(cfg)
+                if clb >= min(kth(), mine.estimate.step_time_s if mine else math.inf) * (1 - TOL):
+                    break
+                price(cfg, inner, assign)
     res.results = sorted(best.values(), key=lambda f: f.estimate.step_time_s)[:top]
     res.cutoff_s = kth()
     if not res.results and cutoff_s == math.inf:

@@ -111,8 +111,7 @@ def cmd_search(args) -> int:
         # HSDP is priced on the plans found (planner.hsdp): on at least HSDP_POOL of them, so that a
         # smaller --top gives the same best plan; with --dp-replicate the search also searches the
         # replica counts, and the pass tries each plan's assignment under the others
-        flat = args.dp_replicate is not None and tuple(args.dp_replicate) == (1,)
-        pool = top if flat else max(top, HSDP_POOL)
+        pool = top if args.dp_replicate == (1,) else max(top, HSDP_POOL)  # (1,): flat alone
         kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
                   top=pool, progress=progress, space=_search_space(args), **optimizer)
         # with a model profile, partitioned by the measured layers and ranked by the whole profile
