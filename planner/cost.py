@@ -23,7 +23,7 @@ stream, overlapping the rest of the backward (with training.overlap_grad_reduce 
 whole backward); ZeRO-2 and 3 reduce-scatter every micro-batch's gradients on that stream, which
 slows a backward only where it takes longer; ZeRO-3 gathers parameters before each forward and
 backward, overlapped with compute by prefetching; the optimizer step (AdamW with gradient
-clipping) is memory-bound. Under HSDP (mesh.dp_replicate > 1) all of that runs over the shard group
+clipping) is memory-bound, and every pipeline rank's waits for the gradient norm over all of them. Under HSDP (mesh.dp_replicate > 1) all of that runs over the shard group
 (dp / dp_replicate ranks), and each stage's reduced shard is then all-reduced across the replicas
 once a step, after its last reduce-scatter.
 
@@ -222,17 +222,22 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
-        rank_total.append(tl.end_s[r] + opt_s + norm_comm + gather + copies)
+        rank_total.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))
+    # the gradient norm is summed over the pipeline ranks before any of them steps
+    # (runtime.optim.clip_grad_norm; Megatron-LM's over its model-parallel group, Shoeybi et al.
+    # 2019): each rank's optimizer step waits for the last rank's backward, and the step for the
+    # slowest optimizer step
     sync = runtime_sync(cluster, mesh) if extras else 0.0
-    rank_total = [x + sync for x in rank_total]
-    step = max(rank_total)
+    after = [opt_s + gather + copies for opt_s, gather, copies, _ in per_rank]
+    slow = max(range(pp), key=lambda i: (after[i], -i))
+    step = max(rank_total) + after[slow] + sync
     terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
     if not all(math.isfinite(x) for x in rank_total + terms) or step > MAX_PRICED_STEP_S:
         raise ConfigError(f"{cluster.name}: the profile prices this plan's step at {step:g} s: one of its rates "
                           "or bandwidths (device.peak_flops, device.memory_bandwidth_bytes_per_s, a collective's "
                           "bus bandwidth) is too small to compute with; check the profile")
-    r = max(range(pp), key=lambda i: (rank_total[i], -i))
+    r = max(range(pp), key=lambda i: (rank_total[i], -i))  # the last to reach the norm's all-reduce
     mine = [stage_info[i] for i in plan.stages_of_rank(r)]
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
@@ -247,11 +252,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             x * f for x in (compute, tp_time, cp_time, zero3, copies, pipe_overhead, busy))
     bubble = _residue(tl0.compute_end_s[r], busy)
     p2p = _residue(tl.compute_end_s[r], tl0.compute_end_s[r])
-    dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[r][1]
-    optimizer = per_rank[r][0] + per_rank[r][3]  # with the collectives before the step
+    # then the slowest rank's optimizer step and what follows it
+    dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[slow][1]
+    optimizer = per_rank[slow][0] + per_rank[r][3]  # with the collectives before the step
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, **({"cp_comm_s": cp_time} if mesh.cp > 1 else {}),
                       "dp_comm_exposed_s": dp_exposed,
-                      "fsdp_copy_s": copies + per_rank[r][2],
+                      "fsdp_copy_s": copies + per_rank[slow][2],
                       "pipeline_bubble_s": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
                       "critical_pp_rank": r}
     if how["sharing"] is not None:  # the ranks' processes share this many compute units (CPU cores)

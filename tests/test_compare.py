@@ -178,7 +178,7 @@ def test_the_predicted_optimizer_step_is_the_slowest_ranks(tmp_path, capsys):
     est = estimate(plan, CLUSTER)
     per_rank = est.breakdown["optimizer_per_pp_rank_s"]
     tb = est.breakdown["time"]
-    assert len(per_rank) == 2 and per_rank[tb["critical_pp_rank"]] == tb["optimizer_s"]
+    assert len(per_rank) == 2 and max(per_rank) == tb["optimizer_s"]  # after the pipeline ranks' norm
     assert per_rank[1] > 2 * per_rank[0]  # three blocks and the head against one block and the embedding
     _plan_and_run(tmp_path, est.to_dict(), plan)
     assert _compare(tmp_path, "--json") == 0
