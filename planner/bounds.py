@@ -183,9 +183,16 @@ class Bounds:
         # the loss's forward holds its logits where a backward holds the activation gradients (M)
         end_mem[:, self.rank_of[-1]] += max(0.0, self.head_logits - self.act_grad)
         # rank r starts once micro-batch 0's forward has come through stages 0..r-1 (its ranks'
-        # first chunks: the embedding, and a block each but the first), and all its work follows
-        f_blk = min(x.fwd_compute_s + x.fwd_tp_s for x in blk)
-        f_emb = lc["emb"].fwd_compute_s + lc["emb"].fwd_tp_s
+        # first chunks: the embedding, and a block each but the first), and all its work follows.
+        # Under interleaved 1F1B its last work is its first chunk's backward of the last
+        # micro-batch (planner.schedule.interleaved_sequence), which then runs back through those
+        # stages before rank 0 ends, and every rank's step terms (c) wait for that (planner.cost:
+        # the gradient norm over the pipeline ranks); with one stage a rank c holds its gradient
+        # sync, which does not wait
+        drain = v > 1 and not self.split
+        chain = lambda x: x.fwd_compute_s + x.fwd_tp_s + (x.bwd_compute_s + x.bwd_tp_s if drain else 0.0)  # noqa: E731
+        f_blk = min(chain(x) for x in blk)
+        f_emb = chain(lc["emb"])
         first = [(f_emb if s == 0 else 0.0) + (f_blk if 0 < s < self.S - 1 else 0.0) for s in range(p - 1)]
         fill = np.concatenate(([0.0], np.cumsum(first))) / mbs
         end_t, end_tp = end_t + fill, end_tp + fill
