@@ -231,6 +231,7 @@ class Bounds:
             with np.errstate(divide="ignore", invalid="ignore"):
                 comm = (U[None, :, None] - off_g[:, None, :]) / gb[:, None, None]
             best = np.where(gb[:, None, None] > 0, np.minimum(best, comm), best)
+            best = np.floor(best * (1 + 1e-9) + 1e-9)  # whole blocks: a block is one stage's
             best = np.where(best >= n_first * (1 - 1e-9), best, -np.inf)  # its chunks' first blocks
             best = np.where(holds[:, None, :], best, -np.inf)  # this level cannot hold the ends
             return best.max(axis=0).sum(axis=1)
