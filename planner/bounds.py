@@ -119,9 +119,9 @@ class Bounds:
     def balance_bound(self, bound=math.inf):
         """A lower bound on max_r (m W_r + what rank r adds once a step), m micro-batches of per
         micro-batch work W_r (the LB of planner.search's docstring), that respects memory, or inf
-        when no partition can fit. Relaxation: blocks may be split fractionally over ranks and
-        take any recompute mode. At each moment of in_flight_counts a rank's block is held at
-        least as long as the rank's least held chunk holds it (kappa), and every chunk but the
+        when no partition can fit. Relaxation: a rank takes a whole number of blocks, but may mix
+        recompute modes in any proportion. At each moment of in_flight_counts a rank's block is
+        held at least as long as the rank's least held chunk holds it (kappa), and every chunk but the
         first and last stage has a block held as long as its own chunk holds it; a rank holds its
         blocks' ZeRO state (with v > 1 chunks, without the gradients at moments before every
         chunk's first backward), the embedding or head where its chunks have them, and its
@@ -130,8 +130,8 @@ class Bounds:
         micro-batches, the ZeRO-3 gathers and ZeRO-2/3 reduce-scatters a block waits for). For a
         per-rank work budget U, rank r can take at most max n0 + n1 + n2 s.t. sum n_i (t_i + c_z)
         <= U - its ends' work, sum n_i (s_z + kappa_r a_i) <= what its memory leaves (an LP whose
-        optimum uses at most two modes), and at most (U - its ends') / g_z blocks; each rank at
-        its best level for v = 1 (one stage a rank), every term at its least over the levels for
+        optimum uses at most two modes), and at most (U - its ends') / g_z blocks, rounded down;
+        each rank at its best level for v = 1 (one stage a rank), every term at its least over the levels for
         v > 1 (a rank's chunks may differ). The smallest U that places all L blocks is searched
         on a geometric grid, then two linear ones (tests/test_bounds.py checks it against every
         assignment of small cases)."""

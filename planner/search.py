@@ -9,12 +9,13 @@ one ZeRO level or one recompute mode for the whole plan. The inner problem of a 
 (partition, per-stage ZeRO level, per-layer recompute) is planner.partition's, priced by planner.stages.
 
 Every plan's step time under planner.cost.estimate is at least
-    LB = max_r ( m W_r + sync_r + tail_r ,  sum_{s<r} (f_s + b_s + p2p) + m W_r + sync_0 + tail_0 )
+    LB = max_r ( m W_r + sync_r ,  sum_{s<r} (f_s + b_s + p2p) + m W_r + sync_0 ) + max_r tail_r
 with m micro-batches, W_r the per-micro-batch work of pipeline rank r (its stages' forward and
 backward, and its own sends when they block), f_s, b_s those of stage s, tail = optimizer +
 ZeRO-1/2 gather: rank r works serially, cannot start before micro-batch 0 has come through stages
 0..r-1, and its last backward still has to flow back through them before rank 0 can finish (the
-second term less rank r's last send back, when sends block: m W_r has it already).
+second term less rank r's last send back, when sends block: m W_r has it already); every rank's
+optimizer step waits for the gradient norm over all of them (planner.cost).
 With v > 1 chunks a rank (interleaved 1F1B), also LB >= sum_s (f_s + b_s): micro-batch 0 goes
 forward through every stage and back.
 
@@ -22,8 +23,8 @@ Configurations wait in a priority queue keyed by a lower bound and are taken che
 (1) the config bound: all layers at their cheapest, averaged over ranks, with the 1F1B fill
 Wtot / (1 - (1 - 1/m)^p) for v = 1 and micro-batch 0's way through every stage for v > 1; (2) on
 first pop, a memory-aware balance bound that also counts each block's data-parallel
-communication and copies, the embedding and head, and each chunk's first block
-(planner.bounds.Bounds.balance_bound); (3) on the next pop the candidates are generated and
+communication and copies, the embedding and head, each chunk's first block, and that a rank runs
+whole blocks (planner.bounds.Bounds.balance_bound); (3) on the next pop the candidates are generated and
 priced with the full estimate in increasing LB order, until LB reaches the K-th best price found.
 Until K plans are priced, the first partition of a large inner problem is priced when found, so
 that the bound on k (blocks a stage) has an incumbent to work with. The search stops when the

@@ -94,6 +94,17 @@ def test_configuration_bounds_are_below_every_assignment(layers, gpus, gbs, limi
 
 
 
+@pytest.mark.parametrize("layers", [5, 9])
+def test_the_balance_bound_counts_whole_blocks_a_rank(layers):
+    """5 (9) blocks on 4 pipeline ranks: some rank runs 2 (3) of them, and the bound knows it (a
+    rank's share of fractional blocks gave 0.69 (0.79) of the best split's bound)."""
+    ctx = _case_ctx(layers, 4, 64, 80.0, SearchSpace(schedules=("1f1b",), zero=(0,), recompute=("none",)))
+    cfg = next(c for c in _configs(ctx, 64) if c.pp == 4 and c.micro_batches == 64)
+    inner = Inner(ctx, cfg).setup()
+    best = min(lb for lb, _ in inner.candidates(math.inf))
+    assert inner.exhaustive and 0.95 * best <= Inner(ctx, cfg).balance_bound() <= best * (1 + 1e-9)
+
+
 def assert_bounds_below_estimates(ctx, gbs, seq, per_config=6, model_profile=None, **training) -> int:
     """Over every configuration: each of the first `per_config` candidates' LB
     (planner.stages.StageCosts.evaluate) is at most its plan's estimate (priced as the search prices,
