@@ -131,8 +131,8 @@ class Bounds:
         per-rank work budget U, rank r can take at most max n0 + n1 + n2 s.t. sum n_i (t_i + c_z)
         <= U - its ends' work, sum n_i (s_z + kappa_r a_i) <= what its memory leaves (an LP whose
         optimum uses at most two modes), and at most (U - its ends') / g_z blocks, rounded down;
-        each rank at its best level for v = 1 (one stage a rank), every term at its least over the levels for
-        v > 1 (a rank's chunks may differ). The smallest U that places all L blocks is searched
+        each rank at its best level for v = 1 (one stage a rank), every term at its least over the
+        levels for v > 1 (a rank's chunks may differ). The smallest U that places all L blocks is searched
         on a geometric grid, then two linear ones (tests/test_bounds.py checks it against every
         assignment of small cases)."""
         ctx, cfg, lc = self.ctx, self.cfg, self.lc
@@ -190,7 +190,8 @@ class Bounds:
         # the gradient norm over the pipeline ranks); with one stage a rank c holds its gradient
         # sync, which does not wait
         drain = v > 1 and not self.split
-        chain = lambda x: x.fwd_compute_s + x.fwd_tp_s + (x.bwd_compute_s + x.bwd_tp_s if drain else 0.0)  # noqa: E731
+        chain = lambda x: (x.fwd_compute_s + x.fwd_tp_s  # noqa: E731
+                           + (x.bwd_compute_s + x.bwd_tp_s if drain else 0.0))
         f_blk = min(chain(x) for x in blk)
         f_emb = chain(lc["emb"])
         first = [(f_emb if s == 0 else 0.0) + (f_blk if 0 < s < self.S - 1 else 0.0) for s in range(p - 1)]

@@ -23,9 +23,10 @@ stream, overlapping the rest of the backward (with training.overlap_grad_reduce 
 whole backward); ZeRO-2 and 3 reduce-scatter every micro-batch's gradients on that stream, which
 slows a backward only where it takes longer; ZeRO-3 gathers parameters before each forward and
 backward, overlapped with compute by prefetching; the optimizer step (AdamW with gradient
-clipping) is memory-bound, and every pipeline rank's waits for the gradient norm over all of them. Under HSDP (mesh.dp_replicate > 1) all of that runs over the shard group
-(dp / dp_replicate ranks), and each stage's reduced shard is then all-reduced across the replicas
-once a step, after its last reduce-scatter.
+clipping) is memory-bound, and every pipeline rank's waits for the gradient norm over all of them.
+Under HSDP (mesh.dp_replicate > 1) all of that runs over the shard group (dp / dp_replicate
+ranks), and each stage's reduced shard is then all-reduced across the replicas once a step, after
+its last reduce-scatter.
 
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
@@ -225,9 +226,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         rank_total.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))
     # the gradient norm is summed over the pipeline ranks before any of them steps
-    # (runtime.optim.clip_grad_norm; Megatron-LM's over its model-parallel group, Shoeybi et al.
-    # 2019): each rank's optimizer step waits for the last rank's backward, and the step for the
-    # slowest optimizer step
+    # (runtime.optim.clip_grad_norm; Megatron-LM's clip_grad_norm_fp32 over its model-parallel
+    # group, TP x PP): each rank's optimizer step waits for the last rank's backward, and the step
+    # for the slowest optimizer step
     sync = runtime_sync(cluster, mesh) if extras else 0.0
     after = [opt_s + gather + copies for opt_s, gather, copies, _ in per_rank]
     slow = max(range(pp), key=lambda i: (after[i], -i))

@@ -288,11 +288,10 @@ class StageCosts(Menus, Bounds):
         step = a[..., self.STEP].sum(axis=-1) + ev.recv
         fits = (np.maximum(fixed + peak + rep, step) <= self.ctx.lim_eff * (1 + TOL)).all(axis=-1)
         work = mbs * (a[..., self.FB] + ev.sends).sum(axis=-1)  # m W_r
-        sync, tail = a[:, :, 0, self.SYNC], a[..., self.TAIL].sum(axis=-1)  # its first stage's sync, every tail
-        # each rank's tail (its optimizer step) waits for every rank's end (planner.cost: the
-        # gradient norm over the pipeline ranks), so the step ends with the longest
-        tail = tail.max(axis=-1, keepdims=True)
-        once = sync + tail
+        # its first stage's sync, and every tail: each rank's tail (its optimizer step) waits for
+        # every rank's end (planner.cost: the gradient norm over the pipeline ranks), so the step
+        # ends with the longest
+        once = a[:, :, 0, self.SYNC] + a[..., self.TAIL].sum(axis=-1).max(axis=-1, keepdims=True)
         # the chain to rank r: the earlier stages' forwards, and (1F1B, interleaved) their backwards
         # after r's last; under zbv their weight gradients need not wait: forwards only
         hop = rows[:, :p, self.F if ev.zbv else self.FB] + ev.lag
@@ -301,7 +300,7 @@ class StageCosts(Menus, Bounds):
         if ev.zbv:
             lb = np.maximum(lb, (pre + work + once).max(axis=-1))
         else:
-            lb = np.maximum(lb, (pre + work - ev.own_back).max(axis=-1) + once[:, 0])  # the chain ends on rank 0
+            lb = np.maximum(lb, (pre + work - ev.own_back).max(axis=-1) + once[:, 0])  # ends on rank 0
         if self.share:  # every F and B of every stage, done by its tp x dp processes, at most that fast
             lb = np.maximum(lb, mbs * rows[..., self.FB].sum(axis=-1) / self.share)
         if self.cfg.v > 1 and not ev.zbv:  # micro-batch 0's forward through every stage and backward back
