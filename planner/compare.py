@@ -59,6 +59,10 @@ def read_run(path) -> dict:
     if held is not None and not (isinstance(held, list) and all(
             h is None or (isinstance(h, list) and all(x is None or _nonneg(x) for x in h)) for h in held)):
         raise bad("memory_held_after_step_bytes_per_rank", "a list (one per rank) of lists of bytes, or null")
+    waits = run.get("pipeline_wait_times_s_per_rank")
+    if waits is not None and not (isinstance(waits, list) and all(
+            isinstance(w, list) and len(w) == len(run["step_times_s"]) and all(_nonneg(x) for x in w) for w in waits)):
+        raise bad("pipeline_wait_times_s_per_rank", "a list (one per rank) of seconds a step, or null")
     if run.get("memory_step_index") is not None and not _is_count(run["memory_step_index"]):
         raise bad("memory_step_index", "a non-negative integer or null")
     steps = run["step_times_s"]
@@ -108,6 +112,10 @@ def check_prediction(prediction) -> None:
     if opt is not None and not (isinstance(opt, list) and opt and all(_nonneg(x) and x <= step for x in opt)):
         raise ConfigError(f"prediction.breakdown.optimizer_per_pp_rank_s: {opt!r} must be a list of seconds from 0 to "
                           f"step_time_s; {fix}")
+    waits = prediction["breakdown"].get("optimizer_wait_per_pp_rank_s")
+    if waits is not None and not (isinstance(waits, list) and all(_nonneg(x) and x <= step for x in waits)):
+        raise ConfigError(f"prediction.breakdown.optimizer_wait_per_pp_rank_s: {waits!r} must be a list of seconds "
+                          f"from 0 to step_time_s; {fix}")
     opt = time.get("optimizer_s")
     if "optimizer_s" in time and not (_nonneg(opt) and opt <= step):
         raise ConfigError(f"prediction.breakdown.time.optimizer_s: {opt!r} must be seconds from 0 to step_time_s; {fix}")
@@ -139,12 +147,16 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         pp = plan.mesh.coords(rank)["pp"]
         measured_stage[pp] = max(measured_stage.get(pp, 0), b)
     predicted_stage = prediction["breakdown"].get("memory_per_pp_rank") or []
+    predicted_wait = prediction["breakdown"].get("optimizer_wait_per_pp_rank_s") or []
+    measured_wait = _pipeline_waits(plan, run)
     stages = []
     for pp in range(plan.mesh.pp):
         p = predicted_stage[pp] if pp < len(predicted_stage) else None
         m = measured_stage.get(pp)
         stages.append({"pp_rank": pp, "predicted_peak_memory_bytes": p, "measured_peak_memory_bytes": m,
-                       "memory_error": _err(p, m)})
+                       "memory_error": _err(p, m),
+                       "predicted_pipeline_wait_s": predicted_wait[pp] if pp < len(predicted_wait) else None,
+                       "measured_pipeline_wait_s": measured_wait.get(pp)})
     measured_mem = max(per_rank) if per_rank else run["peak_memory_bytes"]
     slots = prediction["breakdown"].get("time", {}).get("compute_slots")
     return {
@@ -176,6 +188,19 @@ def _timed_steps(run: dict) -> list[int]:
     runtime.train --trace (the profiler slows it), unless it is the only one."""
     steps = range(run["warmup_steps"], len(run["step_times_s"]))
     return [i for i in steps if i != run.get("traced_step_index")] or list(steps)
+
+
+def _pipeline_waits(plan: Plan, run: dict) -> dict:
+    """Per pipeline rank, the median over the timed steps of its ranks' longest wait in the gradient
+    norm's all-reduce over the pipeline, for the last rank's backward (runtime.train); {} where the
+    run did not record it."""
+    waits = run.get("pipeline_wait_times_s_per_rank")
+    if not waits or len(waits) != plan.mesh.world_size or plan.mesh.pp == 1:
+        return {}
+    by_pp: dict = {}
+    for rank, w in enumerate(waits):
+        by_pp.setdefault(plan.mesh.coords(rank)["pp"], []).append(w)
+    return {pp: statistics.median(max(w[i] for w in ws) for i in _timed_steps(run)) for pp, ws in by_pp.items()}
 
 
 def _optimizer_terms(run: dict, prediction: dict) -> dict:
@@ -285,6 +310,11 @@ def comparison_table(result: dict) -> str:
         p, m = st["predicted_peak_memory_bytes"], st["measured_peak_memory_bytes"]
         rows.append((f"  stage {st['pp_rank']} peak memory (MiB)", "n/a" if p is None else f"{p / mib:,.1f}",
                      "n/a" if m is None else f"{m / mib:,.1f}", pct(st["memory_error"])))
+    waited = [st for st in result["stages"] if st.get("measured_pipeline_wait_s") is not None]
+    for st in result["stages"] if waited else ():  # before its optimizer step (ms: seconds to milliseconds)
+        p, m = (None if x is None else f"{x * 1e3:.3g}"
+                for x in (st["predicted_pipeline_wait_s"], st["measured_pipeline_wait_s"]))
+        rows.append((f"  stage {st['pp_rank']} waits for the last backward (ms)", p or "n/a", m or "n/a", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                       for r in rows)

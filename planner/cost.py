@@ -233,6 +233,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     after = [opt_s + gather + copies for opt_s, gather, copies, _ in per_rank]
     slow = max(range(pp), key=lambda i: (after[i], -i))
     step = max(rank_total) + after[slow] + sync
+    waits = [max(rank_total) - x for x in rank_total]  # each rank's, for the last one
     terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
     if not all(math.isfinite(x) for x in rank_total + terms) or step > MAX_PRICED_STEP_S:
         raise ConfigError(f"{cluster.name}: the profile prices this plan's step at {step:g} s: one of its rates "
@@ -301,5 +302,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                    "memory_per_pp_rank": [x["total_bytes"] for x in mem_by_rank],
                    # the step itself, as the run times it (the slowest rank's, its collectives left out)
                    "optimizer_per_pp_rank_s": [x[0] for x in per_rank],
+                   # each rank's wait, before its optimizer step, for the last rank's backward
+                   "optimizer_wait_per_pp_rank_s": waits,
                    "bubble_fraction": bubble / step if step else 0.0, "priced_by": priced_by},
         stages=stages_out, timeline=tl if keep_timeline else None)

@@ -199,6 +199,7 @@ class Trainer:
         # gradient clipping and the optimizer step on this rank, less the collectives before it
         # (they wait for the other ranks' backwards; the planner prices them outside its step)
         self.optimizer_s = time.perf_counter() - t_opt - sum(timing.values())
+        self.pipeline_wait_s = timing.get("pp_wait_s", 0.0)  # for the other pipeline ranks' backward
         # the loss of the step: mean over data-parallel (and CP: equal token counts) ranks of the last
         # stage's loss
         owner = self.n_stages - 1 in self.stage_ids and self.tp_rank == 0
@@ -270,7 +271,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
     slots = compute_slots() if device.type == "cpu" and world > 1 else None
-    losses, times, grad_norms, opt_times, lrs, held, trace = [], [], [], [], [], [], {}
+    losses, times, grad_norms, opt_times, waits, lrs, held, trace = [], [], [], [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
         ctx = peak.measure() if step == measure_at else contextlib.nullcontext()
@@ -286,6 +287,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         times.append(time.perf_counter() - t0)
         held.append(held_bytes(device))
         opt_times.append(trainer.optimizer_s)
+        waits.append(trainer.pipeline_wait_s)
         if not math.isfinite(loss):  # the same figure on every rank (all-reduced): they stop together
             raise ConfigError(f"step {step + 1}: the loss is {loss} (gradient norm {trainer.grad_norm:g}): training "
                               f"diverged; lower training.lr ({trainer.lr:g}) or training.grad_clip "
@@ -324,6 +326,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "step_times_s": times,
         # per step, the slowest rank's gradient clipping + optimizer step (part of step_times_s)
         "optimizer_times_s": [max(r[i] for r in opt_by_rank) for i in range(len(times))],
+        # per rank, per step: its wait in the gradient norm's all-reduce over the pipeline ranks for
+        # their last backward (compare: per stage against the prediction's); null without a pipeline
+        "pipeline_wait_times_s_per_rank": gather(waits) if plan.mesh.pp > 1 else None,
         # the index in step_times_s of the step traced under --trace (slower: compare leaves it out)
         "traced_step_index": len(times) - 1 if trace else None,
         "warmup_steps": warmup,

@@ -187,6 +187,32 @@ def test_the_predicted_optimizer_step_is_the_slowest_ranks(tmp_path, capsys):
     assert out["predicted_forward_backward_s"] == pytest.approx(est.step_time_s - max(per_rank))
 
 
+def test_each_stage_waits_for_the_last_backward_predicted_and_measured(tmp_path, capsys):
+    """The first stage of the uneven pipeline drains the last backward while the second, three
+    blocks and the head, waits for it in the gradient norm's all-reduce before its optimizer step:
+    per stage, the prediction's wait and the run's (the median over its timed steps of the stage's
+    longest), side by side."""
+    plan = uneven_pipeline()
+    est = estimate(plan, CLUSTER)
+    waits = est.breakdown["optimizer_wait_per_pp_rank_s"]
+    assert waits[0] == 0.0 and waits[1] > 0  # the first rank ends last
+    _plan_and_run(tmp_path, est.to_dict(), plan)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["pipeline_wait_times_s_per_rank"] = [[0.0, 0.001, 0.0], [0.5, 0.004, 0.006]]  # the first step is warm-up
+    assert _compare(tmp_path, "--json", run=run) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [s["measured_pipeline_wait_s"] for s in stages] == [0.0005, 0.005]
+    assert [s["predicted_pipeline_wait_s"] for s in stages] == waits
+    assert _compare(tmp_path, run=run) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "stage 1 waits for the last backward (ms)" in line)
+    assert row.split()[-2:] == [f"{waits[1] * 1e3:.3g}", "5"]  # predicted, measured
+    run["pipeline_wait_times_s_per_rank"] = [[0.0, 0.001], [0.5, 0.004]]  # a step short
+    assert _compare(tmp_path, run=run) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run.pipeline_wait_times_s_per_rank" in err[0]
+
+
 @pytest.mark.parametrize("bad", [[], "fast", [0.1, -1.0], [None]])
 def test_a_malformed_per_rank_optimizer_list_is_one_line(tmp_path, capsys, bad):
     plan = uneven_pipeline()

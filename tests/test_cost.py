@@ -399,3 +399,5 @@ def test_every_pipeline_rank_steps_after_the_last_backward():
     assert est.step_time_s > max(e + o for e, o in zip(ends, opts)) * (1 + 1e-6)
     t = est.breakdown["time"]
     assert t["critical_pp_rank"] == 0 and t["optimizer_s"] == pytest.approx(opts[1])
+    # what the second rank waits for, which compare shows beside the run's
+    assert est.breakdown["optimizer_wait_per_pp_rank_s"] == pytest.approx([0.0, ends[0] - ends[1]])

@@ -121,6 +121,9 @@ def test_pp2_dp2_tp2_on_eight_ranks_trains_like_one_process(plans, reference, tm
     assert run["world_size"] == 8 and len(run["peak_memory_bytes_per_rank"]) == 8
     assert run["peak_memory_bytes"] == max(run["peak_memory_bytes_per_rank"]) > 0
     assert 1.0 <= run["host_compute_slots"] <= 8  # measured again right before the steps (compare reads it)
+    # each rank's wait for the other pipeline ranks' last backward, every step
+    waits = run["pipeline_wait_times_s_per_rank"]
+    assert len(waits) == 8 and all(len(w) == len(run["step_times_s"]) and min(w) >= 0 for w in waits)
 
 
 def test_run_json_reports_what_compare_needs(plans, reference, tmp_path):
@@ -132,6 +135,7 @@ def test_run_json_reports_what_compare_needs(plans, reference, tmp_path):
     assert run["warmup_steps"] == 3 and run["tokens_per_s"] > 0  # the third one measures memory
     assert run["plan_hash"].startswith("sha256:") and run["environment"]["backend"] == "gloo"
     assert run["host_compute_slots"] is None  # one process shares nothing
+    assert run["pipeline_wait_times_s_per_rank"] is None  # no pipeline
     # what the rank held after each step, and no growth after the memory-measuring step (compare's leak note)
     held = run["memory_held_after_step_bytes_per_rank"]
     assert len(held) == 1 and len(held[0]) == 4 and run["memory_step_index"] == 2 and all(h > 0 for h in held[0])
