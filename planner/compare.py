@@ -310,11 +310,11 @@ def comparison_table(result: dict) -> str:
         p, m = st["predicted_peak_memory_bytes"], st["measured_peak_memory_bytes"]
         rows.append((f"  stage {st['pp_rank']} peak memory (MiB)", "n/a" if p is None else f"{p / mib:,.1f}",
                      "n/a" if m is None else f"{m / mib:,.1f}", pct(st["memory_error"])))
-    waited = [st for st in result["stages"] if st.get("measured_pipeline_wait_s") is not None]
-    for st in result["stages"] if waited else ():  # before its optimizer step (ms: seconds to milliseconds)
-        p, m = (None if x is None else f"{x * 1e3:.3g}"
-                for x in (st["predicted_pipeline_wait_s"], st["measured_pipeline_wait_s"]))
-        rows.append((f"  stage {st['pp_rank']} waits for the last backward (ms)", p or "n/a", m or "n/a", ""))
+    if any(st.get("measured_pipeline_wait_s") is not None for st in result["stages"]):
+        for st in result["stages"]:  # each stage's wait before its optimizer step
+            p, m = ("n/a" if x is None else f"{x * 1e3:.3g}"
+                    for x in (st["predicted_pipeline_wait_s"], st["measured_pipeline_wait_s"]))
+            rows.append((f"  stage {st['pp_rank']} waits for the last backward (ms)", p, m, ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                       for r in rows)

@@ -232,8 +232,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     sync = runtime_sync(cluster, mesh) if extras else 0.0
     after = [opt_s + gather + copies for opt_s, gather, copies, _ in per_rank]
     slow = max(range(pp), key=lambda i: (after[i], -i))
-    step = max(rank_total) + after[slow] + sync
-    waits = [max(rank_total) - x for x in rank_total]  # each rank's, for the last one
+    last = max(rank_total)
+    step = last + after[slow] + sync
+    waits = [last - x for x in rank_total]  # each rank's, for the last one
     terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
     if not all(math.isfinite(x) for x in rank_total + terms) or step > MAX_PRICED_STEP_S:
         raise ConfigError(f"{cluster.name}: the profile prices this plan's step at {step:g} s: one of its rates "
