@@ -326,8 +326,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "step_times_s": times,
         # per step, the slowest rank's gradient clipping + optimizer step (part of step_times_s)
         "optimizer_times_s": [max(r[i] for r in opt_by_rank) for i in range(len(times))],
-        # per rank, per step: its wait in the gradient norm's all-reduce over the pipeline ranks for
-        # their last backward (compare: per stage against the prediction's); null without a pipeline
+        # per rank, per step: its wait in the gradient norm's pipeline all-reduce (null without one)
         "pipeline_wait_times_s_per_rank": gather(waits) if plan.mesh.pp > 1 else None,
         # the index in step_times_s of the step traced under --trace (slower: compare leaves it out)
         "traced_step_index": len(times) - 1 if trace else None,
@@ -342,9 +341,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "memory_held_after_step_bytes_per_rank": gather(held), "memory_step_index": measure_at - start_step,
         "environment": environment(backend, device),
         # CPU cores other work kept busy while this run's processes slept, before and after the steps
-        "host_other_busy_cores": busy,
-        "host_cores": len(os.sched_getaffinity(0)),
-        "host_compute_slots": slots,
+        "host_other_busy_cores": busy, "host_cores": len(os.sched_getaffinity(0)), "host_compute_slots": slots,
         **({"trace": gather(trace)} if trace else {}),
     }
 
@@ -375,9 +372,7 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0 and (note := leak_note(result)):  # as trident compare says it
                 print(f"warning: {note}", file=sys.stderr, flush=True)
             if dist.get_rank() == 0 and args.out:
-                out = Path(args.out)
-                if len(plans) > 1:
-                    out = out / f"{Path(path).stem}.json"
+                out = Path(args.out) / f"{Path(path).stem}.json" if len(plans) > 1 else Path(args.out)
                 try:  # a full disk after the run: one line, not a traceback
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(result, indent=2) + "\n")
