@@ -142,10 +142,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
     measured_step = statistics.median(timed)
     tokens = plan.training.global_batch * plan.training.seq_len
     pred_step = prediction["step_time_s"]
-    measured_stage = {}
-    for rank, b in enumerate(per_rank):
-        pp = plan.mesh.coords(rank)["pp"]
-        measured_stage[pp] = max(measured_stage.get(pp, 0), b)
+    measured_stage = {pp: max(bs) for pp, bs in _by_stage(plan, per_rank).items()}
     predicted_stage = prediction["breakdown"].get("memory_per_pp_rank") or []
     predicted_wait = prediction["breakdown"].get("optimizer_wait_per_pp_rank_s") or []
     measured_wait = _pipeline_waits(plan, run)
@@ -197,10 +194,16 @@ def _pipeline_waits(plan: Plan, run: dict) -> dict:
     waits = run.get("pipeline_wait_times_s_per_rank")
     if not waits or len(waits) != plan.mesh.world_size or plan.mesh.pp == 1:
         return {}
-    by_pp: dict = {}
-    for rank, w in enumerate(waits):
-        by_pp.setdefault(plan.mesh.coords(rank)["pp"], []).append(w)
-    return {pp: statistics.median(max(w[i] for w in ws) for i in _timed_steps(run)) for pp, ws in by_pp.items()}
+    return {pp: statistics.median(max(w[i] for w in ws) for i in _timed_steps(run))
+            for pp, ws in _by_stage(plan, waits).items()}
+
+
+def _by_stage(plan: Plan, per_rank: list) -> dict:
+    """Values given one per rank, grouped by the ranks' pipeline rank."""
+    out: dict = {}
+    for rank, x in enumerate(per_rank):
+        out.setdefault(plan.mesh.coords(rank)["pp"], []).append(x)
+    return out
 
 
 def _optimizer_terms(run: dict, prediction: dict) -> dict:

@@ -207,7 +207,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     tl0 = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=False, **how) if pp > 1 else tl
 
     # optimizer step and, for ZeRO 1/2, the parameter all-gather after it; then the slowest rank
-    rank_total, per_rank = [], []
+    at_norm, per_rank = [], []  # each rank's arrival at the gradient norm's pipeline all-reduce
     for r in range(pp):
         mine = [stage_info[i] for i in plan.stages_of_rank(r)]
         opt_params = sum(si["params"] / (shard if si["zero"] >= 1 else 1) for si in mine)
@@ -223,7 +223,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
-        rank_total.append(tl.end_s[r] + norm_comm)
+        at_norm.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))
     # the gradient norm is summed over the pipeline ranks before any of them steps
     # (runtime.optim.clip_grad_norm; Megatron-LM's clip_grad_norm_fp32 over its model-parallel
@@ -232,15 +232,15 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     sync = runtime_sync(cluster, mesh) if extras else 0.0
     after = [opt_s + gather + copies for opt_s, gather, copies, _ in per_rank]
     slow = max(range(pp), key=lambda i: (after[i], -i))
-    last = max(rank_total)
+    last = max(at_norm)
     step = last + after[slow] + sync
-    waits = [last - x for x in rank_total]  # each rank's, for the last one
+    waits = [last - x for x in at_norm]  # each rank's, for the last one
     terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
-    if not all(math.isfinite(x) for x in rank_total + terms) or step > MAX_PRICED_STEP_S:
+    if not all(math.isfinite(x) for x in at_norm + terms) or step > MAX_PRICED_STEP_S:
         raise ConfigError(f"{cluster.name}: the profile prices this plan's step at {step:g} s: one of its rates "
                           "or bandwidths (device.peak_flops, device.memory_bandwidth_bytes_per_s, a collective's "
                           "bus bandwidth) is too small to compute with; check the profile")
-    r = max(range(pp), key=lambda i: (rank_total[i], -i))  # the last to reach the norm's all-reduce
+    r = max(range(pp), key=lambda i: (at_norm[i], -i))  # the last to reach the norm's all-reduce
     mine = [stage_info[i] for i in plan.stages_of_rank(r)]
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)

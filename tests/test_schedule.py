@@ -209,3 +209,25 @@ def test_a_chunk_has_gradients_from_its_first_backward_on():
     acts4 = {s: 1.0 for s in range(4)}
     assert peak_with_gradients("zbv", 2, 2, 2, 0, acts4, None, {s: 100.0 for s in range(4)}) == (2.0, 200.0)
     assert peak_with_gradients("zbv", 2, 2, 2, 0, acts4, None, {s: 0.1 for s in range(4)}) == (3.0, 0.1)
+
+
+def test_every_pipeline_rank_steps_after_the_last_backward():
+    """The gradient norm is summed over the pipeline ranks before the optimizer step
+    (runtime.optim.clip_grad_norm): the rank with the most parameters to update cannot step while
+    the first rank still drains the last backward, so the step is the last rank's end plus the
+    slowest optimizer step, not the largest of each rank's end plus its own step."""
+    from planner.cost import estimate
+    from planner.plan import Stage
+    from test_cost import A100, plan_for
+    stages = [Stage(layers=[0, 5], zero=0, recompute=["none"] * 5, sequence_parallel=False),
+              Stage(layers=[5, 34], zero=0, recompute=["none"] * 29, sequence_parallel=False)]
+    plan = plan_for(dpn=2, pp=2, global_batch=8, stages=stages)
+    est = estimate(plan, A100, keep_timeline=True, profile_extras=False)
+    ends, opts = est.timeline.end_s, est.breakdown["optimizer_per_pp_rank_s"]
+    assert ends[0] > ends[1] and opts[1] > 2 * opts[0]  # the first rank ends last, the second steps longest
+    assert est.step_time_s == pytest.approx(max(ends) + max(opts), rel=1e-9)
+    assert est.step_time_s > max(e + o for e, o in zip(ends, opts)) * (1 + 1e-6)
+    t = est.breakdown["time"]
+    assert t["critical_pp_rank"] == 0 and t["optimizer_s"] == pytest.approx(opts[1])
+    # what the second rank waits for, which compare shows beside the run's
+    assert est.breakdown["optimizer_wait_per_pp_rank_s"] == pytest.approx([0.0, ends[0] - ends[1]])
