@@ -1,8 +1,17 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, step, data position.
 
-Layout: DIR/step-K/ holds the DCP shards plus `trident.json` ({plan_hash, step, data}). A save is
-written to DIR/step-K.tmp and renamed once every rank has finished, so a directory named step-K
-is always complete; `trident.json` is what a resume checks before touching anything.
+Layout: DIR/step-K/ holds the DCP shards plus `trident.json` ({plan_hash, run, mesh, layout, step,
+data}). A save is written to DIR/step-K.tmp and renamed once every rank has finished, so a
+directory named step-K is always complete; `trident.json` is what a resume checks before touching
+anything.
+
+The state is keyed by parameter name (the model's `layers.<global index>...` names, whatever stage
+holds the layer; AdamW's state flattened to one key per parameter and value), not by pipeline
+stage, and every tensor is saved with its global shape: DCP reads each rank's slice of it on load.
+So a checkpoint resumes under any plan of the same run (the same model and the training settings
+of RUN_FIELDS), with other degrees, stages, ZeRO levels, recomputation or micro-batches, as
+torchtitan's does: re-plan for a cluster that grew, shrank or lost a node, and go on. A checkpoint
+of trident before 2026-12-04 (keyed by stage id, no `layout`) is refused: resume it with that trident.
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -25,7 +35,26 @@ from torch.distributed.checkpoint.state_dict import (
 from planner.model import ConfigError
 
 META = "trident.json"
+BY_NAME = "by-name"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# what makes two plans one training run: a step of either gives the same loss from the same state
+# (the data of step i depends on the seed, the step and the global batch; the learning rate on the step)
+RUN_FIELDS = ("global_batch", "seq_len", "dtype", "optimizer", "master_weights", "lr", "weight_decay", "grad_clip",
+              "dropout", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def run_of(plan) -> dict:
+    """The model (its name aside) and the training settings that a resumed plan must share."""
+    model = {k: v for k, v in plan.model.to_dict().items() if k != "name"}
+    return {"model": model, "training": {k: getattr(plan.training, k) for k in RUN_FIELDS}}
+
+
+def mesh_of(plan) -> str:
+    m, st = plan.mesh, plan.pipeline.stages
+    return (f"pp {m.pp} dp {m.dp}" + (f" ({m.dp_replicate} replicas)" if m.dp_replicate > 1 else "")
+            + f" tp {m.tp}" + (f" cp {m.cp}" if m.cp > 1 else "")
+            + f", {len(st)} stage{'s' * (len(st) > 1)}, ZeRO {'/'.join(sorted({str(s.zero) for s in st}))}")
 
 
 def checkpoints(root: str | Path) -> list[Path]:
@@ -37,8 +66,9 @@ def checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_meta(ckpt: Path, plan_hash: str) -> dict:
-    """The checkpoint's trident.json, checked against the plan; ConfigError names the file."""
+def read_meta(ckpt: Path, plan) -> dict:
+    """The checkpoint's trident.json, checked against the plan (ConfigError names the file and the
+    first setting that differs); `replanned` is true where another plan of the same run wrote it."""
     meta_path = ckpt / META
     try:
         meta = json.loads(meta_path.read_text())
@@ -48,32 +78,46 @@ def read_meta(ckpt: Path, plan_hash: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"checkpoint {meta_path}: unreadable or corrupt ({type(exc).__name__}: {exc}); "
                           "delete that checkpoint or resume from another directory") from None
-    if saved_hash != plan_hash:
-        raise ConfigError(f"checkpoint {meta_path}: written by a different plan ({saved_hash[:19]}..., this "
-                          f"plan is {plan_hash[:19]}...); resume with the plan that wrote it or use another "
-                          "--checkpoint-dir")
-    return {**meta, "step": step, "next_step": next_step}
+    if meta.get("layout") != BY_NAME:
+        raise ConfigError(f"checkpoint {meta_path}: written by trident before 2026-12-04 (its state keyed by "
+                          "pipeline stage); resume it with that trident or use another --checkpoint-dir")
+    replanned = saved_hash != plan.content_hash()
+    if replanned:
+        saved, ours = meta.get("run") or {}, run_of(plan)
+        for section, fields in ours.items():
+            for k, v in fields.items():
+                old = (saved.get(section) or {}).get(k)
+                if old != v:
+                    raise ConfigError(f"checkpoint {meta_path}: written by a plan with {section}.{k}={old!r}, this "
+                                      f"plan has {v!r}; set it to {old!r} (a checkpoint resumes under plans of the "
+                                      "same model and training settings) or use another --checkpoint-dir")
+    return {**meta, "step": step, "next_step": next_step, "replanned": replanned}
 
 
-def _state(chunks, optimizers, stage_ids) -> dict:
-    state = {}
-    for chunk, opt, sid in zip(chunks, optimizers, stage_ids):
-        state[f"model{sid}"] = get_model_state_dict(chunk)
-        state[f"optim{sid}"] = get_optimizer_state_dict(chunk, opt)
-    return state
+def _state(chunks, optimizers) -> tuple[dict, list]:
+    """The state of this rank's chunks for DCP, and each chunk's (model keys, optimizer keys)."""
+    state, keys = {"model": {}, "optim": {}}, []
+    for chunk, opt in zip(chunks, optimizers):
+        model, optim = get_model_state_dict(chunk), get_optimizer_state_dict(chunk, opt, options=_FLAT)
+        state["model"].update(model)
+        state["optim"].update(optim)
+        keys.append((list(model), list(optim)))
+    return state, keys
 
 
-def save(root: str | Path, step: int, chunks, optimizers, stage_ids, plan_hash: str, data_state: dict) -> Path:
+def save(root: str | Path, step: int, chunks, optimizers, plan, data_state: dict) -> Path:
     root = Path(root)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(chunks, optimizers, stage_ids), checkpoint_id=str(tmp))
+    dcp.save(_state(chunks, optimizers)[0], checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        (tmp / META).write_text(json.dumps({"plan_hash": plan_hash, "step": step, "data": data_state}, indent=2))
+        meta = {"plan_hash": plan.content_hash(), "layout": BY_NAME, "run": run_of(plan), "mesh": mesh_of(plan),
+                "step": step, "data": data_state}
+        (tmp / META).write_text(json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -81,9 +125,10 @@ def save(root: str | Path, step: int, chunks, optimizers, stage_ids, plan_hash: 
     return final
 
 
-def load(ckpt: Path, chunks, optimizers, stage_ids) -> None:
-    """Load a checkpoint whose trident.json was already checked into the (parallelized) chunks."""
-    state = _state(chunks, optimizers, stage_ids)
+def load(ckpt: Path, chunks, optimizers) -> None:
+    """Load a checkpoint whose trident.json was already checked (read_meta) into the
+    (parallelized) chunks, each rank reading its slices of the saved tensors."""
+    state, keys = _state(chunks, optimizers)
     logging.disable(logging.WARNING)  # DCP logs a traceback on the root logger before it raises
     try:
         dcp.load(state, checkpoint_id=str(ckpt))
@@ -93,6 +138,32 @@ def load(ckpt: Path, chunks, optimizers, stage_ids) -> None:
                           f"{msg[-1] if msg else ''}); it is corrupt or was written by other code") from None
     finally:
         logging.disable(logging.NOTSET)
-    for chunk, opt, sid in zip(chunks, optimizers, stage_ids):
-        set_model_state_dict(chunk, state[f"model{sid}"])
-        set_optimizer_state_dict(chunk, opt, state[f"optim{sid}"])
+    for chunk, opt, (model_keys, optim_keys) in zip(chunks, optimizers, keys):
+        set_model_state_dict(chunk, {k: state["model"][k] for k in model_keys})
+        set_optimizer_state_dict(chunk, opt, {k: state["optim"][k] for k in optim_keys}, options=_FLAT)
+
+
+def resume(args, plan, trainer, rank: int) -> int:
+    """The step to start from: 0, or the next step of the latest checkpoint under --checkpoint-dir
+    (--resume), loaded into the trainer's chunks and optimizers."""
+    if not args.checkpoint_dir:
+        return 0
+    found = checkpoints(args.checkpoint_dir)
+    if found and not args.resume:
+        raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
+                          "to continue from it or choose an empty directory")
+    if not args.resume:
+        return 0
+    if not found:
+        if rank == 0:
+            print(f"no checkpoint in {args.checkpoint_dir}; starting from step 0", flush=True)
+        return 0
+    meta = read_meta(found[-1], plan)
+    if meta["next_step"] >= args.steps:
+        raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
+                          "ask for more steps")
+    load(found[-1], trainer.chunks, trainer.optimizers)
+    if meta["replanned"] and rank == 0:
+        print(f"resumed {found[-1].name} of another plan of this run ({meta.get('mesh', '?')}; now "
+              f"{mesh_of(plan)}): its model and optimizer state resharded to this plan", flush=True)
+    return meta["next_step"]

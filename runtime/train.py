@@ -234,25 +234,11 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     t = plan.training
     trainer = Trainer(plan, args, device)
     plan_hash = plan.content_hash()
-    source = make_source(args.data, t.seq_len, t.seed, plan.model.vocab, args.data_dtype)
-    start_step = 0
     if trainer.dtype != t.dtype and not args.dtype and rank == 0:
         print(f"note: the plan's training.dtype is {t.dtype}; on {device.type} the runtime computes in "
               f"{trainer.dtype} unless asked (--dtype)", flush=True)
-    if args.checkpoint_dir:
-        found = ckpt.checkpoints(args.checkpoint_dir)
-        if args.resume and not found and rank == 0:
-            print(f"no checkpoint in {args.checkpoint_dir}; starting from step 0", flush=True)
-        if args.resume and found:
-            meta = ckpt.read_meta(found[-1], plan_hash)
-            if meta["next_step"] >= args.steps:
-                raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
-                                  "ask for more steps")
-            ckpt.load(found[-1], trainer.chunks, trainer.optimizers, trainer.stage_ids)
-            start_step = meta["next_step"]
-        elif found and not args.resume:
-            raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
-                              "to continue from it or choose an empty directory")
+    source = make_source(args.data, t.seq_len, t.seed, plan.model.vocab, args.data_dtype)
+    start_step = ckpt.resume(args, plan, trainer, rank)
     # three warm-up steps, not timed: the first allocates the optimizer state, the third measures the
     # peak memory (tracking every allocation slows it several-fold). Not the second: on CPU the C
     # heap the peak reads also grows once by what gloo and Python keep for good, and in a process
@@ -299,8 +285,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
             rate = f"  lr {trainer.lr:.3g}" if t.lr_scheduled else ""
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}{rate}  {times[-1] * 1000:.0f} ms", flush=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, trainer.stage_ids,
-                      plan_hash, {"next_step": step + 1})
+            ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, plan,
+                      {"next_step": step + 1})
     other += [other_load(0.2)] if device.type == "cpu" else []
     busy = max((x for x in other if x is not None), default=None)
     note = busy_note(busy, len(os.sched_getaffinity(0)))

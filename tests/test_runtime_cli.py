@@ -154,13 +154,13 @@ def _snapshot(root):
     return sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
-def test_a_checkpoint_of_another_plan_is_refused_and_kept(tmp_path, saved):
+def test_a_checkpoint_of_another_run_is_refused_and_kept(tmp_path, saved):
     other = write_plan(tmp_path, "other", lr=1e-3)
     before = _snapshot(saved)
     proc = train(1, "--plan", other, "--steps", 2, "--checkpoint-dir", saved, "--resume", "--checkpoint-every", 1)
     lines = error_lines(proc.stderr)
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
-    assert str(saved / "step-1" / "trident.json") in lines[0] and "different plan" in lines[0]
+    assert str(saved / "step-1" / "trident.json") in lines[0] and "training.lr=0.0003" in lines[0]
     assert _snapshot(saved) == before
 
 

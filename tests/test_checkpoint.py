@@ -1,0 +1,48 @@
+"""A checkpoint resumes under any plan of the same run: its state is keyed by parameter name and
+DCP reshards it (runtime.checkpoint)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from planner.model import ConfigError
+from runtime import checkpoint
+from torchrun_helpers import assert_ok, assert_same_losses, losses_of, train, write_plan
+
+
+def test_a_checkpoint_resumes_under_other_plans_of_the_run(tmp_path):
+    """One process trains 4 steps (a checkpoint at step 2); pp 2 x tp 2 with sequence parallelism,
+    interleaved (two chunks a rank: TP DTensors from plain tensors), resumes at step 2 (a
+    checkpoint at step 3); dp 2 under ZeRO 3 with full recompute and micro-batches of one resumes
+    at step 3 (FSDP shards from TP shards). Each resumed step's loss is the uninterrupted run's."""
+    one = write_plan(tmp_path, "one", world=1)
+    pp_tp = write_plan(tmp_path, "pp2-tp2", world=4, pp=2, tp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                       sequence_parallel=True)
+    zero3 = write_plan(tmp_path, "zero3", world=2, zero=3, recompute="full", micro_batch=1)
+    ckpt = {name: tmp_path / name for name in ("straight", "pp", "dp")}
+    assert_ok(train(1, "--plan", one, "--steps", 4, "--checkpoint-dir", ckpt["straight"], "--checkpoint-every", 2,
+                    "--out", tmp_path / "straight.json"))
+    want = losses_of(tmp_path / "straight.json")
+    shutil.copytree(ckpt["straight"] / "step-2", ckpt["pp"] / "step-2")
+    proc = train(4, "--plan", pp_tp, "--steps", 3, "--checkpoint-dir", ckpt["pp"], "--resume", "--checkpoint-every", 1,
+                 "--out", tmp_path / "pp.json")
+    assert_ok(proc)
+    assert "resumed step-2 of another plan of this run (pp 1 dp 1 tp 1, 1 stage, ZeRO 0; now pp 2 dp 1 tp 2" \
+        in proc.stdout
+    shutil.copytree(ckpt["pp"] / "step-3", ckpt["dp"] / "step-3")
+    assert_ok(train(2, "--plan", zero3, "--steps", 4, "--checkpoint-dir", ckpt["dp"], "--resume",
+                    "--out", tmp_path / "dp.json"))
+    assert_same_losses(losses_of(tmp_path / "pp.json"), want[2:3], "pp 2 x tp 2 resumed at step 2")
+    assert_same_losses(losses_of(tmp_path / "dp.json"), want[3:], "dp 2 ZeRO 3 resumed at step 3")
+
+
+def test_a_checkpoint_of_an_earlier_trident_is_refused_by_name(tmp_path):
+    step = tmp_path / "step-5"
+    step.mkdir()
+    (step / "trident.json").write_text(json.dumps({"plan_hash": "sha256:0", "step": 5, "data": {"next_step": 5}}))
+    from planner.plan import Plan
+    plan = Plan.read(write_plan(tmp_path, "one"))
+    with pytest.raises(ConfigError, match=r"step-5/trident.json: written by trident before 2026-12-04"):
+        checkpoint.read_meta(step, plan)
