@@ -97,3 +97,22 @@ def runtime_sync(cluster: ClusterSpec, mesh) -> float:
     if mesh.pp > 1:
         sync += cluster.collective_time("all_reduce", SCALAR_BYTES, mesh.group("pp", dp=0, tp=0))
     return sync
+
+
+def tied_grad_comm(cluster: ClusterSpec, plan, pp_rank: int, elem_bytes: float) -> float:
+    """Seconds of the all-reduce that sums a tied embedding's gradient with its copy's in the head
+    where a pipeline splits them (runtime.tied; Megatron-LM all-reduces the word embeddings'
+    gradients between its first and last stages, DeepSpeed's pipeline engine its tied modules'),
+    on the two pipeline ranks that hold them; 0 on the others and where one rank holds both. Each
+    all-reduces its shard (vocab / tp rows, over the ZeRO shards where both stages shard
+    gradients); where one stage shards and the other does not, the whole matrix."""
+    m, mesh, stages = plan.model, plan.mesh, plan.pipeline.stages
+    last = len(stages) - 1
+    first, end = plan.stage_rank(0), plan.stage_rank(last)
+    if not m.tie_embeddings or first == end or pp_rank not in (first, end):
+        return 0.0
+    sharded = [s.zero >= 1 and mesh.dp > 1 for s in (stages[0], stages[last])]
+    elems = float(m.vocab) * m.hidden
+    if sharded[0] == sharded[1]:
+        elems = math.ceil(m.vocab / mesh.tp) * m.hidden / (mesh.zero_shards if sharded[0] else 1)
+    return cluster.collective_time("all_reduce", elems * elem_bytes, [mesh.rank(pp=first), mesh.rank(pp=end)])

@@ -23,7 +23,9 @@ stream, overlapping the rest of the backward (with training.overlap_grad_reduce 
 whole backward); ZeRO-2 and 3 reduce-scatter every micro-batch's gradients on that stream, which
 slows a backward only where it takes longer; ZeRO-3 gathers parameters before each forward and
 backward, overlapped with compute by prefetching; the optimizer step (AdamW with gradient
-clipping) is memory-bound, and every pipeline rank's waits for the gradient norm over all of them.
+clipping) is memory-bound, and every pipeline rank's waits for the gradient norm over all of them
+(and, for a tied embedding split from its head, the first and last stages' ranks for the all-reduce
+of its gradient with the copy's: planner.comm.tied_grad_comm).
 Under HSDP (mesh.dp_replicate > 1) all of that runs over the shard group (dp / dp_replicate
 ranks), and each stage's reduced shard is then all-reduced across the replicas once a step, after
 its last reduce-scatter.
@@ -40,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
-from planner.comm import clip_norm_comm, runtime_sync
+from planner.comm import clip_norm_comm, runtime_sync, tied_grad_comm
 from planner.layers import layer_cost, partial_grad_params, tied_head
 from planner.memory import memory_by_rank
 from planner.model import ConfigError
@@ -125,7 +127,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tp_ranks = mesh.group("tp", pp=r, dp=0)
         dp_ranks, rep_ranks = mesh.shard_group(pp=r, tp=0), mesh.replicate_group(pp=r, tp=0)
         costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile, extras) for i in range(st.start, st.end)]
-        if m.tie_embeddings and st.end == m.num_layers_total and r == plan.stage_rank(0):
+        if m.tie_embeddings and st.end == m.num_layers_total and st.start == 0:  # one matrix: runtime.tied
             costs[-1] = tied_head(m, costs[-1], tp)
         comp_f = sum(c.fwd_compute_s for c in costs)
         comp_b = sum(c.bwd_compute_s for c in costs)
@@ -215,7 +217,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         if extras:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
         norm_comm = clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine),
-                                   partial_grad_params(plan, r) * grad_bytes(t))
+                                   partial_grad_params(plan, r) * grad_bytes(t)) + tied_grad_comm(cluster, plan, r, grad_bytes(t))
         gather = 0.0
         if dp > 1:
             dp_ranks = mesh.shard_group(pp=r, tp=0)

@@ -184,10 +184,11 @@ def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
 
 
 def tied_head(model: ModelConfig, cost: LayerCost, tp: int) -> LayerCost:
-    """A tied head's cost on the pipeline rank that holds the embedding: its projection is the
+    """A tied head's cost in the stage that holds the embedding too: its projection is the
     embedding's matrix (one parameter in runtime.model, as in Megatron-LM without a pipeline), held,
-    updated and synchronized once, with the embedding, so the head keeps only its final norm. On
-    another rank (Megatron-LM's last stage) the head keeps a copy: layer_cost's figure."""
+    updated and synchronized once, with the embedding, so the head keeps only its final norm. In
+    another stage (Megatron-LM's last stage; runtime.tied, on another rank or, under ZB-V, on the
+    embedding's) the head keeps a copy: layer_cost's figure."""
     shared = math.ceil(model.vocab / tp) * model.hidden
     keep = max(0.0, cost.params - shared) / cost.params if cost.params else 0.0
     dp = {k: v * keep if isinstance(v, float) else v for k, v in cost.dp_measured.items()} if cost.dp_measured else None

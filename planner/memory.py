@@ -303,7 +303,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         head_logits, tied, tied_end = 0.0, 0.0, 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
             head_logits = m.loss_bytes(plan.rank_micro_batch, t.seq_len, tp, e)[1]
-            if m.tie_embeddings and 0 in ids:
+            if m.tie_embeddings and any(pipe.stages[i].start == 0 and pipe.stages[i].end == m.num_layers_total
+                                        for i in ids):  # one matrix, two gradients (a pipeline's head: a copy)
                 tied, tied_end = tied_matrix_grad_bytes(m, tp, gb, mbs)
         # the loss's logits and float32 work run in the head's forward (runtime/loss.py), a block's
         # replay, a new accumulated gradient and the activation gradients in a backward: one

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from planner.model import ConfigError, ModelConfig
+from planner.model import ModelConfig
 from runtime.recompute import replay_once
 
 
@@ -165,13 +165,9 @@ class Transformer(nn.Module):
         for i in range(start, end):
             kind = cfg.layer_kind(i)
             self.layers[str(i)] = Embedding(cfg) if kind == "embedding" else Head(cfg) if kind == "head" else Block(cfg)
-        if cfg.tie_embeddings:
-            owns_embedding, owns_head = start == 0, end == cfg.num_layers_total
-            if owns_embedding != owns_head:
-                raise ConfigError("model.tie_embeddings: the embedding and the head are on different pipeline "
-                                  "stages; tied embeddings need them on one pp rank (set it false or pp=1)")
-            if owns_embedding:
-                self.layers[str(end - 1)].output.weight = self.layers["0"].tok_embeddings.weight
+        if cfg.tie_embeddings and start == 0 and end == cfg.num_layers_total:  # one parameter; a
+            # pipeline's head keeps a copy instead (runtime.tied)
+            self.layers[str(end - 1)].output.weight = self.layers["0"].tok_embeddings.weight
         self.positions = None  # the tokens' positions where not 0..s-1 (context parallelism)
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
@@ -216,8 +212,10 @@ def init_weights(chunk: Transformer, seed: int) -> None:
     full_init makes, whatever its DTensor placements; RoPE tables are computed."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    for name, p in chunk.named_parameters():
-        full = full_init(name, tuple(p.shape), seed, chunk.cfg).to(p.dtype)
+    from runtime.tied import EMBEDDING, head_weight
+    copy = head_weight(chunk.cfg) if chunk.cfg.tie_embeddings else None
+    for name, p in chunk.named_parameters():  # a tied head's copy starts as the embedding's matrix
+        full = full_init(EMBEDDING if name == copy else name, tuple(p.shape), seed, chunk.cfg).to(p.dtype)
         if isinstance(p, DTensor):
             local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)

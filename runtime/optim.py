@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 @torch.no_grad()
 def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device, timing: dict | None = None,
-                   reduce: bool = True) -> float:
+                   reduce: bool = True, uncounted=None) -> float:
     """Clip to a total norm over every parameter of the model, however it is split. The squares of
     the local shards are summed per (mesh, sharded mesh dims) and each sum is all-reduced over its
     sharded dims once (not one collective per DTensor); replicated dims hold copies and are not
@@ -20,13 +20,14 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
     pipeline ranks' last backward, `timing["norm_s"]` that of the sums' all-reduces, which wait
     for the other ranks of their groups (processes that share cores end their backwards apart).
     `reduce=False` skips every collective (the profiler times the
-    local work; the planner prices the collectives, once per step)."""
+    local work; the planner prices the collectives, once per step). `uncounted`: a parameter whose
+    gradient is clipped but not counted (a tied matrix's copy, counted with the embedding: runtime.tied)."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict = {}
-    for g in grads:
+    for g in (p.grad for p in params if p.grad is not None and p is not uncounted):
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).full_tensor().double() ** 2
         elif isinstance(g, DTensor):

@@ -48,9 +48,6 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         if value != runs:
             raise ConfigError(f"{name}: {json.dumps(value)} describes {who} for prediction; the runtime runs "
                               f"{json.dumps(runs)}, set it to that to run")
-    if plan.model.tie_embeddings and len(plan.pipeline.stages) > 1:
-        raise ConfigError("model.tie_embeddings: the embedding and the head are in different pipeline stages; the "
-                          "runtime ties them inside one stage only (untie them or use pp=1)")
     if plan.mesh.tp > 1 and plan.model.vocab % plan.mesh.tp:
         raise ConfigError(f"model.vocab: {plan.model.vocab} is not divisible by tp={plan.mesh.tp}; the runtime "
                           "splits the embedding and head by vocabulary, pad the vocabulary to a multiple of tp")

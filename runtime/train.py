@@ -40,6 +40,7 @@ from runtime.metrics import PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm, lr_at, reduce_partial_grads
+from runtime.tied import TiedMatrix
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
 from runtime.trace import traced_step
@@ -117,6 +118,7 @@ class Trainer:
         # its temporaries: planner.precision.optimizer_temp_bytes)
         self.optimizers = [torch.optim.AdamW(c.parameters(), lr=t.lr, betas=BETAS, weight_decay=t.weight_decay,
                                              foreach=True) for c in self.chunks]
+        self.tied = TiedMatrix(plan, self.mesh["pp"].get_group(), self.chunks)  # a pipeline's tied embedding
         self.schedule = None
         if m.pp > 1:
             self.schedule = build_schedule(plan, self.chunks, self.stage_ids, self.mesh["pp"].get_group(), device,
@@ -186,8 +188,9 @@ class Trainer:
         t_opt, timing = time.perf_counter(), {}
         params = [p for c in self.chunks for p in c.parameters()]
         reduce_partial_grads(params, timing=timing)
-        self.grad_norm = clip_grad_norm(params, plan.training.grad_clip,
-                                        self.mesh["pp"].get_group() if plan.mesh.pp > 1 else None, self.device, timing)
+        self.tied.sync(timing)
+        self.grad_norm = clip_grad_norm(params, plan.training.grad_clip, self.mesh["pp"].get_group() if plan.mesh.pp > 1
+                                        else None, self.device, timing, uncounted=self.tied.copy)
         self.lr = lr_at(plan.training, step)
         for opt in self.optimizers:
             for group in opt.param_groups:

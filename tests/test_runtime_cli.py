@@ -89,7 +89,6 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
 
 @pytest.mark.parametrize("change, field", [
     (dict(dropout=0.1), "training.dropout"),
-    (dict(pp=2, model=dataclasses.replace(ZOO["tiny-gpt"], tie_embeddings=True)), "model.tie_embeddings"),
     (dict(tp=2, model=dataclasses.replace(ZOO["tiny"], vocab=511)), "model.vocab"),
     (dict(overlap_grad_reduce=False), "training.overlap_grad_reduce"),
     (dict(attention="unfused"), "training.attention"),
