@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from planner.model import ConfigError
+from runtime.parallelize import holds_tied_pair
+from runtime.tied import EMBEDDING, head_weight
 
 META = "trident.json"
 BY_NAME = "by-name"
@@ -94,14 +96,20 @@ def read_meta(ckpt: Path, plan) -> dict:
     return {**meta, "step": step, "next_step": next_step, "replanned": replanned}
 
 
-def _state(chunks, optimizers) -> tuple[dict, list]:
-    """The state of this rank's chunks for DCP, and each chunk's (model keys, optimizer keys)."""
+def _state(chunks, optimizers, saving: bool = False) -> tuple[dict, list]:
+    """The state of this rank's chunks for DCP, and each chunk's (model keys, optimizer keys). A
+    saved tied embedding and head that are one parameter (one stage holds both) have the optimizer
+    state of the embedding's name only: it is saved under the head's too, for plans whose head
+    keeps a copy (runtime.tied)."""
     state, keys = {"model": {}, "optim": {}}, []
     for chunk, opt in zip(chunks, optimizers):
         model, optim = get_model_state_dict(chunk), get_optimizer_state_dict(chunk, opt, options=_FLAT)
         state["model"].update(model)
         state["optim"].update(optim)
         keys.append((list(model), list(optim)))
+        if saving and holds_tied_pair(chunk):
+            emb, head = f".{EMBEDDING}.", f".{head_weight(chunk.cfg)}."
+            state["optim"].update({k.replace(emb, head): v for k, v in optim.items() if emb in k})
     return state, keys
 
 
@@ -112,7 +120,7 @@ def save(root: str | Path, step: int, chunks, optimizers, plan, data_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(chunks, optimizers)[0], checkpoint_id=str(tmp))
+    dcp.save(_state(chunks, optimizers, saving=True)[0], checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {"plan_hash": plan.content_hash(), "layout": BY_NAME, "run": run_of(plan), "mesh": mesh_of(plan),

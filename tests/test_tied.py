@@ -23,8 +23,11 @@ A100 = load_cluster("dgx-a100-80gb", nodes=2)
 def test_pipelines_of_a_tied_model_train_as_one_process(tmp_path):
     """pp 2 under 1F1B and ZB-V (whose rank 0 holds the embedding and the copy), pp 2 x tp 2
     interleaved with sequence parallelism, and pp 2 x dp 2 with ZeRO 0 on the embedding's stage
-    and ZeRO 3 on the head's (the gradients summed whole): each step's loss is one process's."""
-    assert_ok(train(1, "--plan", write_plan(tmp_path, "one", TIED), "--steps", 3, "--out", tmp_path / "one.json"))
+    and ZeRO 3 on the head's (the gradients summed whole): each step's loss is one process's. And
+    pp 2 resumes the one process's checkpoint, whose one matrix is saved under both names."""
+    ckpt = tmp_path / "ckpt"
+    assert_ok(train(1, "--plan", write_plan(tmp_path, "one", TIED), "--steps", 3, "--out", tmp_path / "one.json",
+                    "--checkpoint-dir", ckpt, "--checkpoint-every", 2))
     want = losses_of(tmp_path / "one.json")
     two = [write_plan(tmp_path, "pp2", TIED, world=2, pp=2, schedule="1f1b"),
            write_plan(tmp_path, "zbv", TIED, world=2, pp=2, schedule="zbv")]
@@ -38,6 +41,9 @@ def test_pipelines_of_a_tied_model_train_as_one_process(tmp_path):
         assert_ok(train(world, "--plan", *plans, "--steps", 3, "--out", out))
         for plan in plans:
             assert_same_losses(losses_of(out / f"{plan.stem}.json"), want, plan.stem)
+    assert_ok(train(2, "--plan", two[0], "--steps", 3, "--checkpoint-dir", ckpt, "--resume",
+                    "--out", tmp_path / "resumed.json"))
+    assert_same_losses(losses_of(tmp_path / "resumed.json"), want[2:], "pp 2 resumed at step 2")
 
 
 def _est(model, **kw):
