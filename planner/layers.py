@@ -174,8 +174,9 @@ def partial_grad_params(plan: Plan, pp_rank: int) -> int:
 
 
 def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:
-    """Parameters one TP rank holds for a layer: matrices split tp ways (the vocabulary padded to
-    a multiple of tp), replicated_params whole."""
+    """Parameters one TP rank holds for a layer: matrices split tp ways (the vocabulary in
+    ceil(vocab / tp) rows, the most a rank holds: DTensor splits an odd one unevenly, the runtime's
+    way; Megatron-LM pads it), replicated_params whole."""
     kind = model.layer_kind(index)
     rep = replicated_params(model, kind)
     if kind == "block":

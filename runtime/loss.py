@@ -60,12 +60,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_output), None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None, tp_rank: int = 0) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None, tp_rank: int = 0,
+                  vocab: int | None = None) -> torch.Tensor:
     """Mean cross-entropy over the tokens of a micro-batch (the pipeline's loss_fn).
 
     `logits`: [batch, seq, vocab / tp], this rank's vocabulary slice (rank `tp_rank` of the TP
-    `group` holds columns tp_rank * vocab / tp onwards; the whole vocabulary when `group` is None);
+    `group` holds columns from tp_rank * ceil(vocab / tp), DTensor's split of a `vocab` that tp
+    does not divide: the last ranks hold fewer; the whole vocabulary when `group` is None);
     `targets`: [batch, seq] token ids. Every rank of the group returns the same loss."""
-    vocab_local = logits.shape[-1]
+    chunk = logits.shape[-1] if vocab is None or group is None else -(-vocab // dist.get_world_size(group))
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1), group,
-                                            tp_rank * vocab_local)
+                                            tp_rank * chunk)

@@ -129,10 +129,6 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, k
     `keep_shards` (training.sp_saved_inputs "shard") the inputs SP gathers for the column-parallel
     linears are kept as shards for the backward (runtime.sp_shard), except in fully recomputed
     blocks."""
-    cfg, tp = chunk.cfg, tp_mesh.size()
-    if cfg.vocab % tp:
-        raise ConfigError(f"model.vocab: {cfg.vocab} is not divisible by tp={tp}; the runtime splits the "
-                          "embedding and head by vocabulary, pad the vocabulary to a multiple of tp")
     seq = Shard(1) if sequence_parallel else Replicate()
     for layer in chunk.layers.values():
         if isinstance(layer, Embedding):

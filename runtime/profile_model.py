@@ -57,7 +57,7 @@ def check_args(args, world: int) -> None:
     for tp in args.tps:
         if world % tp:
             raise ConfigError(f"--tp: {tp} does not divide the {world} processes launched")
-        for fld in ("heads", "kv_heads", "ffn_hidden", "vocab"):
+        for fld in ("heads", "kv_heads", "ffn_hidden"):  # the vocabulary may split unevenly (as DTensor splits)
             if getattr(model, fld) % tp:
                 raise ConfigError(f"--tp: {tp} does not divide model.{fld}={getattr(model, fld)}")
         if tp > 1 and args.seq_len % tp:
@@ -123,11 +123,11 @@ def _counter_name() -> str:
     return memory_counter(current())[1]
 
 
-def _loss_fn(tp_mesh):
+def _loss_fn(tp_mesh, vocab: int):
     """The runtime's loss on this rank's vocabulary slice (runtime.loss)."""
     from runtime.loss import cross_entropy
     group = tp_mesh.get_group() if tp_mesh.size() > 1 else None
-    return lambda out, targets: cross_entropy(out, targets, group, tp_mesh.get_local_rank())
+    return lambda out, targets: cross_entropy(out, targets, group, tp_mesh.get_local_rank(), vocab)
 
 
 def _amp(dtype: str):
@@ -184,7 +184,7 @@ def measure_data_parallel(cfg, kind, mesh2d, sp, s, mb, repeats, plain, dtype="f
     (replicate), 1-2 and 3 (FSDP2) on the dp sub-mesh, over the unwrapped layer's `plain` times."""
     tp_mesh, dp_mesh = mesh2d["tp"], mesh2d["dp"]
     tp = tp_mesh.size()
-    loss = _loss_fn(tp_mesh)
+    loss = _loss_fn(tp_mesh, cfg.vocab)
     out = {"dp": dp_mesh.size(), "micro_batch": mb}
     for zero in (0, 1, 3):
         chunk = _build(cfg, kind, tp_mesh, sp, "none", dp_mesh, zero, dtype)
@@ -215,7 +215,7 @@ def measure(cfg, kind: str, mesh2d, sp: bool, rec: str, mbs: list[int], s: int, 
         context = ContextParallel(mesh2d["cp"].get_group(), cp, mesh2d["cp"].get_local_rank(), s, current())
         apply_context_parallel(chunk, context)
     params = list(chunk.parameters())
-    loss = _loss_fn(tp_mesh)
+    loss = _loss_fn(tp_mesh, cfg.vocab)
     points = []
     for mb in mbs:
         x, targets = _inputs(cfg, kind, mb, s, tp, tp_mesh.get_local_rank(), sp, context)

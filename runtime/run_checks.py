@@ -48,9 +48,6 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         if value != runs:
             raise ConfigError(f"{name}: {json.dumps(value)} describes {who} for prediction; the runtime runs "
                               f"{json.dumps(runs)}, set it to that to run")
-    if plan.mesh.tp > 1 and plan.model.vocab % plan.mesh.tp:
-        raise ConfigError(f"model.vocab: {plan.model.vocab} is not divisible by tp={plan.mesh.tp}; the runtime "
-                          "splits the embedding and head by vocabulary, pad the vocabulary to a multiple of tp")
     if plan.mesh.pp > 1 and plan.pipeline.schedule == "1f1b" and plan.pipeline.micro_batches < plan.mesh.pp:
         raise ConfigError(f"pipeline.micro_batches: {plan.pipeline.micro_batches} is fewer than pp={plan.mesh.pp}, "
                           "which torch's Schedule1F1B refuses; use gpipe or more micro-batches")

@@ -213,7 +213,7 @@ class Trainer:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of a micro-batch from this rank's vocabulary slice of the logits."""
         group = self.mesh["tp"].get_group() if self.plan.mesh.tp > 1 else None
-        return cross_entropy(logits, targets, group, self.tp_rank)
+        return cross_entropy(logits, targets, group, self.tp_rank, self.plan.model.vocab)
 
     def _accumulate(self, xs, ys) -> float:
         losses = []

@@ -1,7 +1,6 @@
 """Bad input ends the runtime fast with one clear line; `trident run` launches a plan."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -89,7 +88,6 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
 
 @pytest.mark.parametrize("change, field", [
     (dict(dropout=0.1), "training.dropout"),
-    (dict(tp=2, model=dataclasses.replace(ZOO["tiny"], vocab=511)), "model.vocab"),
     (dict(overlap_grad_reduce=False), "training.overlap_grad_reduce"),
     (dict(attention="unfused"), "training.attention"),
     (dict(attention="flash-triton"), "training.attention"),
