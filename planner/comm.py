@@ -111,7 +111,7 @@ def tied_grad_comm(cluster: ClusterSpec, plan, pp_rank: int, elem_bytes: float) 
     first, end = plan.stage_rank(0), plan.stage_rank(last)
     if not m.tie_embeddings or first == end or pp_rank not in (first, end):
         return 0.0
-    sharded = [s.zero >= 1 and mesh.dp > 1 for s in (stages[0], stages[last])]
+    sharded = [s.zero >= 1 and mesh.grad_ranks > 1 for s in (stages[0], stages[last])]
     elems = float(m.vocab) * m.hidden
     if sharded[0] == sharded[1]:
         elems = math.ceil(m.vocab / mesh.tp) * m.hidden / (mesh.zero_shards if sharded[0] else 1)

@@ -40,7 +40,7 @@ class TiedMatrix:
             named = dict(chunk.named_parameters())
             self.params += [named[n] for n in (EMBEDDING, head_weight(cfg)) if n in named]
             self.copy = named.get(head_weight(cfg), self.copy)
-        sharded = [s.zero >= 1 and plan.mesh.dp > 1 for s in (stages[0], stages[last])]
+        sharded = [s.zero >= 1 and plan.mesh.grad_ranks > 1 for s in (stages[0], stages[last])]  # dp x cp
         self.whole = sharded[0] != sharded[1]
         first, end = plan.stage_rank(0), plan.stage_rank(last)
         if self.params and first != end:

@@ -22,8 +22,9 @@ A100 = load_cluster("dgx-a100-80gb", nodes=2)
 
 def test_pipelines_of_a_tied_model_train_as_one_process(tmp_path):
     """pp 2 under 1F1B and ZB-V (whose rank 0 holds the embedding and the copy), pp 2 x tp 2
-    interleaved with sequence parallelism, and pp 2 x dp 2 with ZeRO 0 on the embedding's stage
-    and ZeRO 3 on the head's (the gradients summed whole): each step's loss is one process's. And
+    interleaved with sequence parallelism, and pp 2 x dp 2 and pp 2 x cp 2 (ZeRO shards over the
+    CP ranks) with ZeRO 0 on the embedding's stage and ZeRO 3 on the head's (the gradients summed
+    whole): each step's loss is one process's. And
     pp 2 resumes the one process's checkpoint, whose one matrix is saved under both names."""
     ckpt = tmp_path / "ckpt"
     assert_ok(train(1, "--plan", write_plan(tmp_path, "one", TIED), "--steps", 3, "--out", tmp_path / "one.json",
@@ -34,7 +35,8 @@ def test_pipelines_of_a_tied_model_train_as_one_process(tmp_path):
     mixed = [Stage(layers=[0, 3], zero=0, recompute=["none"] * 3), Stage(layers=[3, 6], zero=3, recompute=["none"] * 3)]
     four = [write_plan(tmp_path, "pp2-tp2", TIED, world=4, pp=2, tp=2, schedule="interleaved-1f1b",
                        virtual_stages=2, sequence_parallel=True),
-            write_plan(tmp_path, "pp2-dp2", TIED, world=4, pp=2, schedule="1f1b", stages=mixed)]
+            write_plan(tmp_path, "pp2-dp2", TIED, world=4, pp=2, schedule="1f1b", stages=mixed),
+            write_plan(tmp_path, "pp2-cp2", TIED, world=4, pp=2, cp=2, schedule="1f1b", stages=mixed)]
     for world, plans in ((2, two), (4, four)):
         out = tmp_path / f"runs{world}"
         out.mkdir()
