@@ -4,6 +4,7 @@ one; the planner prices the copy and that all-reduce (planner.comm.tied_grad_com
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -30,6 +31,7 @@ def test_pipelines_of_a_tied_model_train_as_one_process(tmp_path):
     assert_ok(train(1, "--plan", write_plan(tmp_path, "one", TIED), "--steps", 3, "--out", tmp_path / "one.json",
                     "--checkpoint-dir", ckpt, "--checkpoint-every", 2))
     want = losses_of(tmp_path / "one.json")
+    norms = json.loads((tmp_path / "one.json").read_text())["grad_norms"]
     two = [write_plan(tmp_path, "pp2", TIED, world=2, pp=2, schedule="1f1b"),
            write_plan(tmp_path, "zbv", TIED, world=2, pp=2, schedule="zbv")]
     mixed = [Stage(layers=[0, 3], zero=0, recompute=["none"] * 3), Stage(layers=[3, 6], zero=3, recompute=["none"] * 3)]
@@ -43,6 +45,9 @@ def test_pipelines_of_a_tied_model_train_as_one_process(tmp_path):
         assert_ok(train(world, "--plan", *plans, "--steps", 3, "--out", out))
         for plan in plans:
             assert_same_losses(losses_of(out / f"{plan.stem}.json"), want, plan.stem)
+            # the matrix counted once in the norm (counted twice: 3.60 against 3.43 at step 1)
+            got = json.loads((out / f"{plan.stem}.json").read_text())["grad_norms"]
+            assert got == pytest.approx(norms, rel=1e-4), plan.stem
     assert_ok(train(2, "--plan", two[0], "--steps", 3, "--checkpoint-dir", ckpt, "--resume",
                     "--out", tmp_path / "resumed.json"))
     assert_same_losses(losses_of(tmp_path / "resumed.json"), want[2:], "pp 2 resumed at step 2")
