@@ -171,6 +171,7 @@ def resume(args, plan, trainer, rank: int) -> int:
         raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
                           "ask for more steps")
     load(found[-1], trainer.chunks, trainer.optimizers)
+    trainer.scaler.load(meta["data"].get("loss_scale"))  # fp16's loss scale where it was saved
     if meta["replanned"] and rank == 0:
         print(f"resumed {found[-1].name} of another plan of this run ({meta.get('mesh', '?')}; now "
               f"{mesh_of(plan)}): its model and optimizer state resharded to this plan", flush=True)

@@ -31,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="run even if the prediction says the plan does not fit")
     ap.add_argument("--data", default="synthetic")
     ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None)
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")

@@ -25,7 +25,7 @@ from planner.model import LOSS_CHUNKS
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start):
+    def forward(ctx, logits, targets, group, vocab_start, scale):
         n, vocab_local = logits.shape
         grad = torch.empty_like(logits)
         rows = -(-n // LOSS_CHUNKS)
@@ -49,25 +49,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             total += (stats[0].log() - stats[1]).sum()
             # exp - sum * one-hot, in float32 so that p - 1 keeps its digits when p is near 1
             z.scatter_add_(1, local, torch.where(mine, -stats[0], 0.0).unsqueeze(1))
-            torch.mul(z, (1.0 / (stats[0] * n)).unsqueeze(1), out=grad[lo:lo + rows])
+            torch.mul(z, (scale / (stats[0] * n)).unsqueeze(1), out=grad[lo:lo + rows])
         ctx.save_for_backward(grad)
-        return total / n
+        return total / n * scale
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_output), None, None, None
+        return grad.mul_(grad_output), None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None, tp_rank: int = 0,
-                  vocab: int | None = None) -> torch.Tensor:
+                  vocab: int | None = None, scale: float = 1.0) -> torch.Tensor:
     """Mean cross-entropy over the tokens of a micro-batch (the pipeline's loss_fn).
 
     `logits`: [batch, seq, vocab / tp], this rank's vocabulary slice (rank `tp_rank` of the TP
     `group` holds columns from tp_rank * ceil(vocab / tp), DTensor's split of a `vocab` that tp
     does not divide: the last ranks hold fewer; the whole vocabulary when `group` is None);
-    `targets`: [batch, seq] token ids. Every rank of the group returns the same loss."""
+    `targets`: [batch, seq] token ids. Every rank of the group returns the same loss. `scale`: the
+    loss and the gradient kept for the backward are scaled by it (fp16's loss scaling,
+    runtime.loss_scale), the gradient before its cast to the logits' dtype."""
     chunk = logits.shape[-1] if vocab is None or group is None else -(-vocab // dist.get_world_size(group))
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1), group,
-                                            tp_rank * chunk)
+                                            tp_rank * chunk, scale)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 @torch.no_grad()
 def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device, timing: dict | None = None,
-                   reduce: bool = True, uncounted=None) -> float:
+                   reduce: bool = True, uncounted=None, inv_scale: float = 1.0) -> float:
     """Clip to a total norm over every parameter of the model, however it is split. The squares of
     the local shards are summed per (mesh, sharded mesh dims) and each sum is all-reduced over its
     sharded dims once (not one collective per DTensor); replicated dims hold copies and are not
@@ -21,7 +21,10 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
     for the other ranks of their groups (processes that share cores end their backwards apart).
     `reduce=False` skips every collective (the profiler times the
     local work; the planner prices the collectives, once per step). `uncounted`: a parameter whose
-    gradient is clipped but not counted (a tied matrix's copy, counted with the embedding: runtime.tied)."""
+    gradient is clipped but not counted (a tied matrix's copy, counted with the embedding: runtime.tied).
+    `inv_scale`: the gradients are of a loss scaled by 1 / inv_scale (runtime.loss_scale): the norm
+    returned is the unscaled one, and the gradients are unscaled with the clipping; an inf or NaN
+    norm (an fp16 overflow) leaves them as they are."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -49,9 +52,9 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
         dist.all_reduce(sq, group=pp_group)
         if timing is not None:
             timing["pp_wait_s"] = time.perf_counter() - t0
-    total = float(sq.sqrt())
-    if max_norm > 0 and total > max_norm:
-        coef = max_norm / (total + 1e-6)
+    total = float(sq.sqrt()) * inv_scale
+    coef = inv_scale * (max_norm / (total + 1e-6) if max_norm > 0 and total > max_norm else 1.0)
+    if coef != 1.0 and math.isfinite(total):
         torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
 

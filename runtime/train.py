@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.compare import busy_note, leak_note
 from planner.model import ConfigError
-from planner.args import OneLineParser
+from planner.args import OneLineParser, positive_number
 from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.context_parallel import ContextParallel, apply_context_parallel
@@ -40,6 +40,7 @@ from runtime.metrics import PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm, lr_at, reduce_partial_grads
+from runtime.loss_scale import INITIAL, LossScale
 from runtime.tied import TiedMatrix
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
@@ -47,7 +48,7 @@ from runtime.trace import traced_step
 from runtime.run_checks import check_out, check_plan  # noqa: F401 (check_plan: runtime.train's API)
 
 BETAS = (0.9, 0.95)
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def parse_args(argv=None) -> argparse.Namespace:
     ap = OneLineParser(prog="runtime.train", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", nargs="+", required=True, help="plan.json (several: trained one after another)")
@@ -59,19 +60,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the plan's on GPU, fp32 on CPU)")
+    ap.add_argument("--initial-loss-scale", type=positive_number, default=INITIAL,
+                    help=f"fp16: the dynamic loss scale to start from (default {INITIAL:g}; Megatron-LM's --initial-loss-scale)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="profile the last step with torch.profiler: per-rank operator tables and traces in DIR")
     return ap.parse_args(argv)
 
 
 def compute_dtype(plan: Plan, args, device: torch.device) -> str:
-    dtype = args.dtype or (plan.training.dtype if device.type == "cuda" else "fp32")
-    if dtype == "fp16":
-        raise ConfigError("training.dtype: fp16 needs loss scaling, which the runtime does not do; use bf16 "
-                          "(or --dtype bf16)")
-    return dtype
+    return args.dtype or (plan.training.dtype if device.type == "cuda" else "fp32")
 
 
 def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -112,6 +111,7 @@ class Trainer:
         self.stage_ids = plan.stages_of_rank(self.pp_rank)
         self.n_stages = len(plan.pipeline.stages)
         self.dtype = compute_dtype(plan, args, device)
+        self.scaler = LossScale(self.dtype == "fp16", args.initial_loss_scale)  # fp16's (runtime.loss_scale)
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         t = plan.training
         # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
@@ -180,9 +180,9 @@ class Trainer:
             if self.schedule is not None:
                 losses = run_schedule(self.schedule, self.stage_ids, self.n_stages, inputs, targets)
                 if losses:
-                    local_loss += sum(float(l.detach()) for l in losses) / n_micro
+                    local_loss += sum(float(l.detach()) for l in losses) / n_micro / self.scaler.scale
             else:
-                local_loss += self._accumulate(inputs.chunk(n_micro), targets.chunk(n_micro))
+                local_loss += self._accumulate(inputs.chunk(n_micro), targets.chunk(n_micro)) / self.scaler.scale
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_opt, timing = time.perf_counter(), {}
@@ -190,12 +190,15 @@ class Trainer:
         reduce_partial_grads(params, timing=timing)
         self.tied.sync(timing)
         self.grad_norm = clip_grad_norm(params, plan.training.grad_clip, self.mesh["pp"].get_group() if plan.mesh.pp > 1
-                                        else None, self.device, timing, uncounted=self.tied.copy)
+                                        else None, self.device, timing, uncounted=self.tied.copy,
+                                        inv_scale=1.0 / self.scaler.scale)
         self.lr = lr_at(plan.training, step)
+        stepping = self.scaler.update(self.grad_norm)  # every rank alike: the norm is the world's
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = self.lr
-            opt.step()
+            if stepping:
+                opt.step()
             opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -213,7 +216,7 @@ class Trainer:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of a micro-batch from this rank's vocabulary slice of the logits."""
         group = self.mesh["tp"].get_group() if self.plan.mesh.tp > 1 else None
-        return cross_entropy(logits, targets, group, self.tp_rank, self.plan.model.vocab)
+        return cross_entropy(logits, targets, group, self.tp_rank, self.plan.model.vocab, self.scaler.scale)
 
     def _accumulate(self, xs, ys) -> float:
         losses = []
@@ -260,7 +263,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
     slots = compute_slots() if device.type == "cpu" and world > 1 else None
-    losses, times, grad_norms, opt_times, waits, lrs, held, trace = [], [], [], [], [], [], [], {}
+    losses, times, grad_norms, opt_times, waits, lrs, held, scales, trace = [], [], [], [], [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
         ctx = peak.measure() if step == measure_at else contextlib.nullcontext()
@@ -283,13 +286,14 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
                               f"({plan.training.grad_clip:g}) in the plan (trident plan --lr / --grad-clip)")
         losses.append(loss)
         grad_norms.append(trainer.grad_norm)
+        scales.append(trainer.scaler.scale)
         lrs.append(trainer.lr)
         if rank == 0:
             rate = f"  lr {trainer.lr:.3g}" if t.lr_scheduled else ""
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}{rate}  {times[-1] * 1000:.0f} ms", flush=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, plan,
-                      {"next_step": step + 1})
+                      {"next_step": step + 1, "loss_scale": trainer.scaler.state()})
     other += [other_load(0.2)] if device.type == "cpu" else []
     busy = max((x for x in other if x is not None), default=None)
     note = busy_note(busy, len(os.sched_getaffinity(0)))
@@ -310,7 +314,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "first_step": start_step,
         "steps": len(losses),
         "losses": losses,
-        "grad_norms": grad_norms,  # before clipping
+        "grad_norms": grad_norms,  # before clipping (inf or nan: an fp16 step skipped)
+        # fp16: the loss scale after each step (runtime.loss_scale), halved where one was skipped
+        "loss_scales": scales if trainer.scaler.enabled else None,
         "learning_rates": lrs,
         "step_times_s": times,
         # per step, the slowest rank's gradient clipping + optimizer step (part of step_times_s)
