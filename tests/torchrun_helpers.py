@@ -30,8 +30,9 @@ def write_plan(directory: Path, name: str, model="tiny", world: int = 1, seq_len
     kw.setdefault("global_batch", GLOBAL_BATCH)
     kw.setdefault("micro_batch", 2)
     cfg = ZOO[model] if isinstance(model, str) else model
+    kw.setdefault("dtype", "fp32")
     plan = build_plan(cfg, cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=world,
-                      seq_len=seq_len, dtype="fp32", **kw)
+                      seq_len=seq_len, **kw)
     path = Path(directory) / f"{name}.json"
     plan.write(path)
     return path
