@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from planner.model import ConfigError
-from planner.args import OneLineParser
+from planner.args import OneLineParser, positive_number
 from planner.plan import Plan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--data", default="synthetic")
     ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    ap.add_argument("--initial-loss-scale", type=positive_number, default=None,
+                    help="fp16: the loss scale to start from (runtime.loss_scale)")
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
@@ -45,6 +47,7 @@ def train_args(args: argparse.Namespace) -> list[str]:
     """The runtime.train arguments that `trident run` passes through."""
     out = ["--plan", args.plan, "--steps", str(args.steps), "--data", args.data]
     for flag, value in (("--out", args.out), ("--data-dtype", args.data_dtype), ("--dtype", args.dtype),
+                        ("--initial-loss-scale", None if args.initial_loss_scale is None else repr(args.initial_loss_scale)),
                         ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
         if value is not None:
             out += [flag, value]

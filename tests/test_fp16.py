@@ -52,3 +52,9 @@ def test_fp16_plans_train_as_one_process_and_skip_overflowing_steps(tmp_path):
                     "--resume", "--out", resumed))
     assert_same_losses(losses_of(resumed), run["losses"][4:], "fp16 resumed at step 4")
     assert _run(resumed)["loss_scales"] == run["loss_scales"][4:]
+
+
+def test_trident_run_passes_fp16_and_its_loss_scale_through():
+    from runtime import launch
+    args = launch.train_args(launch.parse_args(["plan.json", "--dtype", "fp16", "--initial-loss-scale", "1024"]))
+    assert args[args.index("--dtype") + 1] == "fp16" and float(args[args.index("--initial-loss-scale") + 1]) == 1024
