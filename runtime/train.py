@@ -314,7 +314,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "first_step": start_step,
         "steps": len(losses),
         "losses": losses,
-        "grad_norms": grad_norms,  # before clipping (inf or nan: an fp16 step skipped)
+        "grad_norms": [g if math.isfinite(g) else None for g in grad_norms],  # before clipping (null: fp16 skipped)
         # fp16: the loss scale after each step (runtime.loss_scale), halved where one was skipped
         "loss_scales": scales if trainer.scaler.enabled else None,
         "learning_rates": lrs,
