@@ -106,13 +106,20 @@ def tied_grad_comm(cluster: ClusterSpec, plan, pp_rank: int, elem_bytes: float) 
     on the two pipeline ranks that hold them; 0 on the others and where one rank holds both. Each
     all-reduces its shard (vocab / tp rows, over the ZeRO shards where both stages shard
     gradients); where one stage shards and the other does not, the whole matrix."""
-    m, mesh, stages = plan.model, plan.mesh, plan.pipeline.stages
-    last = len(stages) - 1
-    first, end = plan.stage_rank(0), plan.stage_rank(last)
+    m, mesh = plan.model, plan.mesh
+    first, end, sharded = tied_ends(plan)
     if not m.tie_embeddings or first == end or pp_rank not in (first, end):
         return 0.0
-    sharded = [s.zero >= 1 and mesh.grad_ranks > 1 for s in (stages[0], stages[last])]
     elems = float(m.vocab) * m.hidden
     if sharded[0] == sharded[1]:
         elems = math.ceil(m.vocab / mesh.tp) * m.hidden / (mesh.zero_shards if sharded[0] else 1)
     return cluster.collective_time("all_reduce", elems * elem_bytes, [mesh.rank(pp=first), mesh.rank(pp=end)])
+
+
+def tied_ends(plan) -> tuple[int, int, tuple[bool, bool]]:
+    """The pipeline ranks of the first and the last stage (a tied embedding's and its head's), and
+    whether each stage shards its gradients (ZeRO 1-3 over dp x cp): where both do or neither does,
+    their shards line up (runtime.tied)."""
+    stages = plan.pipeline.stages
+    sharded = tuple(s.zero >= 1 and plan.mesh.grad_ranks > 1 for s in (stages[0], stages[-1]))
+    return plan.stage_rank(0), plan.stage_rank(len(stages) - 1), sharded

@@ -216,8 +216,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         opt_s = opt_params * optimizer_step_bytes(t) / bw
         if extras:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
-        norm_comm = clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine),
-                                   partial_grad_params(plan, r) * grad_bytes(t)) + tied_grad_comm(cluster, plan, r, grad_bytes(t))
+        norm_comm = (clip_norm_comm(cluster, mesh, r, any(si["zero"] >= 1 for si in mine),
+                                    partial_grad_params(plan, r) * grad_bytes(t))
+                     + tied_grad_comm(cluster, plan, r, grad_bytes(t)))
         gather = 0.0
         if dp > 1:
             dp_ranks = mesh.shard_group(pp=r, tp=0)

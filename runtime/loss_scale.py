@@ -18,7 +18,6 @@ class LossScale:
         self.enabled = enabled
         self.scale = initial if enabled else 1.0
         self.good_steps = 0  # since the last overflow or growth
-        self.skipped = 0
 
     def update(self, norm: float) -> bool:
         """After a step's backward, its gradient norm (of the unscaled gradients): whether the
@@ -26,7 +25,7 @@ class LossScale:
         if not self.enabled:
             return True
         if not math.isfinite(norm):
-            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            self.scale, self.good_steps = self.scale / 2, 0
             return False
         self.good_steps += 1
         if self.good_steps == GROWTH_INTERVAL:
@@ -34,8 +33,8 @@ class LossScale:
         return True
 
     def state(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+        return {"scale": self.scale, "good_steps": self.good_steps}
 
     def load(self, state: dict | None) -> None:
         if self.enabled and state:
-            self.scale, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), int(state["skipped"])
+            self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

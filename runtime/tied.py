@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from planner.comm import tied_ends
+
 EMBEDDING = "layers.0.tok_embeddings.weight"
 
 
@@ -31,18 +33,16 @@ class TiedMatrix:
     """This rank's part in keeping a tied embedding and its copy in the head equal."""
 
     def __init__(self, plan, pp_group, chunks):
-        cfg, stages = plan.model, plan.pipeline.stages
-        last = len(stages) - 1
+        cfg = plan.model
         self.params, self.copy, self.group, self.whole = [], None, None, False
-        if not cfg.tie_embeddings or last == 0:
+        if not cfg.tie_embeddings or len(plan.pipeline.stages) == 1:
             return
         for chunk in chunks:
             named = dict(chunk.named_parameters())
             self.params += [named[n] for n in (EMBEDDING, head_weight(cfg)) if n in named]
             self.copy = named.get(head_weight(cfg), self.copy)
-        sharded = [s.zero >= 1 and plan.mesh.grad_ranks > 1 for s in (stages[0], stages[last])]  # dp x cp
+        first, end, sharded = tied_ends(plan)
         self.whole = sharded[0] != sharded[1]
-        first, end = plan.stage_rank(0), plan.stage_rank(last)
         if self.params and first != end:
             line = dist.get_process_group_ranks(pp_group)  # this rank's pipeline ranks, in pp order
             self.group = dist.new_group([line[first], line[end]], use_local_synchronization=True)
