@@ -53,6 +53,11 @@ def non_negative_number(text: str) -> float:
     return _finite(text, lambda v: v >= 0, ", 0 or more")
 
 
+def probability(text: str) -> float:
+    """A dropout probability: from 0 to below 1."""
+    return _finite(text, lambda v: 0 <= v < 1, " from 0 to below 1")
+
+
 def number_in(low: float, high: float, unit: str = ""):
     """A parser of a finite number from `low` to `high` (both included)."""
     def parse(text: str) -> float:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from planner.cluster import load_cluster
 from planner.args import (MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, non_negative_int, non_negative_number,
-                          nonempty, positive_int, replica_list)
+                          nonempty, positive_int, probability, replica_list)
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError, load_model
 from planner.plan import LR_DECAYS, SCHEDULES, SP_SAVED_INPUTS, Plan, Training, priced_on
@@ -99,7 +99,7 @@ def cmd_plan(args) -> int:
         overlap_grad_reduce=not args.no_overlap_grad_reduce, async_tp_allreduce=args.async_tp_allreduce,
         grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
-        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, **optimizer_settings(args))
+        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, **training_settings(args))
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
         if asked:
@@ -157,6 +157,11 @@ def _add_problem_args(p, sizes: bool = False) -> None:
     g.add_argument("--gpus", type=int_list() if sizes else positive_int, help="GPUs in the cluster" + several)
     g.add_argument("--nodes", type=int_list() if sizes else positive_int, help="nodes in the cluster" + several)
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument("--dropout", type=probability, default=0.0,
+                   help="dropout on the hidden states: the embedding's output, each block's attention and MLP "
+                        "outputs (Megatron-LM's GPT default 0.1; priced: masks and kernels; default 0)")
+    p.add_argument("--attention-dropout", type=probability, default=None,
+                   help="dropout on the attention probabilities (default: --dropout)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -176,15 +181,15 @@ def _add_optimizer_args(p) -> None:
     g.add_argument("--min-lr", type=non_negative_number, default=0.0, help="the learning rate after the decay")
 
 
-def optimizer_settings(args) -> dict:
-    """The Training fields of _add_optimizer_args, checked (one line naming the option)."""
+def training_settings(args) -> dict:
+    """The Training fields of _add_optimizer_args and the dropouts, checked (one line naming the option)."""
     kw = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, lr_warmup_steps=args.lr_warmup_steps,
               lr_decay=args.lr_decay, lr_decay_steps=args.lr_decay_steps, min_lr=args.min_lr)
     try:
         check_optimizer(SimpleNamespace(**kw))
     except ConfigError as exc:
         raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
-    return kw
+    return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout)
 
 
 def build_parser() -> argparse.ArgumentParser:

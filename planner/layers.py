@@ -86,8 +86,10 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     else:
         mm_f = mm_b = 0.0
     dp = plan.mesh.grad_ranks  # without data parallelism (dp x cp = 1) the runtime computes by autocast on float32 weights
+    attn_drop = t.attention_dropout_p > 0
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
-                                   t.attention, autocast=casts_weights(t, dp))
+                                   t.attention, autocast=casts_weights(t, dp), attention_dropout=attn_drop,
+                                   draws=(tp if sp else 1) * cp)
     again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, again)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
@@ -118,12 +120,12 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     elif rec == "selective":
         if t.attention == "unfused":
             core = sum(gemm_time(*g, e, grate, bw) for g in m.block_gemms(b, s, tp)[-2:])
-            core += (4 * e + 1 if dropout else 2 * e) * m.heads * s * s * b / tp / bw
+            core += (4 * e + 1 if attn_drop else 2 * e) * m.heads * s * s * b / tp / bw
         else:
             core = attention_core_hw_flops(m, b, s, t.attention)[0] / tp / rate
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
-              dropout=dropout, attention=t.attention)
+              dropout=dropout, attention=t.attention, attention_dropout=attn_drop)
     held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
     cp_f, cp_b, gathered = context_parallel_parts(plan, cluster, index, rec, tp_ranks)

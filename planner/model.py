@@ -279,13 +279,15 @@ class ModelConfig:
     def activation_bytes(self, index: int, micro_batch: int, seq_len: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          bytes_per_element: int = 2, dropout: bool = False,
-                         attention: str = "flash") -> float:
+                         attention: str = "flash", attention_dropout: bool | None = None) -> float:
         """Bytes one device keeps from the forward of one micro-batch until its backward.
 
         Per-tensor accounting after Korthikanti et al. 2022 (see module docstring). Tensors a TP
         group holds whole (norm inputs, the inputs of the first projections, dropout masks on the
         residual stream) are divided by `tp` only under sequence parallelism; dropout masks are one
         byte per element; fused attention keeps a float32 log-sum-exp per head and token.
+        `dropout`: on the hidden states; `attention_dropout`: on the attention probabilities (None: as
+        `dropout`), whose mask only an unfused attention keeps.
         """
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute: {recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
@@ -317,7 +319,7 @@ class ModelConfig:
         if recompute == "none":
             if attention == "unfused":
                 core = e * a * s * s * b  # softmax output
-                if dropout:
+                if dropout if attention_dropout is None else attention_dropout:
                     core += a * s * s * b + e * a * s * s * b  # dropout mask and dropout output
             else:
                 core = 4.0 * a * s * b  # float32 log-sum-exp

@@ -57,7 +57,7 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
-                              "min_lr"),
+                              "min_lr", "attention_dropout"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp")}
 
 
@@ -95,7 +95,12 @@ class Training:
     lr: float = 3e-4
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    # dropout probabilities (runtime.dropout): `dropout` on the hidden states (the embedding's output,
+    # each block's attention and MLP outputs), `attention_dropout` on the attention probabilities,
+    # null: the same as `dropout` (Megatron-LM's --hidden-dropout and --attention-dropout, both 0.1
+    # by default)
     dropout: float = 0.0
+    attention_dropout: float | None = None
     attention: str = "flash"  # flash / flash-triton: fused, no s^2 scores kept; unfused: materialized softmax (model.py)
     seed: int = 0
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
@@ -135,6 +140,10 @@ class Training:
     lr_decay: str = "constant"
     lr_decay_steps: int = 0
     min_lr: float = 0.0
+
+    @property
+    def attention_dropout_p(self) -> float:
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
     def lr_scheduled(self) -> bool:

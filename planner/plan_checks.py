@@ -65,6 +65,8 @@ def check(plan) -> None:
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")
     check_optimizer(t)
     _need(is_real(t.dropout) and 0 <= t.dropout < 1, "training.dropout", f"{t.dropout!r} must be from 0 to below 1")
+    _need(t.attention_dropout is None or (is_real(t.attention_dropout) and 0 <= t.attention_dropout < 1),
+          "training.attention_dropout", f"{t.attention_dropout!r} must be from 0 to below 1, or null (as dropout)")
     _need(t.seq_len <= m.seq_len, "training.seq_len",
           f"{t.seq_len} exceeds the model's seq_len {m.seq_len}; lower it or raise model.seq_len")
     for name in ("nodes", "devices_per_node"):

@@ -33,8 +33,9 @@ BWD_ELEMENTWISE_FACTOR = 1.5  # fused: backward of a memory-bound op moves 3 ten
 
 
 def fused_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
-                dropout: bool, attention: str) -> tuple[float, float]:
-    """(forward, backward) bytes with fused kernels (module doc)."""
+                dropout: bool, attention: str, attention_dropout: bool | None = None) -> tuple[float, float]:
+    """(forward, backward) bytes with fused kernels (module doc). `dropout`: on the hidden states;
+    `attention_dropout`: on the attention probabilities (None: as `dropout`)."""
     kind = model.layer_kind(index)
     sbh = s * b * model.hidden
     rep = tp if sp else 1
@@ -53,7 +54,8 @@ def fused_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
         else:
             sharded = 2 * e * s * b * (model.q_dim + model.kv_dim)  # RoPE on q and k
             sharded += 3 * e * s * b * model.ffn_hidden  # silu(gate) * up
-        sharded += _softmax_bytes(model, b, s, e, dropout, attention)
+        sharded += _softmax_bytes(model, b, s, e, dropout if attention_dropout is None else attention_dropout,
+                                  attention)
         fwd = replicated / rep + sharded / tp
     return fwd, BWD_ELEMENTWISE_FACTOR * fwd
 
@@ -77,18 +79,30 @@ def _norm(e: int) -> tuple[int, int]:
     return 2 * e, 3 * e
 
 
+def eager_dropout_bytes(e: int, draws: float) -> tuple[float, float]:
+    """(forward, backward) bytes per element of the runtime's hidden dropout (runtime.dropout): the
+    mask drawn for the whole sequence (one byte for each of `draws` elements per element kept:
+    tp under sequence parallelism times cp) and the rank's rows copied out of it, the masked fill
+    (read the input and the mask, write) and the scale by 1 / (1 - p); backward the same two."""
+    return draws + (2 if draws > 1 else 0) + (2 * e + 1) + 2 * e, (2 * e + 1) + 2 * e
+
+
 def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
-                dropout: bool, attention: str, autocast: bool = False) -> tuple[float, float]:
+                dropout: bool, attention: str, autocast: bool = False, attention_dropout: bool | None = None,
+                draws: float = 1.0) -> tuple[float, float]:
     """(forward, backward) bytes of the runtime's eager operations (module doc); `autocast`: float32
-    weights under bf16 autocast, the runtime without data parallelism (_autocast_stream)."""
+    weights under bf16 autocast, the runtime without data parallelism (_autocast_stream). Dropout on
+    the hidden states as eager_dropout_bytes counts it (`draws`); on the attention probabilities
+    inside the fused kernel (nothing here) or, unfused, in the softmax's pass."""
     kind = model.layer_kind(index)
     tokens = s * b
     h = model.hidden
     rep = tp if sp else 1
-    drop = (2 * e + 1) if dropout else 0  # read, write, one-byte mask; the same backward
-    if kind == "embedding":
-        fwd, _ = fused_bytes(model, index, b, s, tp, sp, e, dropout, attention)
-        return fwd, BWD_ELEMENTWISE_FACTOR * fwd
+    drop_f, drop_b = eager_dropout_bytes(e, draws) if dropout else (0, 0)
+    if kind == "embedding":  # under autocast its output, and so its dropout, is float32
+        drop_f, drop_b = eager_dropout_bytes(4 if autocast else e, draws) if dropout else (0, 0)
+        fwd, _ = fused_bytes(model, index, b, s, tp, sp, e, False, attention)
+        return fwd + drop_f * tokens * h / rep, BWD_ELEMENTWISE_FACTOR * fwd + drop_b * tokens * h / rep
     norm_f, norm_b = _norm(e)
     if kind == "head":
         vocab = tokens * math.ceil(model.vocab / tp)
@@ -102,13 +116,13 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
     q, kv, f = model.q_dim / tp, model.kv_dim / tp, model.ffn_hidden / tp
     # per token: two norms and two residual adds on the residual stream (3e each: two reads,
     # one write; backward, the add of the branch's gradient to the stream's)
-    stream_f = 2 * norm_f + 2 * 3 * e + 2 * drop
-    stream_b = 2 * norm_b + 2 * 3 * e + 2 * drop
+    stream_f = 2 * norm_f + 2 * 3 * e + 2 * drop_f
+    stream_b = 2 * norm_b + 2 * 3 * e + 2 * drop_b
     # the attention input feeds wq, wk and wv (two gradient adds), the FFN input w1 and w3 in a
     # gated FFN (one); these run on the whole sequence, before sequence parallelism's scatter
     fan_in = (2 + (1 if model.arch == "llama" else 0)) * 3 * e * h
     if autocast:
-        (stream_f, stream_b), fan_in = _autocast_stream(model, e, drop), 0.0
+        (stream_f, stream_b), fan_in = _autocast_stream(model, e, drop_f, drop_b), 0.0
     if model.arch == "gpt":
         ffn_f, ffn_b = 2 * e * f, 3 * e * f  # GELU
         rope_f = rope_b = 0.0
@@ -119,13 +133,13 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
         # bytes per element), cast back; the backward the same three kernels
         rope_f = rope_b = (2 * _cast(e) + 8) * (q + kv)
         bias = e * (q + 2 * kv) if model.qkv_bias else 0.0
-    soft = _softmax_bytes(model, b, s, e, dropout, attention) / tp
+    soft = _softmax_bytes(model, b, s, e, dropout if attention_dropout is None else attention_dropout, attention) / tp
     fwd = tokens * (stream_f * h / rep + ffn_f + rope_f) + soft
     bwd = tokens * (stream_b * h / rep + fan_in + ffn_b + rope_b + bias) + BWD_ELEMENTWISE_FACTOR * soft
     return fwd, bwd
 
 
-def _autocast_stream(model: ModelConfig, e: int, drop: float) -> tuple[float, float]:
+def _autocast_stream(model: ModelConfig, e: int, drop_f: float, drop_b: float) -> tuple[float, float]:
     """(forward, backward) bytes per residual-stream element of a block of the runtime without data
     parallelism: float32 weights under bf16 autocast (planner.precision.casts_weights), so
     the embedding's float32 output makes the residual stream float32. Forward: two float32 norms
@@ -136,8 +150,8 @@ def _autocast_stream(model: ModelConfig, e: int, drop: float) -> tuple[float, fl
     of each norm), the two residual adds' stream gradients (12) and their cast to bf16 for the
     branch (4 + e), two float32 norm backwards (12). tests/test_pointwise.py traces it."""
     casts = 3 + (2 if model.arch == "llama" else 1)
-    fwd = casts * (4 + e) + 2 * (4 + e + 4) + 2 * 8 + 2 * drop
-    bwd = casts * (e + 4) + (casts - 2) * 12 + 2 * 12 + 2 * (4 + e) + 2 * 12 + 2 * drop
+    fwd = casts * (4 + e) + 2 * (4 + e + 4) + 2 * 8 + 2 * drop_f
+    bwd = casts * (e + 4) + (casts - 2) * 12 + 2 * 12 + 2 * (4 + e) + 2 * 12 + 2 * drop_b
     return fwd, bwd
 
 
@@ -170,18 +184,21 @@ def conversion_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp
     return (up_f, 0.0), (up_b, 0.0)
 
 
-def pointwise_bytes(kernels: str, *args, autocast: bool = False) -> tuple[float, float]:
+def pointwise_bytes(kernels: str, *args, autocast: bool = False, attention_dropout: bool | None = None,
+                    draws: float = 1.0) -> tuple[float, float]:
     """(forward, backward) bytes of one layer's memory-bound operations with `kernels`."""
     if kernels == "eager":
-        return eager_bytes(*args, autocast=autocast)
-    return fused_bytes(*args)
+        return eager_bytes(*args, autocast=autocast, attention_dropout=attention_dropout, draws=draws)
+    return fused_bytes(*args, attention_dropout=attention_dropout)
 
 
 def pointwise_seconds(device, kernels: str, model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool,
-                      e: int, dropout: bool, attention: str, autocast: bool = False) -> tuple[float, float]:
+                      e: int, dropout: bool, attention: str, autocast: bool = False,
+                      attention_dropout: bool | None = None, draws: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's memory-bound operations on `device`: eager
     kernels that convert dtypes at their measured bandwidth (conversion_bytes)."""
-    total = pointwise_bytes(kernels, model, index, b, s, tp, sp, e, dropout, attention, autocast=autocast)
+    total = pointwise_bytes(kernels, model, index, b, s, tp, sp, e, dropout, attention, autocast=autocast,
+                            attention_dropout=attention_dropout, draws=draws)
     conv = (conversion_bytes(model, index, b, s, tp, sp, e, autocast) if kernels == "eager"
             else ((0.0, 0.0), (0.0, 0.0)))
     return tuple(device.pointwise_seconds(t, *c) for t, c in zip(total, conv))

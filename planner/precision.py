@@ -229,12 +229,23 @@ CPU_GRAPH_BYTES = {("block", "none"): 72 * 1024, ("block", "selective"): 76 * 10
                    ("embedding", "none"): 4 * 1024, ("head", "none"): 16 * 1024}
 
 
+# Attention-probability dropout on CPU: scaled_dot_product_attention has no fused kernel with
+# dropout there and runs its math path, which keeps the probabilities, the float mask and the
+# dropped probabilities: 13 bytes per (sequence, head, query, key) in float32, 14 in bf16 (torch
+# 2.13, measured in tests/test_dropout.py), where the fused kernel keeps a log-sum-exp per query.
+CPU_MATH_DROPOUT_BYTES = 14
+
+
 def cpu_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int, sp: bool) -> float:
     """What a layer of the runtime on CPU holds from forward to backward beyond what it holds on a
-    GPU: decomposed_norm_bytes and its autograd graph's records (CPU_GRAPH_BYTES)."""
+    GPU: decomposed_norm_bytes, its autograd graph's records (CPU_GRAPH_BYTES) and attention dropout's
+    probabilities (CPU_MATH_DROPOUT_BYTES)."""
     kind = model.layer_kind(index)
     graph = CPU_GRAPH_BYTES[(kind, recompute if kind == "block" else "none")]
-    return decomposed_norm_bytes(model, t, dp, index, recompute, b, s, tp, sp) + graph
+    math = 0.0
+    if kind == "block" and recompute == "none" and t.attention_dropout_p > 0 and t.attention != "unfused":
+        math = CPU_MATH_DROPOUT_BYTES * model.heads / tp * s * s * b
+    return decomposed_norm_bytes(model, t, dp, index, recompute, b, s, tp, sp) + graph + math
 
 
 def runtime_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int, tp: int, sp: bool,

@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 
 from planner import sizing
-from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, optimizer_settings, sized
+from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, training_settings, sized
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.hsdp import HSDP_POOL, with_hsdp
@@ -105,7 +105,7 @@ def cmd_search(args) -> int:
                   end="", file=sys.stderr, flush=True)
 
     mp = _model_profile(args)
-    optimizer = optimizer_settings(args)
+    training = training_settings(args)
 
     def run_search(cluster, top=args.top):
         # HSDP is priced on the plans found (planner.hsdp): on at least HSDP_POOL of them, so that a
@@ -113,7 +113,7 @@ def cmd_search(args) -> int:
         # replica counts, and the pass tries each plan's assignment under the others
         pool = top if args.dp_replicate == (1,) else max(top, HSDP_POOL)  # (1,): flat alone
         kw = dict(global_batch=args.global_batch, seq_len=args.seq_len, memory_limit_bytes=limit, dtype=args.dtype,
-                  top=pool, progress=progress, space=_search_space(args), **optimizer)
+                  top=pool, progress=progress, space=_search_space(args), **training)
         # with a model profile, partitioned by the measured layers and ranked by the whole profile
         run = partial(search_profiled, model, cluster, mp) if mp is not None else partial(search, model, cluster)
         res = (search_either(run, **kw) if args.sp_saved_inputs == EITHER

@@ -42,7 +42,10 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # what makes two plans one training run: a step of either gives the same loss from the same state
 # (the data of step i depends on the seed, the step and the global batch; the learning rate on the step)
 RUN_FIELDS = ("global_batch", "seq_len", "dtype", "optimizer", "master_weights", "lr", "weight_decay", "grad_clip",
-              "dropout", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr")
+              "dropout", "attention_dropout_p", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr")
+# run fields that checkpoints written before them lack, and the value those ran with (the runtime
+# refused dropout before 2026-12-05)
+RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0}
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -88,8 +91,9 @@ def read_meta(ckpt: Path, plan) -> dict:
         saved, ours = meta.get("run") or {}, run_of(plan)
         for section, fields in ours.items():
             for k, v in fields.items():
-                old = (saved.get(section) or {}).get(k)
+                old = (saved.get(section) or {}).get(k, RUN_FIELDS_ADDED.get(k))
                 if old != v:
+                    k = k.removesuffix("_p")  # attention_dropout_p: the plan's attention_dropout (null: dropout)
                     raise ConfigError(f"checkpoint {meta_path}: written by a plan with {section}.{k}={old!r}, this "
                                       f"plan has {v!r}; set it to {old!r} (a checkpoint resumes under plans of the "
                                       "same model and training settings) or use another --checkpoint-dir")

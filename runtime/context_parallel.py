@@ -37,7 +37,7 @@ class ContextParallel:
         # create the tensor subclass
         self.masks = [causal_lower_right(self.n, (c + 1) * self.n) for c in self.chunks]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         """q, k, v [b, heads, local tokens, head_dim] -> attention output for the local queries.
         Each of the rank's two query chunks attends the keys up to its own end under the causal
         mask aligned to their last key (torch's causal_lower_right, which fused kernels take
@@ -50,7 +50,8 @@ class ContextParallel:
         for half, (c, mask) in enumerate(zip(self.chunks, self.masks)):
             end = (c + 1) * n
             outs.append(F.scaled_dot_product_attention(q[:, :, half * n:(half + 1) * n], k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]))
+                                                       attn_mask=mask, dropout_p=dropout_p,
+                                                       enable_gqa=q.shape[1] != k.shape[1]))
         return torch.cat(outs, dim=2)
 
     def local_tokens(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from planner.model import ModelConfig
+from runtime.dropout import ATTENTION_OUT, EMBEDDING, MLP_OUT
 from runtime.recompute import replay_once
 
 
@@ -52,8 +53,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
 
 
-def _sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+def _sdpa(q, k, v, dropout_p: float = 0.0):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -68,6 +70,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.q_dim, cfg.hidden, bias=cfg.arch == "gpt")
         self.selective_recompute = False  # checkpoint only the attention core (SDPA)
         self.context = None  # context parallelism: runtime.context_parallel.ContextParallel
+        self.dropout = None  # training.dropout: runtime.dropout.Dropout
+        self.key = None  # the dropout key of the forward (Block._forward sets it; a replay alike)
 
     def forward(self, x, cos=None, sin=None):
         b, s, _ = x.shape
@@ -78,6 +82,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         core = _sdpa if self.context is None else self.context.attend  # the latter gathers K and V
+        if self.key is not None:
+            core = self.dropout.attention_core(core, self.key[:3], self.key[3])
         if self.selective_recompute and torch.is_grad_enabled():
             out = checkpoint(core, q, k, v, use_reentrant=False)
         else:
@@ -117,17 +123,24 @@ class Block(nn.Module):
 
         self.full_recompute = False  # checkpoint the whole block: keep only its input for backward
         self.replay_once = False  # recompute for a split backward (runtime.recompute)
+        self.dropout = None  # training.dropout: runtime.dropout.Dropout
 
-    def _forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+    def _forward(self, x, cos, sin, key=None):
+        """`key`: (step, first row, rows, layer) of the micro-batch under dropout, else None."""
+        self.attention.key = key
+        h = self.attention(self.attention_norm(x), cos, sin)
+        if key is not None:
+            h = self.dropout.hidden(h, key[:3], key[3], ATTENTION_OUT)
+        x = x + h
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + (h if key is None else self.dropout.hidden(h, key[:3], key[3], MLP_OUT))
 
-    def forward(self, x, cos=None, sin=None):
+    def forward(self, x, cos=None, sin=None, key=None):
         if self.full_recompute and torch.is_grad_enabled():
             if self.replay_once:
-                return replay_once(self._forward, x, cos, sin)
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+                return replay_once(self._forward, x, cos, sin, key)
+            return checkpoint(self._forward, x, cos, sin, key, use_reentrant=False)
+        return self._forward(x, cos, sin, key)
 
 
 class Embedding(nn.Module):
@@ -169,6 +182,7 @@ class Transformer(nn.Module):
             # pipeline's head keeps a copy instead (runtime.tied)
             self.layers[str(end - 1)].output.weight = self.layers["0"].tok_embeddings.weight
         self.positions = None  # the tokens' positions where not 0..s-1 (context parallelism)
+        self.dropout = None  # training.dropout: runtime.dropout.Dropout (runtime.dropout.attach_dropout)
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         if cfg.arch == "llama":
@@ -182,11 +196,14 @@ class Transformer(nn.Module):
                 self.rope_cos, self.rope_sin = self.rope_cos[self.positions], self.rope_sin[self.positions]
 
     def forward(self, x):
-        for layer in self.layers.values():
+        drop = self.dropout.key(x.shape[0]) if self.dropout is not None and torch.is_grad_enabled() else None
+        for name, layer in self.layers.items():
             if isinstance(layer, Block):
-                x = layer(x, self.rope_cos, self.rope_sin)
+                x = layer(x, self.rope_cos, self.rope_sin, None if drop is None else (*drop, int(name)))
             elif isinstance(layer, Embedding):
                 x = layer(x, self.positions)
+                if drop is not None:
+                    x = self.dropout.hidden(x, drop, 0, EMBEDDING)
             else:
                 x = layer(x)
         return x

@@ -66,6 +66,8 @@ class _Stage(PipelineStage):
         return []
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        if getattr(self.submod, "dropout", None) is not None:  # its masks are the micro-batch's (runtime.dropout)
+            self.submod.dropout.micro = fwd_chunk_id
         if self.sends is not None:
             self.sends.reached(("F", self.stage_index, fwd_chunk_id))
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)

@@ -37,8 +37,6 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError(f"{path}: the prediction says this plan does not fit in device memory; "
                           "pick another plan or pass --force to try anyway")
     t = plan.training
-    if t.dropout > 0:
-        raise ConfigError(f"training.dropout: {t.dropout}; the runtime does not implement dropout yet, set it to 0")
     if t.attention != "flash":
         raise ConfigError(f"training.attention: {t.attention} is for predicting other frameworks' runs; the "
                           "runtime runs fused scaled_dot_product_attention, set it to flash to run")

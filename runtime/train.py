@@ -33,6 +33,7 @@ from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.context_parallel import ContextParallel, apply_context_parallel
 from runtime.data import local_rows, make_source
+from runtime.dropout import attach_dropout, dropout_step
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
 from runtime.launch import free_port
@@ -113,6 +114,7 @@ class Trainer:
         self.dtype = compute_dtype(plan, args, device)
         self.scaler = LossScale(self.dtype == "fp16", args.initial_loss_scale)  # fp16's (runtime.loss_scale)
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
+        attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
         t = plan.training
         # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
         # its temporaries: planner.precision.optimizer_temp_bytes)
@@ -175,6 +177,7 @@ class Trainer:
             inputs, targets = self.context.local_tokens(inputs), self.context.local_tokens(targets)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         n_micro = plan.pipeline.micro_batches
+        dropout_step(self.chunks, step)
         local_loss = torch.zeros((), dtype=torch.float64)
         with self._autocast():
             if self.schedule is not None:
@@ -222,6 +225,8 @@ class Trainer:
         losses = []
         for i, (x, y) in enumerate(zip(xs, ys)):
             self._set_grad_sync(i == len(xs) - 1)
+            if self.chunks[0].dropout is not None:
+                self.chunks[0].dropout.micro = i
             loss = self.loss(self.chunks[0](x), y) / len(xs)
             loss.backward()
             losses.append(loss.detach())

@@ -22,6 +22,10 @@ FLOPS_OPS = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu"
 PARTIAL_READS = {"nll_loss_forward", "nll_loss_backward", "gather"}
 # operations that update one entry per row of a tensor in place: a few bytes per row; allocations
 NO_TRAFFIC = {"scatter_add_", "empty", "empty_like"}
+# in-place random fills: they write the tensor and read nothing of it
+WRITE_ONLY = {"bernoulli_"}
+# operations that read as much of their input as they write (the rows they select)
+SELECTS = {"index_select"}
 
 
 def _bytes(x) -> int:
@@ -47,7 +51,8 @@ class ByteCounter(TorchDispatchMode):
             or name == "_unsafe_view"
         if name not in FLOPS_OPS and not views and name not in NO_TRAFFIC:
             inputs = list(args) + [v for k, v in (kwargs or {}).items() if k != "out"]  # out= is written
-            reads = 0 if name in PARTIAL_READS else _bytes(inputs)
+            reads = 0 if name in PARTIAL_READS or name in WRITE_ONLY else _bytes(out) if name in SELECTS \
+                else _bytes(inputs)
             # in-place foreach operations (the optimizer's) return nothing: they write their first list
             writes = _bytes(args[0]) if name.startswith("_foreach_") and name.endswith("_") else _bytes(out)
             self.total += reads + writes
@@ -92,6 +97,28 @@ def test_eager_block_traffic_is_what_the_runtime_block_moves(name, dtype):
     fwd, bwd = _traced(lambda t: block(t, cos, sin), x)
     pf, pb = eager_bytes(cfg, 1, b, s, 1, False, e, False, "flash")
     assert pf == pytest.approx(fwd, rel=0.03) and pb == pytest.approx(bwd, rel=0.03), (pf, fwd, pb, bwd)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_eager_hidden_dropout_traffic_is_what_the_runtime_block_moves(sp):
+    """A block with the runtime's hidden dropout (runtime.dropout): masks drawn for the whole
+    sequence and, as a sequence-parallel rank of two keeps half the tokens, its rows copied out."""
+    from runtime.dropout import Dropout
+    cfg, dtype = _small("tiny-gpt"), torch.bfloat16
+    b, s = 8, 32
+    block = _gpu_norms(Block(cfg).to(dtype), cfg, dtype)
+    local = s // 2 if sp else s
+    x = torch.randn(b, local, cfg.hidden, dtype=dtype, requires_grad=True)
+    without = _traced(lambda t: block(t), x)
+    block.dropout = block.attention.dropout = Dropout(0.1, 0.0, 0, s, 0, torch.arange(local) if sp else None, 0, 0,
+                                                      torch.device("cpu"))
+    block.zero_grad(set_to_none=True)  # else the second backward adds into the first's gradients
+    x.grad = None
+    with_ = _traced(lambda t: block(t, key=(0, 0, b, 1)), x)
+    plain = eager_bytes(cfg, 1, b, local, 1, False, 2, False, "flash")
+    priced = eager_bytes(cfg, 1, b, local, 1, False, 2, True, "flash", attention_dropout=False, draws=2 if sp else 1)
+    for i in (0, 1):  # the dropouts' own bytes, forward and backward, within 3% of what they move
+        assert priced[i] - plain[i] == pytest.approx(with_[i] - without[i], rel=0.03), (i, priced, plain, with_, without)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

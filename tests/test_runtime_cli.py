@@ -87,7 +87,6 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, field", [
-    (dict(dropout=0.1), "training.dropout"),
     (dict(overlap_grad_reduce=False), "training.overlap_grad_reduce"),
     (dict(dtype="bf16", master_weights=False), "training.master_weights"),
     (dict(attention="unfused"), "training.attention"),
