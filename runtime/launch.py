@@ -19,6 +19,7 @@ from pathlib import Path
 from planner.model import ConfigError
 from planner.args import OneLineParser, positive_number
 from planner.plan import Plan
+from runtime.evaluate import add_eval_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,6 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--trace", default=None, metavar="DIR", help="profile the last step (runtime.trace) into DIR")
+    add_eval_args(ap)
     ap.add_argument("--rdzv-endpoint", default="NODE0_HOST:29500",
                     help="host:port of node 0, for the commands printed for a multi-node plan")
     return ap.parse_args(argv)
@@ -48,11 +50,14 @@ def train_args(args: argparse.Namespace) -> list[str]:
     out = ["--plan", args.plan, "--steps", str(args.steps), "--data", args.data]
     for flag, value in (("--out", args.out), ("--data-dtype", args.data_dtype), ("--dtype", args.dtype),
                         ("--initial-loss-scale", None if args.initial_loss_scale is None else repr(args.initial_loss_scale)),
-                        ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
+                        ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace),
+                        ("--eval-data", args.eval_data)):
         if value is not None:
             out += [flag, value]
     if args.checkpoint_every:
         out += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.eval_every:
+        out += ["--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches)]
     out += ["--resume"] * args.resume + ["--force"] * args.force
     return out
 

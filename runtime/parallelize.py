@@ -214,3 +214,24 @@ def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
         elif isinstance(layer, Head) and not tied:
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The world's DeviceMesh in the plan's order, and the mesh data parallelism runs over. Under
+    HSDP (mesh.dp_replicate > 1) dp is two dimensions, dp_replicate outside dp_shard, as
+    planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards)."""
+    dims = [d for dim in m.order for d in (("dp_replicate", "dp_shard") if dim == "dp" and m.dp_replicate > 1
+                                           else (dim,))]
+    sizes = {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard}
+    mesh = DeviceMesh(device_type, torch.arange(m.world_size).reshape([sizes[d] for d in dims]),
+                      mesh_dim_names=tuple(dims))
+    # context parallelism: the CP ranks hold the same parameters, so ZeRO shards over dp (HSDP's
+    # shard group) x cp and gradients add up over them too (torchtitan's dp_shard_cp)
+    if m.cp == 1:
+        return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
+    if m.dp_replicate == 1:
+        return mesh, mesh["dp", "cp"]._flatten("dp_cp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh, mesh["dp_replicate", "dp_shard_cp"]

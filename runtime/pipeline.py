@@ -8,6 +8,8 @@ torch from the first micro-batch.
 """
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from typing import Callable
 
@@ -282,12 +284,38 @@ def _stages_of(schedule) -> list:
     return getattr(schedule, "_stages", None) or [schedule._stage]
 
 
-def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Tensor, targets: torch.Tensor) -> list:
-    """One step through the pipeline; returns the per-micro-batch losses (empty off the last stage)."""
+FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+
+
+@contextlib.contextmanager
+def _forwards_only(schedule):
+    """torch's action runtime (interleaved 1F1B, ZB-V) runs every action of its order in eval() too,
+    backward ones included, which fail without a backward (torch 2.13): meanwhile each rank's order
+    keeps its forwards, their transfers and FSDP's gathers, in the order they had."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        yield
+        return
+    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type.value in FORWARD_ACTIONS]
+                                          for rank, actions in order.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
+
+
+def run_schedule(schedule, stage_ids: list[int], n_stages: int, inputs: torch.Tensor, targets: torch.Tensor,
+                 forward_only: bool = False) -> list:
+    """One step through the pipeline (`forward_only`: its forwards and losses alone, under no_grad);
+    returns the per-micro-batch losses (empty off the last stage)."""
     losses: list = []
     args = (inputs,) if 0 in stage_ids else ()
     kwargs = {"target": targets, "losses": losses} if n_stages - 1 in stage_ids else {}
-    schedule.step(*args, return_outputs=False, **kwargs)
+    if forward_only:
+        with _forwards_only(schedule):
+            schedule.eval(*args, return_outputs=False, **kwargs)
+    else:
+        schedule.step(*args, return_outputs=False, **kwargs)
     sends = _stages_of(schedule)[0].sends
     if sends is not None:
         sends.finish()

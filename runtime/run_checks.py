@@ -77,6 +77,8 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
             raise ConfigError(f"--data: {args.data} is not a file; give a uint16/uint32 token file or synthetic")
         from runtime.data import make_source  # long enough for one sequence, in the dtype given
         make_source(args.data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
+    from runtime.evaluate import check_eval_args
+    check_eval_args(args, plan)
     return plan
 
 

@@ -18,13 +18,11 @@ import math
 import os
 import sys
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from planner.compare import busy_note, leak_note
 from planner.model import ConfigError
@@ -34,6 +32,7 @@ from runtime import checkpoint as ckpt
 from runtime.context_parallel import ContextParallel, apply_context_parallel
 from runtime.data import local_rows, make_source
 from runtime.dropout import attach_dropout, dropout_step
+from runtime.evaluate import Evaluator, add_eval_args
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
 from runtime.launch import free_port
@@ -43,7 +42,7 @@ from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm, lr_at, reduce_partial_grads
 from runtime.loss_scale import INITIAL, LossScale
 from runtime.tied import TiedMatrix
-from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, retie
+from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, build_mesh, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
 from runtime.trace import traced_step
 from runtime.run_checks import check_out, check_plan  # noqa: F401 (check_plan: runtime.train's API)
@@ -67,32 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"fp16: the dynamic loss scale to start from (default {INITIAL:g}; Megatron-LM's --initial-loss-scale)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="profile the last step with torch.profiler: per-rank operator tables and traces in DIR")
+    add_eval_args(ap)
     return ap.parse_args(argv)
 
 
 def compute_dtype(plan: Plan, args, device: torch.device) -> str:
     return args.dtype or (plan.training.dtype if device.type == "cuda" else "fp32")
-
-
-def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-    """The world's DeviceMesh in the plan's order, and the mesh data parallelism runs over. Under
-    HSDP (mesh.dp_replicate > 1) dp is two dimensions, dp_replicate outside dp_shard, as
-    planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards)."""
-    dims = [d for dim in m.order for d in (("dp_replicate", "dp_shard") if dim == "dp" and m.dp_replicate > 1
-                                           else (dim,))]
-    sizes = {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard}
-    mesh = DeviceMesh(device_type, torch.arange(m.world_size).reshape([sizes[d] for d in dims]),
-                      mesh_dim_names=tuple(dims))
-    # context parallelism: the CP ranks hold the same parameters, so ZeRO shards over dp (HSDP's
-    # shard group) x cp and gradients add up over them too (torchtitan's dp_shard_cp)
-    if m.cp == 1:
-        return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
-    if m.dp_replicate == 1:
-        return mesh, mesh["dp", "cp"]._flatten("dp_cp")
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
-        warnings.simplefilter("ignore", UserWarning)
-        return mesh, mesh["dp_replicate", "dp_shard_cp"]
 
 
 class Trainer:
@@ -172,10 +151,7 @@ class Trainer:
         """Optimizer step `step` (0-based: its learning rate, runtime.optim.lr_at) on the global batch
         [global_batch, seq_len + 1]; returns its mean loss."""
         plan = self.plan
-        inputs, targets = local_rows(batch, self.dp_rank, plan.mesh.dp)
-        if self.context is not None:
-            inputs, targets = self.context.local_tokens(inputs), self.context.local_tokens(targets)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = self.local_batch(batch)
         n_micro = plan.pipeline.micro_batches
         dropout_step(self.chunks, step)
         local_loss = torch.zeros((), dtype=torch.float64)
@@ -209,12 +185,23 @@ class Trainer:
         # (they wait for the other ranks' backwards; the planner prices them outside its step)
         self.optimizer_s = time.perf_counter() - t_opt - sum(timing.values())
         self.pipeline_wait_s = timing.get("pp_wait_s", 0.0)  # for the other pipeline ranks' backward
-        # the loss of the step: mean over data-parallel (and CP: equal token counts) ranks of the last
-        # stage's loss
+        return self.mean_loss(float(local_loss))
+
+    def local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (inputs, targets) of a global batch, on its device: its data-parallel rank's
+        rows, its CP rank's tokens."""
+        inputs, targets = local_rows(batch, self.dp_rank, self.plan.mesh.dp)
+        if self.context is not None:
+            inputs, targets = self.context.local_tokens(inputs), self.context.local_tokens(targets)
+        return inputs.to(self.device), targets.to(self.device)
+
+    def mean_loss(self, local: float) -> float:
+        """The loss of a global batch, the same on every rank: the mean over data-parallel (and CP:
+        equal token counts) ranks of the last stage's `local` loss."""
         owner = self.n_stages - 1 in self.stage_ids and self.tp_rank == 0
-        total = torch.tensor([float(local_loss) if owner else 0.0], dtype=torch.float64, device=self.device)
+        total = torch.tensor([local if owner else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
-        return float(total) / plan.mesh.grad_ranks
+        return float(total) / self.plan.mesh.grad_ranks
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of a micro-batch from this rank's vocabulary slice of the logits."""
@@ -264,6 +251,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               + ("; --trace traces no step (the last measures the memory)" if args.trace else "")
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
+    evaluator = Evaluator(args, plan)
     other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
@@ -296,6 +284,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         if rank == 0:
             rate = f"  lr {trainer.lr:.3g}" if t.lr_scheduled else ""
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}{rate}  {times[-1] * 1000:.0f} ms", flush=True)
+        if evaluator.due(step):  # after the step's time and memory: a validation loss (runtime.evaluate)
+            if (loss := evaluator.run(trainer, step)) is not None and rank == 0:
+                print(f"step {step + 1}/{args.steps}  validation loss {loss:.6f}", flush=True)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, plan,
                       {"next_step": step + 1, "loss_scale": trainer.scaler.state()})
@@ -343,6 +334,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         # CPU cores other work kept busy while this run's processes slept, before and after the steps
         "host_other_busy_cores": busy, "host_cores": len(os.sched_getaffinity(0)), "host_compute_slots": slots,
         **({"trace": gather(trace)} if trace else {}),
+        **({"validation": evaluator.results} if evaluator.every else {}),  # [{step, loss}]
     }
 
 

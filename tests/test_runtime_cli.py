@@ -182,9 +182,9 @@ def test_a_fresh_run_does_not_overwrite_checkpoints(plan1, saved, capsys):
 def test_trident_run_trains_a_plan_with_torchrun(tmp_path):
     out = tmp_path / "run.json"
     plan = write_plan(tmp_path, "pp2", world=2, pp=2, schedule="1f1b")
-    assert launch.main([str(plan), "--steps", "2", "--out", str(out)]) == 0
+    assert launch.main([str(plan), "--steps", "2", "--out", str(out), "--eval-every", "2"]) == 0
     run = json.loads(out.read_text())
-    assert run["world_size"] == 2 and len(losses_of(out)) == 2
+    assert run["world_size"] == 2 and len(losses_of(out)) == 2 and [v["step"] for v in run["validation"]] == [2]
 
 
 def test_a_failed_trident_run_ends_in_one_line_per_problem(tmp_path, capfd):
