@@ -49,6 +49,22 @@ RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0}
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def plan_field(k: str) -> str:
+    """A RUN_FIELDS name as the plan spells it (attention_dropout_p: attention_dropout, null: dropout)."""
+    return k.removesuffix("_p")
+
+
+def changeable_fields(text: str) -> tuple[str, ...]:
+    """--allow-change: comma-separated training settings of RUN_FIELDS (as the plan names them)."""
+    import argparse
+    names = {plan_field(k): k for k in RUN_FIELDS}
+    picked = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in picked if x not in names]
+    if bad or not picked:
+        raise argparse.ArgumentTypeError(f"{text!r}: name training settings among {', '.join(names)}")
+    return tuple(names[x] for x in picked)
+
+
 def run_of(plan) -> dict:
     """The model (its name aside) and the training settings that a resumed plan must share."""
     model = {k: v for k, v in plan.model.to_dict().items() if k != "name"}
@@ -71,9 +87,11 @@ def checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_meta(ckpt: Path, plan) -> dict:
+def read_meta(ckpt: Path, plan, allowed: tuple = ()) -> dict:
     """The checkpoint's trident.json, checked against the plan (ConfigError names the file and the
-    first setting that differs); `replanned` is true where another plan of the same run wrote it."""
+    first setting that differs, unless `allowed`: training settings that may, --allow-change);
+    `replanned` is true where another plan wrote it, `changed` maps each setting allowed to differ
+    that does to its (checkpoint's, plan's) values."""
     meta_path = ckpt / META
     try:
         meta = json.loads(meta_path.read_text())
@@ -86,18 +104,22 @@ def read_meta(ckpt: Path, plan) -> dict:
     if meta.get("layout") != BY_NAME:
         raise ConfigError(f"checkpoint {meta_path}: written by trident before 2026-12-04 (its state keyed by "
                           "pipeline stage); resume it with that trident or use another --checkpoint-dir")
-    replanned = saved_hash != plan.content_hash()
+    replanned, changed = saved_hash != plan.content_hash(), {}
     if replanned:
         saved, ours = meta.get("run") or {}, run_of(plan)
         for section, fields in ours.items():
             for k, v in fields.items():
                 old = (saved.get(section) or {}).get(k, RUN_FIELDS_ADDED.get(k))
-                if old != v:
-                    k = k.removesuffix("_p")  # attention_dropout_p: the plan's attention_dropout (null: dropout)
-                    raise ConfigError(f"checkpoint {meta_path}: written by a plan with {section}.{k}={old!r}, this "
-                                      f"plan has {v!r}; set it to {old!r} (a checkpoint resumes under plans of the "
-                                      "same model and training settings) or use another --checkpoint-dir")
-    return {**meta, "step": step, "next_step": next_step, "replanned": replanned}
+                if old == v:
+                    continue
+                if section == "training" and k in allowed:
+                    changed[plan_field(k)] = (old, v)
+                    continue
+                hint = f", pass --allow-change {plan_field(k)} to go on with {v!r}" if section == "training" else ""
+                raise ConfigError(f"checkpoint {meta_path}: written by a plan with {section}.{plan_field(k)}={old!r}, "
+                                  f"this plan has {v!r}; set it to {old!r} (a checkpoint resumes under plans of the "
+                                  f"same model and training settings){hint} or use another --checkpoint-dir")
+    return {**meta, "step": step, "next_step": next_step, "replanned": replanned, "changed": changed}
 
 
 def _state(chunks, optimizers, saving: bool = False) -> tuple[dict, list]:
@@ -170,7 +192,7 @@ def resume(args, plan, trainer, rank: int) -> int:
         if rank == 0:
             print(f"no checkpoint in {args.checkpoint_dir}; starting from step 0", flush=True)
         return 0
-    meta = read_meta(found[-1], plan)
+    meta = read_meta(found[-1], plan, getattr(args, "allow_change", ()))
     if meta["next_step"] >= args.steps:
         raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
                           "ask for more steps")
@@ -179,4 +201,7 @@ def resume(args, plan, trainer, rank: int) -> int:
     if meta["replanned"] and rank == 0:
         print(f"resumed {found[-1].name} of another plan of this run ({meta.get('mesh', '?')}; now "
               f"{mesh_of(plan)}): its model and optimizer state resharded to this plan", flush=True)
+    if meta["changed"] and rank == 0:
+        print("resumed with changed training settings (--allow-change): " + ", ".join(
+            f"{k} {old!r} -> {new!r}" for k, (old, new) in meta["changed"].items()), flush=True)
     return meta["next_step"]

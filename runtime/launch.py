@@ -38,6 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--allow-change", default=None, metavar="FIELDS",
+                    help="training settings a resumed plan may change (runtime.train --allow-change)")
     ap.add_argument("--trace", default=None, metavar="DIR", help="profile the last step (runtime.trace) into DIR")
     add_eval_args(ap)
     ap.add_argument("--rdzv-endpoint", default="NODE0_HOST:29500",
@@ -51,7 +53,7 @@ def train_args(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--out", args.out), ("--data-dtype", args.data_dtype), ("--dtype", args.dtype),
                         ("--initial-loss-scale", None if args.initial_loss_scale is None else repr(args.initial_loss_scale)),
                         ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace),
-                        ("--eval-data", args.eval_data)):
+                        ("--eval-data", args.eval_data), ("--allow-change", args.allow_change)):
         if value is not None:
             out += [flag, value]
     if args.checkpoint_every:

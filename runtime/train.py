@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    ap.add_argument("--allow-change", type=ckpt.changeable_fields, default=(), metavar="FIELDS",
+                    help="training settings (e.g. global_batch,lr) a resumed plan may change from the checkpoint's run")
     ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the plan's on GPU, fp32 on CPU)")

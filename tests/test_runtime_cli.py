@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -158,7 +159,20 @@ def test_a_checkpoint_of_another_run_is_refused_and_kept(tmp_path, saved):
     lines = error_lines(proc.stderr)
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert str(saved / "step-1" / "trident.json") in lines[0] and "training.lr=0.0003" in lines[0]
+    assert "--allow-change lr" in lines[0]
     assert _snapshot(saved) == before
+    # a model setting is not a training setting to change
+    bad = train(1, "--plan", other, "--steps", 2, "--checkpoint-dir", saved, "--resume", "--allow-change", "layers")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--allow-change: 'layers'" in bad.stderr
+    # allowed: the run goes on from the checkpoint with the new learning rate and global batch
+    shutil.copytree(saved, tmp_path / "copy")
+    changed = write_plan(tmp_path, "changed", lr=1e-3, global_batch=4)
+    proc = train(1, "--plan", changed, "--steps", 2, "--checkpoint-dir", tmp_path / "copy", "--resume",
+                 "--allow-change", "lr,global_batch", "--out", tmp_path / "changed.json")
+    assert_ok(proc)
+    assert "global_batch 8 -> 4" in proc.stdout and "lr 0.0003 -> 0.001" in proc.stdout
+    run = json.loads((tmp_path / "changed.json").read_text())
+    assert run["first_step"] == 1 and run["learning_rates"] == [1e-3] and run["tokens_per_step"] == 4 * 32
 
 
 def test_a_corrupt_checkpoint_is_refused_and_kept(plan1, saved):
