@@ -5,13 +5,14 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 from planner.cluster import load_cluster
 from planner.args import (MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, non_negative_int, non_negative_number,
                           nonempty, positive_int, probability, replica_list)
 from planner.cost import estimate
-from planner.model import ATTENTION_KERNELS, ConfigError, load_model
+from planner.model import ATTENTION_KERNELS, ZOO, ConfigError, load_model
 from planner.plan import LR_DECAYS, SCHEDULES, SP_SAVED_INPUTS, Plan, Training, priced_on
 from planner.plan_checks import check_optimizer
 from planner.pointwise import ELEMENTWISE_KERNELS
@@ -181,6 +182,24 @@ def _add_optimizer_args(p) -> None:
     g.add_argument("--min-lr", type=non_negative_number, default=0.0, help="the learning rate after the decay")
 
 
+def dropout_note(args) -> str | None:
+    """A note where --model is a Hugging Face config that trains with dropout and none was asked for."""
+    if args.dropout or args.attention_dropout is not None or args.model in ZOO or not Path(args.model).is_file():
+        return None
+    try:
+        cfg = json.loads(Path(args.model).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        return None
+    from planner.hf_config import config_dropouts
+    hidden, attention = config_dropouts(cfg)
+    if not hidden and not attention:
+        return None
+    return (f"{args.model} trains with dropout (hidden {hidden:g}, attention {attention:g}); the plan has none: "
+            f"pass --dropout {hidden:g} --attention-dropout {attention:g} to plan and run with it")
+
+
 def training_settings(args) -> dict:
     """The Training fields of _add_optimizer_args and the dropouts, checked (one line naming the option)."""
     kw = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, lr_warmup_steps=args.lr_warmup_steps,
@@ -189,6 +208,8 @@ def training_settings(args) -> dict:
         check_optimizer(SimpleNamespace(**kw))
     except ConfigError as exc:
         raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
+    if note := dropout_note(args):
+        print(f"trident: note: {note}", file=sys.stderr)
     return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout)
 
 

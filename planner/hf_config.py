@@ -69,3 +69,17 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
     else:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; use {', '.join(LLAMA_LIKE)} or gpt2")
     return ModelConfig(name=name, **kw)
+
+
+# the dropout probabilities Hugging Face configs train with: hidden states (GPT-2's resid_pdrop and
+# embd_pdrop, others' hidden_dropout) and attention probabilities (attn_pdrop, attention_dropout)
+HIDDEN_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "hidden_dropout", "hidden_dropout_prob")
+ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+
+
+def config_dropouts(cfg: dict) -> tuple[float, float]:
+    """(hidden, attention) dropout a Hugging Face config sets (the largest of its keys; 0 where none)."""
+    def largest(keys):
+        return max([float(cfg[k]) for k in keys if is_real(cfg.get(k))] or [0.0])
+    return largest(HIDDEN_DROPOUT_KEYS), largest(ATTENTION_DROPOUT_KEYS)
+

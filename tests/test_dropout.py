@@ -183,3 +183,19 @@ def test_a_model_profile_measured_without_dropout_gets_its_price(model_profile, 
             assert delta > 0 and getattr(got[1], field) - getattr(got[0], field) == pytest.approx(delta), (index, field)
     assert estimate(plans[1], cluster, model_profile=mp).step_time_s > estimate(plans[0], cluster,
                                                                                  model_profile=mp).step_time_s
+
+
+def test_a_hugging_face_config_that_trains_with_dropout_gets_a_note(tmp_path):
+    """GPT-2's config.json sets resid_pdrop, embd_pdrop and attn_pdrop 0.1: a plan without
+    --dropout says how to plan with them; with them, no note."""
+    cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 64,
+           "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.05}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "planner.cli", "plan", "--model", str(path), "--cluster", "dgx-a100-80gb", "--gpus", "1",
+           "--global-batch", "8", "--micro-batch", "2"]
+    runs = [subprocess.run(cmd + extra, cwd=REPO, capture_output=True, text=True) for extra in
+            ([], ["--dropout", "0.1", "--attention-dropout", "0.05"])]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert "trident: note:" in runs[0].stderr and "--dropout 0.1 --attention-dropout 0.05" in runs[0].stderr
+    assert "note" not in runs[1].stderr
