@@ -15,6 +15,8 @@ of trident before 2026-12-04 (keyed by stage id, no `layout`) is refused: resume
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import re
@@ -139,24 +141,74 @@ def _state(chunks, optimizers, saving: bool = False) -> tuple[dict, list]:
     return state, keys
 
 
-def save(root: str | Path, step: int, chunks, optimizers, plan, data_state: dict) -> Path:
-    root = Path(root)
-    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_state(chunks, optimizers, saving=True)[0], checkpoint_id=str(tmp))
-    dist.barrier()
-    if dist.get_rank() == 0:
+@contextlib.contextmanager
+def _failing_as(tmp: Path):
+    """A save's failure (a full disk, a directory it cannot write) as one line naming it."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps per-rank failures
+        msg = [line for line in str(exc).strip().splitlines() if line.strip()]
+        raise ConfigError(f"--checkpoint-dir: writing {tmp} failed ({type(exc).__name__}: {msg[-1] if msg else ''}); "
+                          "free space or choose another directory") from None
+
+
+class Saver:
+    """Writes a run's checkpoints under --checkpoint-dir: every --checkpoint-every steps, or with
+    0 once, after the last step. Each is written to step-N.tmp and renamed step-N once complete,
+    its trident.json last, so an interrupted save is never resumed from. With --async-checkpoint
+    the state is copied to host memory at the step and written by a background thread
+    (dcp.async_save over a gloo group of its own, as torchtitan's async mode does) while training
+    goes on; the checkpoint is completed at the next save or at the end of the run."""
+
+    def __init__(self, args):
+        self.root, self.every, self.last = args.checkpoint_dir, args.checkpoint_every, args.steps
+        self.group = dist.new_group(backend="gloo") if self.root and getattr(args, "async_checkpoint", False) else None
+        self.pending = None  # (future or None, tmp, final, meta) of a save to complete
+
+    def due(self, step: int) -> bool:
+        """Whether to save after step `step` (0-based)."""
+        if not self.root:
+            return False
+        return (step + 1) % self.every == 0 if self.every else step + 1 == self.last
+
+    def save(self, step: int, chunks, optimizers, plan, data_state: dict) -> None:
+        self.finish()
+        root = Path(self.root)
+        final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        state = _state(chunks, optimizers, saving=True)[0]
         meta = {"plan_hash": plan.content_hash(), "layout": BY_NAME, "run": run_of(plan), "mesh": mesh_of(plan),
                 "step": step, "data": data_state}
-        (tmp / META).write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    dist.barrier()
-    return final
+        future = None
+        with _failing_as(tmp):
+            if self.group is None:
+                dcp.save(state, checkpoint_id=str(tmp))
+            else:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+        self.pending = (future, tmp, final, meta)
+        if future is None:
+            self.finish()
+
+    def finish(self) -> None:
+        """Complete the save under way (every rank): wait for its writes, then rank 0 writes
+        trident.json and renames step-N.tmp to step-N."""
+        if self.pending is None:
+            return
+        future, tmp, final, meta = self.pending
+        self.pending = None
+        if future is not None:
+            with _failing_as(tmp):
+                future.result()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (tmp / META).write_text(json.dumps(meta, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        dist.barrier()
 
 
 def load(ckpt: Path, chunks, optimizers) -> None:

@@ -38,6 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
     ap.add_argument("--allow-change", default=None, metavar="FIELDS",
                     help="training settings a resumed plan may change (runtime.train --allow-change)")
     ap.add_argument("--trace", default=None, metavar="DIR", help="profile the last step (runtime.trace) into DIR")
@@ -60,7 +61,7 @@ def train_args(args: argparse.Namespace) -> list[str]:
         out += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.eval_every:
         out += ["--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches)]
-    out += ["--resume"] * args.resume + ["--force"] * args.force
+    out += ["--resume"] * args.resume + ["--force"] * args.force + ["--async-checkpoint"] * args.async_checkpoint
     return out
 
 

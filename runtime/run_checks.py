@@ -68,6 +68,8 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir")
+    if getattr(args, "async_checkpoint", False) and not args.checkpoint_dir:
+        raise ConfigError("--async-checkpoint needs --checkpoint-dir")
     if args.steps < 1:
         raise ConfigError(f"--steps: {args.steps} must be at least 1")
     if args.checkpoint_every < 0:

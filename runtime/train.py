@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
     ap.add_argument("--out", default=None, help="run.json (a directory when several plans are given)")
     ap.add_argument("--checkpoint-dir", default=None)
-    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: after the last)")
+    ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     ap.add_argument("--allow-change", type=ckpt.changeable_fields, default=(), metavar="FIELDS",
                     help="training settings (e.g. global_batch,lr) a resumed plan may change from the checkpoint's run")
@@ -253,7 +254,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               + ("; --trace traces no step (the last measures the memory)" if args.trace else "")
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
-    evaluator = Evaluator(args, plan)
+    evaluator, saver = Evaluator(args, plan), ckpt.Saver(args)
     other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
@@ -289,9 +290,10 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         if evaluator.due(step):  # after the step's time and memory: a validation loss (runtime.evaluate)
             if (loss := evaluator.run(trainer, step)) is not None and rank == 0:
                 print(f"step {step + 1}/{args.steps}  validation loss {loss:.6f}", flush=True)
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            ckpt.save(args.checkpoint_dir, step + 1, trainer.chunks, trainer.optimizers, plan,
-                      {"next_step": step + 1, "loss_scale": trainer.scaler.state()})
+        if saver.due(step):
+            saver.save(step + 1, trainer.chunks, trainer.optimizers, plan,
+                       {"next_step": step + 1, "loss_scale": trainer.scaler.state()})
+    saver.finish()  # an asynchronous save under way (--async-checkpoint)
     other += [other_load(0.2)] if device.type == "cpu" else []
     busy = max((x for x in other if x is not None), default=None)
     note = busy_note(busy, len(os.sched_getaffinity(0)))

@@ -46,3 +46,25 @@ def test_a_checkpoint_of_an_earlier_trident_is_refused_by_name(tmp_path):
     plan = Plan.read(write_plan(tmp_path, "one"))
     with pytest.raises(ConfigError, match=r"step-5/trident.json: written by trident before 2026-12-04"):
         checkpoint.read_meta(step, plan)
+
+
+def test_asynchronous_checkpoints_resume_exactly_and_a_run_without_interval_saves_its_end(tmp_path):
+    """--async-checkpoint: each step's state is written by a background thread while the next steps
+    train (one process, then dp 2 under ZeRO 3 resuming its step-2 and saving asynchronously
+    again); every checkpoint is complete (no step-N.tmp left) and resumes to the uninterrupted run's
+    losses. Without --checkpoint-every the run saves once, after its last step."""
+    one = write_plan(tmp_path, "one", world=1)
+    zero3 = write_plan(tmp_path, "zero3", world=2, zero=3, micro_batch=1)
+    a, b, end = tmp_path / "a", tmp_path / "b", tmp_path / "end"
+    assert_ok(train(1, "--plan", one, "--steps", 4, "--checkpoint-dir", a, "--checkpoint-every", 1,
+                    "--async-checkpoint", "--out", tmp_path / "straight.json"))
+    want = losses_of(tmp_path / "straight.json")
+    assert sorted(p.name for p in a.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]
+    assert all((p / "trident.json").is_file() for p in a.iterdir())
+    shutil.copytree(a / "step-2", b / "step-2")
+    assert_ok(train(2, "--plan", zero3, "--steps", 4, "--checkpoint-dir", b, "--resume", "--checkpoint-every", 1,
+                    "--async-checkpoint", "--out", tmp_path / "resumed.json"))
+    assert_same_losses(losses_of(tmp_path / "resumed.json"), want[2:], "dp 2 ZeRO 3 resumed at step 2")
+    assert sorted(p.name for p in b.iterdir()) == ["step-2", "step-3", "step-4"]
+    assert_ok(train(1, "--plan", one, "--steps", 2, "--checkpoint-dir", end))
+    assert [p.name for p in end.iterdir()] == ["step-2"]
