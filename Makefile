@@ -30,8 +30,8 @@ demo: install
 	@echo "== 3. search the fastest plan that fits, priced by the measured profiles =="
 	$(TRIDENT) search --model tiny --cluster $(OUT)/cpu4.json --model-profile $(OUT)/tiny.model.json --gpus 4 \
 	    --global-batch 16 --dtype fp32 --top 5 -o $(OUT)/plan.json
-	@echo "== 4. train that plan with torchrun =="
-	$(TRIDENT) run $(OUT)/plan.json --steps 30 --out $(OUT)/run.json
+	@echo "== 4. train that plan with torchrun (a validation loss every 10 steps) =="
+	$(TRIDENT) run $(OUT)/plan.json --steps 30 --eval-every 10 --out $(OUT)/run.json
 	@echo "== 5. predicted vs measured =="
 	$(TRIDENT) compare $(OUT)/plan.json $(OUT)/run.json --cluster-profile $(OUT)/cpu4.json \
 	    --model-profile $(OUT)/tiny.model.json --plot $(OUT)/compare.png

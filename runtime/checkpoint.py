@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from planner.model import ConfigError
+from runtime.optim import reset_weight_decay
 from runtime.parallelize import holds_tied_pair
 from runtime.tied import EMBEDDING, head_weight
 
@@ -249,6 +250,7 @@ def resume(args, plan, trainer, rank: int) -> int:
         raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
                           "ask for more steps")
     load(found[-1], trainer.chunks, trainer.optimizers)
+    reset_weight_decay(trainer.optimizers, plan.training.weight_decay)
     trainer.scaler.load(meta["data"].get("loss_scale"))  # fp16's loss scale where it was saved
     if meta["replanned"] and rank == 0:
         print(f"resumed {found[-1].name} of another plan of this run ({meta.get('mesh', '?')}; now "

@@ -9,6 +9,27 @@ import torch
 import torch.distributed as dist
 
 
+def param_groups(chunk, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups of a chunk: weight decay on its matrices (linear weights,
+    embeddings), none on its vectors (norm weights, biases), as Megatron-LM (its default
+    no_weight_decay_cond), nanoGPT and Hugging Face's Trainer decay them. A DTensor's ndim is its
+    global one, so the split is the same under every plan."""
+    params = list(chunk.parameters())
+    groups = ({"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
+
+
+def reset_weight_decay(optimizers, weight_decay: float) -> None:
+    """Give the groups of param_groups the plan's weight decay again: loading a checkpoint sets each
+    group's hyperparameters to the saved ones (torch's set_optimizer_state_dict), which a plan
+    allowed to change them (--allow-change weight_decay) or a checkpoint from before the split
+    (everything decayed) would otherwise keep."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["weight_decay"] = weight_decay if group["params"][0].ndim >= 2 else 0.0
+
+
 @torch.no_grad()
 def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device, timing: dict | None = None,
                    reduce: bool = True, uncounted=None, inv_scale: float = 1.0) -> float:

@@ -39,7 +39,7 @@ from runtime.launch import free_port
 from runtime.metrics import PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
-from runtime.optim import clip_grad_norm, lr_at, reduce_partial_grads
+from runtime.optim import clip_grad_norm, lr_at, param_groups, reduce_partial_grads
 from runtime.loss_scale import INITIAL, LossScale
 from runtime.tied import TiedMatrix
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, build_mesh, retie
@@ -100,8 +100,8 @@ class Trainer:
         t = plan.training
         # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
         # its temporaries: planner.precision.optimizer_temp_bytes)
-        self.optimizers = [torch.optim.AdamW(c.parameters(), lr=t.lr, betas=BETAS, weight_decay=t.weight_decay,
-                                             foreach=True) for c in self.chunks]
+        self.optimizers = [torch.optim.AdamW(param_groups(c, t.weight_decay), lr=t.lr, betas=BETAS, foreach=True)
+                           for c in self.chunks]
         self.tied = TiedMatrix(plan, self.mesh["pp"].get_group(), self.chunks)  # a pipeline's tied embedding
         self.schedule = None
         if m.pp > 1:

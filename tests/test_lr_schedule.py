@@ -89,3 +89,32 @@ def test_the_plan_summary_shows_a_schedule_only_where_there_is_one():
     assert "learning rate" not in describe_plan(_plan())
     shown = describe_plan(_plan(lr_warmup_steps=3, lr_decay="linear", lr_decay_steps=9, min_lr=1e-5)).splitlines()[-1]
     assert shown == "learning rate 0.0003, warm-up 3 steps, linear decay to 1e-05 at step 9"
+
+
+def test_weight_decay_falls_on_matrices_not_on_norms_and_biases():
+    """runtime.optim.param_groups: AdamW decays linear weights and embeddings, not norm weights or
+    biases (Megatron-LM's default); a step with zero gradients moves only the decayed ones, by
+    lr x weight_decay of their value. reset_weight_decay restores the split after a checkpoint's
+    hyperparameters were loaded over it."""
+    import torch
+
+    from runtime.model import Transformer
+    from runtime.optim import param_groups, reset_weight_decay
+    chunk = Transformer(ZOO["tiny-gpt"])
+    groups = param_groups(chunk, 0.1)
+    decayed = {id(p) for p in groups[0]["params"]}
+    for name, p in chunk.named_parameters():
+        assert (id(p) in decayed) == (name.endswith("weight") and "norm" not in name), name
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    before = {name: p.detach().clone() for name, p in chunk.named_parameters()}
+    opt = torch.optim.AdamW(groups, lr=0.5, foreach=True)
+    for p in chunk.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for name, p in chunk.named_parameters():
+        want = before[name] * (1 - 0.5 * 0.1) if id(p) in decayed else before[name]
+        assert torch.allclose(p, want), name
+    for g in opt.param_groups:
+        g["weight_decay"] = 0.3  # as a loaded checkpoint of another setting would leave them
+    reset_weight_decay([opt], 0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
