@@ -45,12 +45,16 @@ def install(out_dir: str, at: int) -> None:
             phase[0] = "start"  # not the last step's last phase
 
         def _made(self, func, out, args, kwargs):  # storages this operation made, where --at asks
-            seen = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs))
+            def ptr(t):  # None for a tensor without a plain storage (a collective's pending result)
+                try:
+                    return t.untyped_storage().data_ptr()
+                except RuntimeError:
+                    return None
+            seen = {ptr(a) for a in pytree.tree_leaves((args, kwargs))
                     if isinstance(a, torch.Tensor)}  # a view of an input makes no storage
             for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and (key := ptr(t)) is not None:
                     st = t.untyped_storage()
-                    key = st.data_ptr()
                     if st.nbytes() and key not in seen and key not in self.live:
                         self.live[key] = (st.nbytes(), str(func), self.seq, phase[0])
                         weakref.finalize(st, self.live.pop, key, None)
