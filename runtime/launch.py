@@ -20,6 +20,7 @@ from planner.model import ConfigError
 from planner.args import OneLineParser, positive_number
 from planner.plan import Plan
 from runtime.evaluate import add_eval_args
+from runtime.run_checks import changeable_fields
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
-    ap.add_argument("--allow-change", default=None, metavar="FIELDS",
+    ap.add_argument("--allow-change", default=None, metavar="FIELDS", type=lambda text: changeable_fields(text) and text,
                     help="training settings a resumed plan may change (runtime.train --allow-change)")
     ap.add_argument("--trace", default=None, metavar="DIR", help="profile the last step (runtime.trace) into DIR")
     add_eval_args(ap)

@@ -10,6 +10,30 @@ from pathlib import Path
 from planner.model import ConfigError
 from planner.plan import Plan
 
+# what makes two plans one training run: a step of either gives the same loss from the same state
+# (the data of step i depends on the seed, the step and the global batch; the learning rate on the step)
+RUN_FIELDS = ("global_batch", "seq_len", "dtype", "optimizer", "master_weights", "lr", "weight_decay", "grad_clip",
+              "dropout", "attention_dropout_p", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr")
+# run fields that checkpoints written before them lack, and the value those ran with (the runtime
+# refused dropout before 2026-12-05)
+RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0}
+
+
+def plan_field(k: str) -> str:
+    """A RUN_FIELDS name as the plan spells it (attention_dropout_p: attention_dropout, null: dropout)."""
+    return k.removesuffix("_p")
+
+
+def changeable_fields(text: str) -> tuple[str, ...]:
+    """--allow-change: comma-separated training settings of RUN_FIELDS (as the plan names them)."""
+    names = {plan_field(k): k for k in RUN_FIELDS}
+    picked = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in picked if x not in names]
+    if bad or not picked:
+        raise argparse.ArgumentTypeError(f"{text!r}: name training settings among {', '.join(names)}")
+    return tuple(names[x] for x in picked)
+
+
 # plan options that describe other frameworks, for predicting their runs: (field, the value the
 # runtime runs, whose engine the other values describe)
 PREDICTION_ONLY = (

@@ -45,7 +45,7 @@ from runtime.tied import TiedMatrix
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, build_mesh, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
 from runtime.trace import traced_step
-from runtime.run_checks import check_out, check_plan  # noqa: F401 (check_plan: runtime.train's API)
+from runtime.run_checks import changeable_fields, check_out, check_plan  # noqa: F401 (check_plan: runtime.train's API)
 
 BETAS = (0.9, 0.95)
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: after the last)")
     ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    ap.add_argument("--allow-change", type=ckpt.changeable_fields, default=(), metavar="FIELDS",
+    ap.add_argument("--allow-change", type=changeable_fields, default=(), metavar="FIELDS",
                     help="training settings (e.g. global_batch,lr) a resumed plan may change from the checkpoint's run")
     ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
