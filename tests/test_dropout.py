@@ -157,7 +157,9 @@ def test_plan_files_and_the_command_line_carry_both_dropouts(tmp_path):
     cmd = [sys.executable, "-m", "planner.cli", "plan", "--model", GPT, "--cluster", "dgx-a100-80gb", "--gpus", "2",
            "--global-batch", "8", "--micro-batch", "2", "--tp", "2", "--dropout", "0.1", "--attention-dropout", "0.05",
            "-o", str(out)]
-    assert_ok(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert_ok(proc)
+    assert "dropout 0.1 (attention 0.05)" in proc.stdout
     t = Plan.read(out).training
     assert (t.dropout, t.attention_dropout) == (0.1, 0.05)
     bad = subprocess.run(cmd[:-2] + ["--attention-dropout", "1"], cwd=REPO, capture_output=True, text=True)
