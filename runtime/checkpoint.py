@@ -139,9 +139,12 @@ class Saver:
     (dcp.async_save over a gloo group of its own, as torchtitan's async mode does) while training
     goes on; the checkpoint is completed at the next save or at the end of the run."""
 
-    def __init__(self, args):
+    def __init__(self, args, device_type: str = "cpu"):
         self.root, self.every, self.last = args.checkpoint_dir, args.checkpoint_every, args.steps
         self.group = dist.new_group(backend="gloo") if self.root and getattr(args, "async_checkpoint", False) else None
+        if self.group is not None and device_type == "cpu" and dist.get_rank() == 0:
+            print("note: --async-checkpoint on CPU: the writes compete with training for the same cores (on this "
+                  "project's 2-core host they cost more than saving at once: benchmarks/async_checkpoint.py)", flush=True)
         self.pending = None  # (future or None, tmp, final, meta) of a save to complete
 
     def due(self, step: int) -> bool:

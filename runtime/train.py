@@ -254,7 +254,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               + ("; --trace traces no step (the last measures the memory)" if args.trace else "")
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
-    evaluator, saver = Evaluator(args, plan), ckpt.Saver(args)
+    evaluator, saver = Evaluator(args, plan), ckpt.Saver(args, device.type)
     other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
