@@ -288,7 +288,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
             rate = f"  lr {trainer.lr:.3g}" if t.lr_scheduled else ""
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}{rate}  {times[-1] * 1000:.0f} ms", flush=True)
         if evaluator.due(step):  # after the step's time and memory: a validation loss (runtime.evaluate)
-            if (loss := evaluator.run(trainer, step)) is not None and rank == 0:
+            loss = evaluator.run(trainer, step)
+            if rank == 0:
                 print(f"step {step + 1}/{args.steps}  validation loss {loss:.6f}", flush=True)
         if saver.due(step):
             saver.save(step + 1, trainer.chunks, trainer.optimizers, plan,
