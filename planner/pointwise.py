@@ -98,9 +98,9 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
     tokens = s * b
     h = model.hidden
     rep = tp if sp else 1
-    drop_f, drop_b = eager_dropout_bytes(e, draws) if dropout else (0, 0)
-    if kind == "embedding":  # under autocast its output, and so its dropout, is float32
-        drop_f, drop_b = eager_dropout_bytes(4 if autocast else e, draws) if dropout else (0, 0)
+    # under autocast the embedding's output, and so its dropout, is float32
+    drop_f, drop_b = eager_dropout_bytes(4 if autocast and kind == "embedding" else e, draws) if dropout else (0, 0)
+    if kind == "embedding":
         fwd, _ = fused_bytes(model, index, b, s, tp, sp, e, False, attention)
         return fwd + drop_f * tokens * h / rep, BWD_ELEMENTWISE_FACTOR * fwd + drop_b * tokens * h / rep
     norm_f, norm_b = _norm(e)

@@ -16,7 +16,6 @@ of trident before 2026-12-04 (keyed by stage id, no `layout`) is refused: resume
 from __future__ import annotations
 
 import contextlib
-
 import json
 import logging
 import re

@@ -52,8 +52,11 @@ class Dropout:
     def __init__(self, p: float, attention_p: float, seed: int, seq_len: int, first_row: int,
                  positions: torch.Tensor | None, tp_rank: int, cp_rank: int, device: torch.device):
         self.p, self.attention_p, self.seed, self.seq_len, self.first_row = p, attention_p, seed, seq_len, first_row
-        self.positions, self.tp_rank, self.cp_rank, self.device = positions, tp_rank, cp_rank, device
-        self.gen = torch.Generator(device)
+        self.positions, self.tp_rank, self.cp_rank = positions, tp_rank, cp_rank
+        self.gen = torch.Generator(device)  # the hidden masks'
+        # the device's own generator, which scaled_dot_product_attention's dropout draws from
+        self.device_gen = torch.default_generator if device.type == "cpu" else torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()]
         self.step = self.micro = 0  # set before each step and each micro-batch's forward
 
     def key(self, rows: int) -> tuple[int, int, int]:
@@ -85,11 +88,9 @@ class Dropout:
             return core
         step, first, _ = key
         seed = mix(self.seed, step, layer, ATTENTION, first, self.tp_rank, self.cp_rank)
-        gen = torch.default_generator if self.device.type == "cpu" else torch.cuda.default_generators[
-            self.device.index if self.device.index is not None else torch.cuda.current_device()]
 
         def attend(q, k, v):
-            gen.manual_seed(seed)
+            self.device_gen.manual_seed(seed)
             return core(q, k, v, dropout_p=self.attention_p)
         return attend
 
