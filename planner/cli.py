@@ -340,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     register(sub)
     sub.add_parser("compare", help="predicted vs measured: `compare plan.json run.json [--json] [--plot out.png]`",
                    add_help=False)
+    sub.add_parser("export", help="a checkpoint's model as a Hugging Face transformers directory "
+                   "(`export CHECKPOINT -o DIR`)", add_help=False)
     return ap
 
 
@@ -354,6 +356,9 @@ def main(argv=None) -> int:
         from runtime.profile import launch
         rest = ["--nproc-per-node" if a == "--nproc" else a for a in argv[1:]]
         return launch(rest)
+    if argv[:1] == ["export"]:
+        from runtime.export import main as export_main  # imports torch
+        return export_main(argv[1:])
     if argv[:1] == ["compare"]:
         from planner.compare_cli import main as compare_main
         return compare_main(argv[1:])

@@ -60,7 +60,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                   tie_embeddings=flag("tie_word_embeddings", mt in ("gemma", "gemma2")),
                   qkv_bias=flag("attention_bias", False) or mt == "qwen2",  # Qwen2 always has them
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
-                  rope_theta=float(get("rope_theta", lambda v: is_real(v) and v > 0, "a positive number", 10000.0)))
+                  rope_theta=rope_theta(cfg, where))
     elif mt == "gpt2":
         h, heads = pos_int("n_embd"), pos_int("n_head")
         kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
@@ -69,6 +69,54 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
     else:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; use {', '.join(LLAMA_LIKE)} or gpt2")
     return ModelConfig(name=name, **kw)
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The rotary settings of a config: transformers 5's `rope_parameters` object (rope_theta,
+    rope_type), or the top-level rope_theta and rope_scaling of the configs before it."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict):
+        return rp
+    scaling = cfg.get("rope_scaling")
+    return {**(scaling if isinstance(scaling, dict) else {}), "rope_theta": cfg.get("rope_theta")}
+
+
+def rope_theta(cfg: dict, where: str) -> float:
+    v = rope_parameters(cfg).get("rope_theta")
+    if v is None:
+        return 10000.0  # transformers' default
+    if not (is_real(v) and v > 0):
+        raise ConfigError(f"{where}: rope_theta: is {v!r}; it must be a positive number")
+    return float(v)
+
+
+HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, attention_dropout: float = 0.0) -> dict:
+    """The config.json of a transformers model computing what trident's runtime computes for
+    `cfg` (`trident export`): gpt as GPT2LMHeadModel with exact GELU, llama as LlamaForCausalLM,
+    or Qwen2ForCausalLM where the q, k, v projections have biases (a Llama config's
+    attention_bias adds one to the output projection too, which trident's blocks lack). The
+    dropouts are the run's, for training on in transformers."""
+    common = {"vocab_size": cfg.vocab, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": HF_DTYPES[dtype]}
+    if cfg.arch == "gpt":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.layers, "n_embd": cfg.hidden,
+                "n_inner": cfg.ffn_hidden, "n_head": cfg.heads, "n_positions": cfg.seq_len,
+                "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu", "resid_pdrop": dropout,
+                "embd_pdrop": dropout, "attn_pdrop": attention_dropout, **common}
+    mt = "qwen2" if cfg.qkv_bias else "llama"
+    out = {"architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"], "model_type": mt,
+           "num_hidden_layers": cfg.layers, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden,
+           "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head,
+           "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5's spelling
+           "hidden_act": "silu", "attention_dropout": attention_dropout, **common}
+    if mt == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False)
+    return out
 
 
 # the dropout probabilities Hugging Face configs train with: hidden states (GPT-2's resid_pdrop and

@@ -371,10 +371,13 @@ ZOO: dict[str, ModelConfig] = {m.name: m for m in [
 
 
 def load_model(spec: str) -> ModelConfig:
-    """A zoo name, a path to a trident model JSON, or a path to a Hugging Face config.json."""
+    """A zoo name, a path to a trident model JSON, or a path to a Hugging Face config.json (or to
+    the model directory holding it)."""
     if spec in ZOO:
         return ZOO[spec]
     path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
     if not path.exists():
         raise ConfigError(f"--model: {spec!r} is neither a zoo model ({', '.join(ZOO)}) nor a file")
     from planner.profile_checks import read_json  # it imports this module

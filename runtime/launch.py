@@ -43,6 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--allow-change", default=None, metavar="FIELDS", type=lambda text: changeable_fields(text) and text,
                     help="training settings a resumed plan may change (runtime.train --allow-change)")
     ap.add_argument("--trace", default=None, metavar="DIR", help="profile the last step (runtime.trace) into DIR")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start from the weights of a transformers model directory (runtime.hf_weights)")
     add_eval_args(ap)
     ap.add_argument("--rdzv-endpoint", default="NODE0_HOST:29500",
                     help="host:port of node 0, for the commands printed for a multi-node plan")
@@ -55,7 +57,8 @@ def train_args(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--out", args.out), ("--data-dtype", args.data_dtype), ("--dtype", args.dtype),
                         ("--initial-loss-scale", None if args.initial_loss_scale is None else repr(args.initial_loss_scale)),
                         ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace),
-                        ("--eval-data", args.eval_data), ("--allow-change", args.allow_change)):
+                        ("--eval-data", args.eval_data), ("--allow-change", args.allow_change),
+                        ("--init-from", args.init_from)):
         if value is not None:
             out += [flag, value]
     if args.checkpoint_every:
@@ -100,6 +103,9 @@ def main(argv: list[str]) -> int:
         from runtime.train import check_out, check_plan  # every check that needs no process group, before launching
         check_plan(args.plan, args, plan.mesh.world_size)
         check_out(args.out, 1)
+        if args.init_from:
+            from runtime.hf_weights import ModelDir
+            ModelDir(args.init_from).check(plan.model, plan.training.seq_len)
     except ConfigError as exc:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2

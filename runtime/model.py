@@ -224,15 +224,18 @@ def full_init(name: str, shape, seed: int, cfg: ModelConfig) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_weights(chunk: Transformer, seed: int) -> None:
+def init_weights(chunk: Transformer, seed: int, full_of=None) -> None:
     """Fill a materialized (to_empty) chunk: each parameter gets its slice of the full tensor
-    full_init makes, whatever its DTensor placements; RoPE tables are computed."""
+    full_init makes, or `full_of(name, shape)` gives (trident run --init-from), whatever its
+    DTensor placements; RoPE tables are computed."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from runtime.tied import EMBEDDING, head_weight
     copy = head_weight(chunk.cfg) if chunk.cfg.tie_embeddings else None
     for name, p in chunk.named_parameters():  # a tied head's copy starts as the embedding's matrix
-        full = full_init(EMBEDDING if name == copy else name, tuple(p.shape), seed, chunk.cfg).to(p.dtype)
+        shape = tuple(p.shape)
+        full = (full_init(EMBEDDING if name == copy else name, shape, seed, chunk.cfg) if full_of is None
+                else full_of(name, shape)).to(p.dtype)
         if isinstance(p, DTensor):
             local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)

@@ -33,6 +33,7 @@ from runtime.context_parallel import ContextParallel, apply_context_parallel
 from runtime.data import local_rows, make_source
 from runtime.dropout import attach_dropout, dropout_step
 from runtime.evaluate import Evaluator, add_eval_args
+from runtime.hf_weights import initial_weights
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
 from runtime.launch import free_port
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--allow-change", type=changeable_fields, default=(), metavar="FIELDS",
                     help="training settings (e.g. global_batch,lr) a resumed plan may change from the checkpoint's run")
     ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
+    ap.add_argument("--init-from", default=None, metavar="DIR", help="start from a transformers model's weights")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the plan's on GPU, fp32 on CPU)")
     ap.add_argument("--initial-loss-scale", type=positive_number, default=INITIAL,
@@ -95,6 +97,7 @@ class Trainer:
         self.n_stages = len(plan.pipeline.stages)
         self.dtype = compute_dtype(plan, args, device)
         self.scaler = LossScale(self.dtype == "fp16", args.initial_loss_scale)  # fp16's (runtime.loss_scale)
+        self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
         t = plan.training
@@ -119,7 +122,7 @@ class Trainer:
         apply_data_parallel(chunk, self.dp_mesh, st.zero, AUTOCAST_DTYPES.get(self.dtype))
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies
-        init_weights(chunk, self.plan.training.seed)
+        init_weights(chunk, self.plan.training.seed, self.full_of)
         if self.context is not None:
             apply_context_parallel(chunk, self.context)
         kinds = {type(p).__name__ for p in chunk.parameters()}
@@ -312,7 +315,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
                  "dp_replicate": plan.mesh.dp_replicate},
         "schedule": plan.pipeline.schedule,
         "dtype": trainer.dtype,
-        "first_step": start_step,
+        "first_step": start_step, "init_from": args.init_from if trainer.full_of else None,
         "steps": len(losses),
         "losses": losses,
         "grad_norms": [g if math.isfinite(g) else None for g in grad_norms],  # before clipping (null: fp16 skipped)

@@ -1,0 +1,143 @@
+"""`trident export CHECKPOINT -o DIR`: a checkpoint's model as a transformers model directory.
+
+CHECKPOINT is a --checkpoint-dir (its newest step) or one step-K directory in it. DIR gets
+config.json (planner.hf_config.to_hf_config) and the weights in safetensors files of at most
+--max-shard-gb each, with model.safetensors.index.json where there are several (transformers'
+save_pretrained layout): `AutoModelForCausalLM.from_pretrained(DIR)` loads it, and `trident run
+--init-from DIR` starts a run of any plan from it. One process, no process group: the layers are
+read from the checkpoint's DCP shards a file's worth at a time, so memory holds one output file,
+whatever plan wrote the checkpoint. The optimizer state stays behind.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from planner.args import OneLineParser
+from planner.hf_config import HF_DTYPES, to_hf_config
+from planner.model import ConfigError, ModelConfig
+from runtime.checkpoint import META, checkpoints
+from runtime.hf_weights import _parameter_names, to_hf
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = OneLineParser(prog="trident export", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    ap.add_argument("checkpoint", help="a --checkpoint-dir (its newest checkpoint) or a step-K directory")
+    ap.add_argument("-o", "--out", required=True, help="the model directory to write")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                    help="the weights' dtype (default fp32: the master weights as trained)")
+    ap.add_argument("--max-shard-gb", type=float, default=5.0, help="the largest safetensors file (default 5 GB)")
+    ap.add_argument("--force", action="store_true", help="write into a directory that is not empty")
+    return ap.parse_args(argv)
+
+
+def step_dir(path: Path) -> Path:
+    if (path / META).is_file():
+        return path
+    found = checkpoints(path)
+    if not found:
+        raise ConfigError(f"{path}: no checkpoint there (neither {META} nor step-K directories); give a "
+                          "--checkpoint-dir of trident run or one of its step-K directories")
+    return found[-1]
+
+
+def read_run(ckpt: Path) -> tuple[ModelConfig, dict, int]:
+    """The checkpoint's model, training settings and step, from its trident.json."""
+    try:
+        meta = json.loads((ckpt / META).read_text())
+        run, step = meta["run"], int(meta["step"])
+        cfg = ModelConfig.from_dict({"name": ckpt.parent.name or "trident", **run["model"]}, where=f"{ckpt / META}: run.model")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{ckpt / META}: unreadable or corrupt ({type(exc).__name__}: {exc}); export another "
+                          "checkpoint") from None
+    return cfg, run.get("training") or {}, step
+
+
+def shards(cfg: ModelConfig, sizes: dict[str, int], limit: float) -> list[list[str]]:
+    """Parameter names in groups of whole layers, each under `limit` bytes where a layer allows."""
+    groups, size = [[]], 0
+    by_layer: dict[int, list[str]] = {}
+    for n in sizes:
+        by_layer.setdefault(int(n.split(".")[1]), []).append(n)
+    for layer in sorted(by_layer):
+        nbytes = sum(sizes[n] for n in by_layer[layer])
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1] += by_layer[layer]
+        size += nbytes
+    return groups
+
+
+def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5e9, force: bool = False) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConfigError(f"-o: {out} exists and is not an empty directory; choose another or pass --force")
+    ckpt = step_dir(src)
+    cfg, training, step = read_run(ckpt)
+    reader = dcp.FileSystemReader(str(ckpt))
+    saved = reader.read_metadata().state_dict_metadata
+    names = [n for n in dict.fromkeys(_parameter_names(cfg))
+             if not (cfg.tie_embeddings and n.endswith("output.weight"))]  # a tied head is the embedding
+    absent = [n for n in names if f"model.{n}" not in saved]
+    if absent:
+        raise ConfigError(f"{ckpt}: the checkpoint lacks model.{absent[0]}"
+                          f"{f' and {len(absent) - 1} more' if len(absent) > 1 else ''}; it is not a whole "
+                          "checkpoint of this model")
+    elem = DTYPES[dtype].itemsize
+    sizes = {n: elem * torch.Size(saved[f"model.{n}"].size).numel() for n in names}
+    groups = shards(cfg, sizes, max_shard_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for k, group in enumerate(groups):
+        fname = "model.safetensors" if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        state = {f"model.{n}": torch.empty(saved[f"model.{n}"].size, dtype=saved[f"model.{n}"].properties.dtype)
+                 for n in group}
+        with warnings.catch_warnings():  # "no process group: loading in one process", as meant
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=reader)
+        hf = {k2: v.to(DTYPES[dtype]).contiguous() for k2, v in
+              to_hf(cfg, {n: state[f"model.{n}"] for n in group}).items()}
+        save_file(hf, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k2: fname for k2 in hf})
+        total += sum(v.numel() * v.element_size() for v in hf.values())
+    config = to_hf_config(cfg, dtype, training.get("dropout") or 0.0, training.get("attention_dropout_p") or 0.0)
+    if cfg.arch == "gpt" and cfg.vocab <= 50256:  # GPT2Config's token ids (50256) would lie outside
+        config.update(bos_token_id=None, eos_token_id=None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if len(groups) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    return {"checkpoint": str(ckpt), "step": step, "files": len(groups), "bytes": total,
+            "tensors": len(weight_map), "config": config}
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        if not args.max_shard_gb > 0:
+            raise ConfigError(f"--max-shard-gb: {args.max_shard_gb} must be positive")
+        done = export(Path(args.checkpoint), Path(args.out), args.dtype, args.max_shard_gb * 1e9, args.force)
+    except ConfigError as exc:
+        print(f"trident: error: {exc}", file=sys.stderr)
+        return 2
+    arch = done["config"]["architectures"][0]
+    print(f"exported step {done['step']} of {done['checkpoint']}: {done['tensors']} tensors, "
+          f"{done['bytes'] / 2**20:,.1f} MiB {HF_DTYPES[args.dtype]} in {done['files']} safetensors file(s), "
+          f"config.json for {arch}, in {args.out}")
+    print(f"load: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}); or start a run from it: "
+          f"trident run PLAN --init-from {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

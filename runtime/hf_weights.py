@@ -1,0 +1,256 @@
+"""Hugging Face weights: trident's parameters by the names transformers gives them.
+
+`trident export` writes a checkpoint's model as a transformers model directory (config.json and
+safetensors files); `trident run --init-from DIR` starts a run from such a directory's weights
+(fine-tuning a published model, or going on from an export under any plan).
+
+Name and layout differences (transformers' modeling_llama.py, modeling_qwen2.py, modeling_gpt2.py):
+- llama family: the blocks are 0-based (trident's layer i is model.layers.{i-1}); rotary
+  embeddings rotate the halves of a head (x[j], x[j + d/2]) where trident rotates adjacent pairs
+  (x[2j], x[2j+1]) (Meta's original layout), so the rows of each head's q and k projections
+  (weights and biases) are reordered on the way: the same attention scores, the same model;
+- gpt2: Conv1D layers keep weights as [in, out] (trident's nn.Linear: [out, in]) and q, k, v are
+  one projection (c_attn, q then k then v);
+- a tied head has no tensor of its own there (lm_head is the embedding).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from planner.hf_config import from_hf_config, rope_parameters
+from planner.model import ConfigError, ModelConfig
+
+WEIGHT_TYPES = ("llama", "mistral", "qwen2", "gpt2")  # whose blocks trident's runtime computes exactly
+# tensors of a model directory that are not weights (gpt2's causal-mask buffers in older files)
+_NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q or k projection from trident's rotary layout (adjacent pairs) to transformers'
+    (halves of each head)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of to_halves."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+_LLAMA_BLOCK = {  # trident's name in a block -> transformers', model.layers.{j}.<this>
+    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.weight": "self_attn.k_proj.weight", "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.weight": "self_attn.o_proj.weight", "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+_GPT_BLOCK = {  # trident's name -> (transformers' transformer.h.{j}.<this>, transposed)
+    "attention_norm.weight": ("ln_1.weight", False), "attention_norm.bias": ("ln_1.bias", False),
+    "ffn_norm.weight": ("ln_2.weight", False), "ffn_norm.bias": ("ln_2.bias", False),
+    "attention.wo.weight": ("attn.c_proj.weight", True), "attention.wo.bias": ("attn.c_proj.bias", False),
+    "feed_forward.w1.weight": ("mlp.c_fc.weight", True), "feed_forward.w1.bias": ("mlp.c_fc.bias", False),
+    "feed_forward.w2.weight": ("mlp.c_proj.weight", True), "feed_forward.w2.bias": ("mlp.c_proj.bias", False),
+}
+_GPT_QKV = ("attention.wq.", "attention.wk.", "attention.wv.")
+
+
+def _outer_names(cfg: ModelConfig) -> dict[str, str]:
+    """Embedding, final norm and head: trident's name -> transformers'."""
+    last = cfg.num_layers_total - 1
+    if cfg.arch == "gpt":
+        names = {"layers.0.tok_embeddings.weight": "transformer.wte.weight",
+                 "layers.0.pos_embeddings.weight": "transformer.wpe.weight",
+                 f"layers.{last}.norm.weight": "transformer.ln_f.weight",
+                 f"layers.{last}.norm.bias": "transformer.ln_f.bias"}
+    else:
+        names = {"layers.0.tok_embeddings.weight": "model.embed_tokens.weight",
+                 f"layers.{last}.norm.weight": "model.norm.weight"}
+    # a tied head reads the embedding (a pipeline's head keeps a copy of it: runtime.tied)
+    names[f"layers.{last}.output.weight"] = names["layers.0.tok_embeddings.weight"] if cfg.tie_embeddings \
+        else "lm_head.weight"
+    return names
+
+
+def _split(name: str) -> tuple[int, str]:
+    _, index, rest = name.split(".", 2)
+    return int(index), rest
+
+
+def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors by trident's names -> by transformers' (a tied head left out)."""
+    outer, out, qkv = _outer_names(cfg), {}, {}
+    for name, t in state.items():
+        if name in outer:
+            if not (cfg.tie_embeddings and name.endswith("output.weight")):
+                out[outer[name]] = t
+            continue
+        i, rest = _split(name)
+        if cfg.arch == "gpt":
+            if rest.startswith(_GPT_QKV):
+                qkv.setdefault((i, rest.rsplit(".", 1)[1]), {})[rest[:len("attention.wq")]] = t
+                continue
+            hf, transposed = _GPT_BLOCK[rest]
+            out[f"transformer.h.{i - 1}.{hf}"] = t.t() if transposed else t
+        else:
+            if rest.startswith(("attention.wq.", "attention.wk.")):
+                t = to_halves(t, cfg.heads if "wq" in rest else cfg.kv_heads)
+            out[f"model.layers.{i - 1}.{_LLAMA_BLOCK[rest]}"] = t
+    for (i, kind), parts in qkv.items():  # Conv1D: [in, 3 x hidden], q then k then v
+        fused = torch.cat([parts[p] for p in ("attention.wq", "attention.wk", "attention.wv")], dim=0)
+        out[f"transformer.h.{i - 1}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def source(cfg: ModelConfig, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The transformers tensor trident's parameter `name` comes from, and how to turn it into it."""
+    outer = _outer_names(cfg)
+    if name in outer:
+        return outer[name], lambda t: t
+    i, rest = _split(name)
+    if cfg.arch == "gpt":
+        if rest.startswith(_GPT_QKV):
+            kind, part = rest.rsplit(".", 1)[1], _GPT_QKV.index(rest[:len("attention.wq.")])
+
+            def qkv(t):
+                return (t.t() if kind == "weight" else t)[part * cfg.hidden:(part + 1) * cfg.hidden]
+            return f"transformer.h.{i - 1}.attn.c_attn.{kind}", qkv
+        hf, transposed = _GPT_BLOCK[rest]
+        return f"transformer.h.{i - 1}.{hf}", (lambda t: t.t()) if transposed else (lambda t: t)
+    hf = f"model.layers.{i - 1}.{_LLAMA_BLOCK[rest]}"
+    if rest.startswith(("attention.wq.", "attention.wk.")):
+        heads = cfg.heads if "wq" in rest else cfg.kv_heads
+        return hf, lambda t: to_pairs(t, heads)
+    return hf, lambda t: t
+
+
+def from_hf(cfg: ModelConfig, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The full tensor of trident's parameter `name`, from transformers' tensors (`read`)."""
+    hf, turn = source(cfg, name)
+    return turn(read(hf))
+
+
+class ModelDir:
+    """A transformers model directory (config.json; model.safetensors, sharded safetensors with
+    their index, or pytorch_model.bin), read a tensor at a time."""
+
+    def __init__(self, path: str | Path, flag: str = "--init-from"):
+        self.path, self.flag = Path(path), flag
+        cfg_path = self.path / "config.json"
+        try:
+            self.hf = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{flag}: {cfg_path} is missing or not JSON ({type(exc).__name__}); give a "
+                              "transformers model directory (config.json and model.safetensors)") from None
+        self.config = from_hf_config(self.hf, name=self.path.name or "hf-model", where=str(cfg_path))
+        self._open = {}
+        self._files = self._weight_files()
+
+    def _weight_files(self) -> dict[str, Path]:
+        """transformers' tensor name -> the file holding it."""
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"{self.flag}: {index} is unreadable ({type(exc).__name__}: {exc})") from None
+            return {k: self.path / v for k, v in weight_map.items()}
+        for fname in ("model.safetensors", "pytorch_model.bin"):
+            f = self.path / fname
+            if f.is_file():
+                return {k: f for k in self._handle(f).keys()}
+        raise ConfigError(f"{self.flag}: {self.path} has no model.safetensors, model.safetensors.index.json or "
+                          "pytorch_model.bin; save the model with save_pretrained")
+
+    def _handle(self, f: Path):
+        if f not in self._open:
+            try:
+                if f.suffix == ".bin":
+                    self._open[f] = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                else:
+                    from safetensors import safe_open
+                    self._open[f] = safe_open(str(f), framework="pt")
+            except Exception as exc:  # a corrupt file: any of several libraries' errors
+                raise ConfigError(f"{self.flag}: {f} is unreadable ({type(exc).__name__}: {exc})") from None
+        return self._open[f]
+
+    def read(self, name: str) -> torch.Tensor:
+        f = self._files.get(name) or self._files.get(name.removeprefix("transformer."))  # gpt2's hub files
+        if f is None:
+            raise ConfigError(f"{self.flag}: {self.path} has no tensor {name!r}; is it a {self.hf.get('model_type')} "
+                              "model saved with save_pretrained?")
+        h = self._handle(f)
+        key = name if name in h.keys() else name.removeprefix("transformer.")
+        return h[key] if isinstance(h, dict) else h.get_tensor(key)
+
+    def check(self, cfg: ModelConfig, seq_len: int) -> None:
+        """ConfigError unless this directory's weights are those of `cfg`, trained at `seq_len`."""
+        where, hf, mt = self.path / "config.json", self.hf, self.hf.get("model_type")
+        if mt not in WEIGHT_TYPES:
+            raise ConfigError(f"{self.flag}: {where}: the runtime cannot load {mt} weights (its blocks differ from "
+                              f"trident's llama and gpt blocks); use a model of type {', '.join(WEIGHT_TYPES)}")
+        rope_type = rope_parameters(hf).get("rope_type") or rope_parameters(hf).get("type") or "default"
+        if mt != "gpt2" and rope_type != "default":
+            raise ConfigError(f"{where}: rope type {rope_type!r} (rope_scaling or rope_parameters); the runtime's "
+                              "rotary embeddings have no scaling, so these weights would compute another model")
+        act = hf.get("activation_function", "gelu_new") if mt == "gpt2" else hf.get("hidden_act", "silu")
+        if act != ("gelu" if mt == "gpt2" else "silu"):
+            key = "activation_function" if mt == "gpt2" else "hidden_act"
+            raise ConfigError(f"{where}: {key}: {act!r}; the runtime computes "
+                              f"{'exact GELU (gelu)' if mt == 'gpt2' else 'SwiGLU (silu)'} only")
+        sliding = mt == "mistral" or hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
+        window = hf.get("sliding_window") if sliding else None
+        if window is not None and window < seq_len:
+            raise ConfigError(f"{where}: sliding_window: {window} is below the plan's seq_len {seq_len}; the runtime "
+                              f"attends over whole sequences: plan with --seq-len {window} or less")
+        mine = self.config.to_dict()
+        for field, value in cfg.to_dict().items():
+            if field == "name" or (field == "seq_len" and cfg.arch == "llama"):  # llama: any length
+                continue
+            if mine.get(field) != value:
+                raise ConfigError(f"{self.flag}: {where} has model.{field} = {mine.get(field)!r}, the plan "
+                                  f"{value!r}; plan with --model {where}")
+        wanted = {source(cfg, n)[0] for n in _parameter_names(cfg)}
+        missing = sorted(n for n in wanted if n not in self._files and n.removeprefix("transformer.") not in self._files)
+        if missing:
+            raise ConfigError(f"{self.flag}: {self.path} lacks {missing[0]}"
+                              f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; is it a whole "
+                              "model saved with save_pretrained?")
+        extra = sorted(n for n in self._files if n not in wanted and f"transformer.{n}" not in wanted
+                       and not n.endswith(_NOT_WEIGHTS))
+        if extra:
+            raise ConfigError(f"{self.flag}: {self.path} has weights trident's model has no place for: "
+                              f"{', '.join(extra[:3])}{f' and {len(extra) - 3} more' if len(extra) > 3 else ''}")
+
+
+def initial_weights(args, plan):
+    """--init-from: `full_of(name, shape)` for runtime.model.init_weights, each parameter's full
+    tensor from a transformers directory; None without the flag or where a checkpoint is resumed
+    (it holds the model already)."""
+    from runtime.checkpoint import checkpoints
+    path = getattr(args, "init_from", None)
+    if not path or (args.resume and args.checkpoint_dir and checkpoints(args.checkpoint_dir)):
+        return None
+    cfg, model_dir = plan.model, ModelDir(path)
+    model_dir.check(cfg, plan.training.seq_len)
+
+    def full_of(name: str, shape: tuple) -> torch.Tensor:
+        hf, turn = source(cfg, name)
+        t = model_dir.read(hf)
+        full = turn(t)
+        if tuple(full.shape) != shape:
+            raise ConfigError(f"--init-from: {model_dir.path}: {hf} has shape {tuple(t.shape)}, which does not "
+                              f"make the model's {name} of shape {shape}")
+        return full
+    return full_of
+
+
+def _parameter_names(cfg: ModelConfig) -> list[str]:
+    from runtime.model import Transformer
+    with torch.device("meta"):
+        return [n for n, _ in Transformer(cfg).named_parameters(remove_duplicate=False)]

@@ -1,0 +1,208 @@
+"""Hugging Face weights (runtime.hf_weights, runtime.export): transformers computes what trident's
+runtime computes from the same weights, both ways, through `trident export` and `--init-from`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from planner.hf_config import from_hf_config, to_hf_config
+from planner.model import ZOO, ConfigError, ModelConfig
+from planner.plan import Plan
+from runtime.data import make_source
+from runtime.hf_weights import ModelDir, from_hf, to_hf, initial_weights
+from runtime.model import Transformer, init_weights
+from torchrun_helpers import REPO, assert_ok, losses_of, train, write_plan
+
+CONFIGS = {  # grouped-query llama; Qwen2's q/k/v biases, tied, another rope theta; GPT-2 tied and not
+    "llama-gqa": ModelConfig("t", "llama", 2, 64, 96, 8, 2, 128, 32),
+    "qwen2-tied": ModelConfig("t", "llama", 2, 64, 96, 4, 4, 128, 32, tie_embeddings=True, qkv_bias=True,
+                              norm_eps=1e-6, rope_theta=5e5),
+    "gpt-tied": ModelConfig("t", "gpt", 2, 64, 256, 4, 4, 128, 32, tie_embeddings=True),
+    "gpt": ModelConfig("t", "gpt", 2, 64, 200, 4, 4, 128, 32),
+}
+
+
+def _trident_model(cfg: ModelConfig, seed: int = 3) -> Transformer:
+    """A trident model whose norms and biases are not their initial 1 and 0 (a mix-up would show)."""
+    m = Transformer(cfg)
+    init_weights(m, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return m.eval()
+
+
+def _hf_model(cfg: ModelConfig):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.AutoConfig.for_model(**to_hf_config(cfg))
+        if cfg.arch == "gpt":  # GPT2Config's token ids (50256) lie outside these vocabularies
+            config.bos_token_id = config.eos_token_id = None
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_names_and_layouts_go_there_and_back(name):
+    cfg = CONFIGS[name]
+    m = _trident_model(cfg)
+    state = {n: p.detach() for n, p in m.named_parameters(remove_duplicate=False)}
+    hf = to_hf(cfg, state)
+    assert all(torch.equal(from_hf(cfg, n, hf.__getitem__), t) for n, t in state.items())
+    assert ("lm_head.weight" in hf) is not cfg.tie_embeddings
+    back = from_hf_config(to_hf_config(cfg), name="t")
+    assert back == cfg  # the config.json an export writes plans the same model
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_transformers_computes_the_same_logits_both_ways(name, tmp_path):
+    """trident's weights in transformers' model give trident's logits (the rotary layout of q and k,
+    GPT-2's fused Conv1D q/k/v, tied heads); transformers' own initialization saved with
+    save_pretrained and read into trident's model (as --init-from does) gives transformers' logits."""
+    cfg = CONFIGS[name]
+    ids = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    ours = _trident_model(cfg)
+    hf = _hf_model(cfg)
+    missing, unexpected = hf.load_state_dict(to_hf(cfg, dict(ours.named_parameters())), strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+    theirs = _hf_model(cfg)
+    theirs.save_pretrained(tmp_path)
+    plan = type("P", (), {"model": cfg, "training": type("T", (), {"seq_len": cfg.seq_len})})
+    args = type("A", (), {"init_from": str(tmp_path), "resume": False, "checkpoint_dir": None})
+    loaded = Transformer(cfg)
+    init_weights(loaded, 0, initial_weights(args, plan))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _hf_loss(model, plan: Plan, step: int) -> float:
+    t = plan.training
+    batch = make_source("synthetic", t.seq_len, t.seed, plan.model.vocab).batch(step, t.global_batch)
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), batch[:, 1:].flatten()))
+
+
+def test_an_exported_checkpoint_is_the_trained_model_and_starts_other_plans(tmp_path):
+    """tp 2 with sequence parallelism trains 3 steps, a checkpoint after step 2; `trident export`
+    of it loads in transformers, whose loss on step 3's batch is the run's step-3 loss; pp 2 (1F1B)
+    started from the export with --init-from has that model's loss on its first batch. A tied GPT
+    model initialized by transformers and saved with save_pretrained starts pp 2 (the head a copy of
+    the embedding, runtime.tied) and dp 2 under ZeRO 3 at transformers' loss."""
+    gpt = dataclasses.replace(ZOO["tiny-gpt"], name="tiny-gpt-tied", tie_embeddings=True)
+    plans = {"tp2": write_plan(tmp_path, "tp2", world=2, tp=2, sequence_parallel=True),
+             "pp2": write_plan(tmp_path, "pp2", world=2, pp=2, schedule="1f1b"),
+             "gpt-pp2": write_plan(tmp_path, "gpt-pp2", model=gpt, world=2, pp=2, schedule="1f1b"),
+             "gpt-zero3": write_plan(tmp_path, "gpt-zero3", model=gpt, world=2, zero=3)}
+    assert_ok(train(2, "--plan", plans["tp2"], "--steps", 3, "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 2,
+                    "--out", tmp_path / "tp2-run.json"))
+    out = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", "export", str(tmp_path / "ck"), "-o", str(out)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "exported step 2 of" in proc.stdout and json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tp2 = Plan.read(plans["tp2"])
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", "export", str(tmp_path / "ck"), "-o",
+                           str(tmp_path / "sharded"), "--max-shard-gb", "0.001"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0 and "in 6 safetensors file(s)" in proc.stdout, proc.stdout + proc.stderr
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")  # through the index
+    assert all(torch.equal(a, b) for a, b in zip(sharded.state_dict().values(), exported.state_dict().values()))
+    assert losses_of(tmp_path / "tp2-run.json")[2] == pytest.approx(_hf_loss(exported, tp2, 2), rel=1e-6)
+    assert_ok(train(2, "--plan", plans["pp2"], "--steps", 1, "--init-from", out, "--out", tmp_path / "pp2-run.json"))
+    assert losses_of(tmp_path / "pp2-run.json")[0] == pytest.approx(_hf_loss(exported, tp2, 0), rel=1e-6)
+    assert json.loads((tmp_path / "pp2-run.json").read_text())["init_from"] == str(out)
+
+    hf_gpt = _hf_model(gpt)
+    hf_gpt.save_pretrained(tmp_path / "gpt")
+    assert_ok(train(2, "--plan", plans["gpt-pp2"], plans["gpt-zero3"], "--steps", 1, "--init-from", tmp_path / "gpt",
+                    "--out", tmp_path / "runs"))
+    want = _hf_loss(hf_gpt, Plan.read(plans["gpt-pp2"]), 0)
+    for name in ("gpt-pp2", "gpt-zero3"):
+        assert losses_of(tmp_path / "runs" / f"{name}.json")[0] == pytest.approx(want, rel=1e-6), name
+
+
+def _saved(cfg: ModelConfig, path, **config_edits):
+    """transformers' model of `cfg` saved to `path`, its config.json then edited."""
+    _hf_model(cfg).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(config_edits)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("name, edits, plan_edits, message", [
+    ("llama-gqa", {"hidden_size": 128, "head_dim": 16}, {}, r"has model.hidden = 128, the plan 64; plan with --model "),
+    ("llama-gqa", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, {},
+     r"rope type 'llama3' .*have no scaling"),
+    ("llama-gqa", {"model_type": "gemma"}, {}, r"cannot load gemma weights"),
+    ("llama-gqa", {"model_type": "mistral", "sliding_window": 16}, {},
+     r"sliding_window: 16 is below the plan's seq_len 32"),
+    ("gpt", {"activation_function": "gelu_new"}, {}, r"activation_function: 'gelu_new'; the runtime computes exact GELU"),
+    ("llama-gqa", {"attention_bias": True}, {"qkv_bias": True}, r"no place for: model.layers.0.self_attn.o_proj.bias"),
+])
+def test_weights_trident_would_compute_otherwise_are_refused_by_name(tmp_path, name, edits, plan_edits, message):
+    cfg = CONFIGS[name]
+    if "attention_bias" in edits:  # a Llama config's attention_bias: q, k, v and o biases
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**{**to_hf_config(cfg), **edits}))
+        hf.save_pretrained(tmp_path)
+    else:
+        _saved(cfg, tmp_path, **edits)
+    with pytest.raises(ConfigError, match=message):
+        ModelDir(tmp_path).check(dataclasses.replace(cfg, **plan_edits), 32)
+
+
+def test_gpt2_hub_names_and_missing_directories(tmp_path):
+    """GPT-2's files on the Hub name tensors without `transformer.` (and keep the causal-mask
+    buffers): they load. A directory without config.json or weights is one line."""
+    cfg = CONFIGS["gpt-tied"]
+    hf = _hf_model(cfg)
+    hf.save_pretrained(tmp_path / "hub")
+    from safetensors.torch import load_file, save_file
+    state = {k.removeprefix("transformer."): v for k, v in load_file(tmp_path / "hub" / "model.safetensors").items()}
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, cfg.seq_len, cfg.seq_len))
+    save_file(state, tmp_path / "hub" / "model.safetensors")
+    d = ModelDir(tmp_path / "hub")
+    d.check(cfg, 32)
+    loaded = Transformer(cfg)
+    init_weights(loaded, 0, lambda n, shape: from_hf(cfg, n, d.read))
+    ids = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"--init-from: .*nowhere/config.json is missing or not JSON"):
+        ModelDir(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    with pytest.raises(ConfigError, match=r"has no model.safetensors, .* save the model with save_pretrained"):
+        ModelDir(tmp_path / "empty")
+
+
+def test_the_commands_refuse_bad_input_in_one_line(tmp_path):
+    plan = write_plan(tmp_path, "one")
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "planner.cli", *map(str, args)], capture_output=True,
+                              text=True, cwd=REPO)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        return proc.stderr
+    assert "--init-from: " in cli("run", plan, "--init-from", tmp_path / "nowhere")
+    assert "no checkpoint there" in cli("export", tmp_path, "-o", tmp_path / "out")
+    (tmp_path / "ck" / "step-1").mkdir(parents=True)
+    (tmp_path / "ck" / "step-1" / "trident.json").write_text("{}")
+    assert "unreadable or corrupt" in cli("export", tmp_path / "ck", "-o", tmp_path / "out")
+    assert "-o: " in cli("export", tmp_path / "ck", "-o", tmp_path)
+    assert "--max-shard-gb: 0.0 must be positive" in cli("export", tmp_path / "ck", "-o", tmp_path / "o", "--max-shard-gb", 0)
