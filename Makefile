@@ -30,11 +30,14 @@ demo: install
 	@echo "== 3. search the fastest plan that fits, priced by the measured profiles =="
 	$(TRIDENT) search --model tiny --cluster $(OUT)/cpu4.json --model-profile $(OUT)/tiny.model.json --gpus 4 \
 	    --global-batch 16 --dtype fp32 --top 5 -o $(OUT)/plan.json
-	@echo "== 4. train that plan with torchrun (a validation loss every 10 steps) =="
-	$(TRIDENT) run $(OUT)/plan.json --steps 30 --eval-every 10 --out $(OUT)/run.json
+	@echo "== 4. train that plan with torchrun (a validation loss every 10 steps, a checkpoint at the end) =="
+	rm -rf $(OUT)/ckpt $(OUT)/hf
+	$(TRIDENT) run $(OUT)/plan.json --steps 30 --eval-every 10 --checkpoint-dir $(OUT)/ckpt --out $(OUT)/run.json
 	@echo "== 5. predicted vs measured =="
 	$(TRIDENT) compare $(OUT)/plan.json $(OUT)/run.json --cluster-profile $(OUT)/cpu4.json \
 	    --model-profile $(OUT)/tiny.model.json --plot $(OUT)/compare.png
+	@echo "== 6. the trained model as a Hugging Face transformers directory (AutoModelForCausalLM loads it) =="
+	$(TRIDENT) export $(OUT)/ckpt -o $(OUT)/hf
 	@echo
 	@echo "== and planning for a cluster you do not have: Llama 2 70B on 8 DGX A100 nodes =="
 	$(TRIDENT) search --model llama2-70b --cluster dgx-a100-80gb --nodes 8 --global-batch 512 --seq-len 4096 \

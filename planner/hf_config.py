@@ -1,13 +1,17 @@
 """Hugging Face config.json files as trident models (planner.model.ModelConfig)."""
 from __future__ import annotations
 
+import dataclasses
+
 from planner.model import ConfigError, ModelConfig, is_int, is_real
+from planner.rope import ROPE_SCALINGS, RopeScaling
 
 
 # max_position_embeddings where a config leaves it out: the defaults of transformers'
 # configuration_<model_type>.py (Mistral's 4096 * 32); GPT-2's n_positions defaults to 1024
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma": 8192,
                  "gemma2": 8192}
+EXACT_GELUS = ("gelu", "gelu_python")  # transformers' activation_function names of exact GELU
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
 
 
@@ -60,12 +64,14 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                   tie_embeddings=flag("tie_word_embeddings", mt in ("gemma", "gemma2")),
                   qkv_bias=flag("attention_bias", False) or mt == "qwen2",  # Qwen2 always has them
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
-                  rope_theta=rope_theta(cfg, where))
+                  rope_theta=rope_theta(cfg, where), rope_scaling=rope_scaling(cfg, where))
     elif mt == "gpt2":
         h, heads = pos_int("n_embd"), pos_int("n_head")
         kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
                   heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions", 1024),
-                  tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"))
+                  tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"),
+                  # absent: GPT2Config's default, gelu_new (tanh); other activations priced as GELU
+                  gelu_approximate="none" if cfg.get("activation_function") in EXACT_GELUS else "tanh")
     else:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; use {', '.join(LLAMA_LIKE)} or gpt2")
     return ModelConfig(name=name, **kw)
@@ -90,12 +96,25 @@ def rope_theta(cfg: dict, where: str) -> float:
     return float(v)
 
 
+def rope_scaling(cfg: dict, where: str) -> RopeScaling | None:
+    """A config's rope scaling where the runtime computes it (linear, llama3); None for none and
+    for other kinds (dynamic NTK, YaRN, LongRoPE: priced alike, their weights refused by
+    runtime.hf_weights)."""
+    rp = rope_parameters(cfg)
+    kind = rp.get("rope_type") or rp.get("type")
+    if kind not in ROPE_SCALINGS:
+        return None
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    fields = {k: rp[k] for k in (keys if kind == "llama3" else keys[:1]) if rp.get(k) is not None}
+    return RopeScaling.from_dict({"type": kind, **fields}, where=f"{where}: rope_scaling")
+
+
 HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, attention_dropout: float = 0.0) -> dict:
     """The config.json of a transformers model computing what trident's runtime computes for
-    `cfg` (`trident export`): gpt as GPT2LMHeadModel with exact GELU, llama as LlamaForCausalLM,
+    `cfg` (`trident export`): gpt as GPT2LMHeadModel (gelu, or gelu_new: tanh), llama as LlamaForCausalLM,
     or Qwen2ForCausalLM where the q, k, v projections have biases (a Llama config's
     attention_bias adds one to the output projection too, which trident's blocks lack). The
     dropouts are the run's, for training on in transformers."""
@@ -103,7 +122,8 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, at
     if cfg.arch == "gpt":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.layers, "n_embd": cfg.hidden,
                 "n_inner": cfg.ffn_hidden, "n_head": cfg.heads, "n_positions": cfg.seq_len,
-                "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu", "resid_pdrop": dropout,
+                "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": dropout,
+                "activation_function": "gelu_new" if cfg.gelu_approximate == "tanh" else "gelu",
                 "embd_pdrop": dropout, "attn_pdrop": attention_dropout, **common}
     mt = "qwen2" if cfg.qkv_bias else "llama"
     out = {"architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"], "model_type": mt,
@@ -112,6 +132,12 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, at
            "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5's spelling
            "hidden_act": "silu", "attention_dropout": attention_dropout, **common}
+    if cfg.rope_scaling is not None:  # both spellings: transformers 4's rope_scaling, 5's rope_parameters
+        scaling = {k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if k != "type"}
+        if cfg.rope_scaling.type == "linear":
+            scaling = {"factor": cfg.rope_scaling.factor}
+        out["rope_scaling"] = {"rope_type": cfg.rope_scaling.type, **scaling}
+        out["rope_parameters"].update(out["rope_scaling"])
     if mt == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     else:

@@ -37,27 +37,10 @@ MAX_SIZE = {"layers": 10_000, "hidden": 1_000_000, "ffn_hidden": 10_000_000, "he
             "kv_heads": 100_000, "vocab": 100_000_000, "seq_len": 100_000_000, "head_dim": 100_000}
 
 
-class ConfigError(ValueError):
-    """A bad model, cluster or plan input; the message names the field and the fix."""
+from planner.values import MAX_NAME, ConfigError, is_int, is_one_line, is_real  # noqa: F401 (their home was here)
+from planner.rope import RopeScaling
 
-
-def is_int(v) -> bool:
-    """An integer that is not a bool (JSON true is not 1 here)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-MAX_NAME = 200  # characters of a name that messages print (a model's, a profile's, a cluster's)
-
-
-def is_one_line(v) -> bool:
-    """A name messages can print: a non-empty printable string of one line, at most MAX_NAME long
-    (a newline would start a second, forgeable, error line)."""
-    return isinstance(v, str) and 0 < len(v) <= MAX_NAME and v.isprintable()
-
-
-def is_real(v) -> bool:
-    """A finite JSON number (not a bool, NaN or infinity)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 @dataclass(frozen=True)
@@ -82,6 +65,10 @@ class ModelConfig:
     head_dim: int | None = None  # None: hidden // heads
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # omitted from the plan file where None
+    # a gpt MLP's GELU: "none" exact (erf), "tanh" its tanh approximation (GPT-2's gelu_new);
+    # torch's F.gelu `approximate` argument; omitted from the plan file where "none"
+    gelu_approximate: str = "none"
 
     def __post_init__(self):
         def need(cond, fld, msg):
@@ -108,6 +95,17 @@ class ModelConfig:
         if self.head_dim is None:
             need(self.hidden % self.heads == 0, "heads",
                  f"{self.heads} does not divide hidden={self.hidden}; set head_dim or change heads")
+        if isinstance(self.rope_scaling, dict):  # as a plan file holds it
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if self.rope_scaling is not None:
+            need(isinstance(self.rope_scaling, RopeScaling), "rope_scaling", f"is {self.rope_scaling!r}; expected "
+                 "null or an object with type and factor")
+            self.rope_scaling.check()
+            need(self.arch == "llama", "rope_scaling", "gpt models have learned positions, no rotary embeddings")
+        need(self.gelu_approximate in GELU_APPROXIMATIONS, "gelu_approximate",
+             f"is {self.gelu_approximate!r}; use one of {', '.join(GELU_APPROXIMATIONS)}")
+        need(self.gelu_approximate == "none" or self.arch == "gpt", "gelu_approximate",
+             "llama blocks use SwiGLU, no GELU")
         if self.arch == "gpt":
             need(self.kv_heads == self.heads, "kv_heads", "a gpt model has kv_heads == heads (no grouped-query attention)")
             need(not self.qkv_bias, "qkv_bias", "gpt blocks always have biases; qkv_bias is for llama-family models")
@@ -140,7 +138,13 @@ class ModelConfig:
         raise IndexError(f"layer {index} out of range 0..{self.layers + 1}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        # fields added since plans and checkpoints were first written: left out at their defaults,
+        # so that those read (and hash) the same
+        for field, default in (("rope_scaling", None), ("gelu_approximate", "none")):
+            if d[field] == default:
+                del d[field]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":

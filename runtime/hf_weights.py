@@ -15,16 +15,21 @@ Name and layout differences (transformers' modeling_llama.py, modeling_qwen2.py,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from planner.hf_config import from_hf_config, rope_parameters
+from planner.hf_config import EXACT_GELUS, from_hf_config, rope_parameters
 from planner.model import ConfigError, ModelConfig
+from planner.rope import ROPE_SCALINGS
 
 WEIGHT_TYPES = ("llama", "mistral", "qwen2", "gpt2")  # whose blocks trident's runtime computes exactly
+# GPT-2's activation_function values the runtime computes (transformers' activations.py: gelu and
+# gelu_python exact, the others the tanh approximation written in several ways): planner.hf_config
+GELUS = EXACT_GELUS + ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
 # tensors of a model directory that are not weights (gpt2's causal-mask buffers in older files)
 _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -195,21 +200,21 @@ class ModelDir:
             raise ConfigError(f"{self.flag}: {where}: the runtime cannot load {mt} weights (its blocks differ from "
                               f"trident's llama and gpt blocks); use a model of type {', '.join(WEIGHT_TYPES)}")
         rope_type = rope_parameters(hf).get("rope_type") or rope_parameters(hf).get("type") or "default"
-        if mt != "gpt2" and rope_type != "default":
+        if mt != "gpt2" and rope_type not in ("default", *ROPE_SCALINGS):
             raise ConfigError(f"{where}: rope type {rope_type!r} (rope_scaling or rope_parameters); the runtime's "
-                              "rotary embeddings have no scaling, so these weights would compute another model")
+                              f"rotary embeddings scale as {' or '.join(ROPE_SCALINGS)} only, so these weights would compute another model")
         act = hf.get("activation_function", "gelu_new") if mt == "gpt2" else hf.get("hidden_act", "silu")
-        if act != ("gelu" if mt == "gpt2" else "silu"):
+        if act not in (GELUS if mt == "gpt2" else ("silu",)):
             key = "activation_function" if mt == "gpt2" else "hidden_act"
             raise ConfigError(f"{where}: {key}: {act!r}; the runtime computes "
-                              f"{'exact GELU (gelu)' if mt == 'gpt2' else 'SwiGLU (silu)'} only")
+                              f"{'GELU, exact or tanh (' + ', '.join(GELUS) + ')' if mt == 'gpt2' else 'SwiGLU (silu)'} only")
         sliding = mt == "mistral" or hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
         window = hf.get("sliding_window") if sliding else None
         if window is not None and window < seq_len:
             raise ConfigError(f"{where}: sliding_window: {window} is below the plan's seq_len {seq_len}; the runtime "
                               f"attends over whole sequences: plan with --seq-len {window} or less")
-        mine = self.config.to_dict()
-        for field, value in cfg.to_dict().items():
+        mine = dataclasses.asdict(self.config)  # every field (to_dict leaves some out at their defaults)
+        for field, value in dataclasses.asdict(cfg).items():
             if field == "name" or (field == "seq_len" and cfg.arch == "llama"):  # llama: any length
                 continue
             if mine.get(field) != value:

@@ -37,9 +37,24 @@ class RMSNorm(nn.Module):
 def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [seq_len, head_dim / 2] of rotary position embeddings (Su et al. 2021)."""
     d = cfg.dim_per_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    inv_freq = scaled(1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)),
+                      cfg.rope_scaling)
     angles = torch.outer(torch.arange(cfg.seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def scaled(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
+    """Frequencies under planner.model.RopeScaling (None: as they are)."""
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    old = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    # 0 at wavelengths of old / low_freq_factor and beyond (divided by factor), 1 at old /
+    # high_freq_factor and below (kept), linear in old / wavelength between
+    keep = ((old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+    return (1 - keep) * inv_freq / scaling.factor + keep * inv_freq
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -94,7 +109,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gated = cfg.arch == "llama"
+        self.gated, self.approximate = cfg.arch == "llama", cfg.gelu_approximate
         bias = cfg.arch == "gpt"
         self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=bias)
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=bias)
@@ -104,7 +119,7 @@ class FeedForward(nn.Module):
     def forward(self, x):
         if self.gated:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:

@@ -14,19 +14,28 @@ import transformers
 
 from planner.hf_config import from_hf_config, to_hf_config
 from planner.model import ZOO, ConfigError, ModelConfig
+from planner.rope import RopeScaling
 from planner.plan import Plan
 from runtime.data import make_source
 from runtime.hf_weights import ModelDir, from_hf, to_hf, initial_weights
 from runtime.model import Transformer, init_weights
 from torchrun_helpers import REPO, assert_ok, losses_of, train, write_plan
 
-CONFIGS = {  # grouped-query llama; Qwen2's q/k/v biases, tied, another rope theta; GPT-2 tied and not
+CONFIGS = {  # grouped-query llama; Qwen2's q/k/v biases, tied, another rope theta, linear rope scaling;
+    # Llama 3.1's rope scaling; GPT-2 tied with its tanh GELU (gelu_new), and untied with exact GELU
     "llama-gqa": ModelConfig("t", "llama", 2, 64, 96, 8, 2, 128, 32),
     "qwen2-tied": ModelConfig("t", "llama", 2, 64, 96, 4, 4, 128, 32, tie_embeddings=True, qkv_bias=True,
-                              norm_eps=1e-6, rope_theta=5e5),
-    "gpt-tied": ModelConfig("t", "gpt", 2, 64, 256, 4, 4, 128, 32, tie_embeddings=True),
+                              norm_eps=1e-6, rope_theta=5e5, rope_scaling=RopeScaling("linear", 2.0)),
+    # Llama 3.1's scaling: of head_dim 8's four wavelengths (6.3 to 6283 positions) the first
+    # between original / high_freq_factor (4) and original / low_freq_factor (16), the rest above
+    "llama3-rope": ModelConfig("t", "llama", 2, 64, 96, 8, 2, 128, 32,
+                               rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)),
+    "gpt-tied": ModelConfig("t", "gpt", 2, 64, 256, 4, 4, 128, 32, tie_embeddings=True, gelu_approximate="tanh"),
     "gpt": ModelConfig("t", "gpt", 2, 64, 200, 4, 4, 128, 32),
 }
+
+
+MLP_INPUTS = (("w1.weight", "w3.weight"), ("c_fc.weight", "gate_proj.weight", "up_proj.weight"))
 
 
 def _trident_model(cfg: ModelConfig, seed: int = 3) -> Transformer:
@@ -38,6 +47,8 @@ def _trident_model(cfg: ModelConfig, seed: int = 3) -> Transformer:
         for n, p in m.named_parameters():
             if n.endswith("bias") or "norm" in n:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+            if n.endswith(MLP_INPUTS[0]):  # activations of order 1, where GELU's two forms differ by 1e-3
+                p.mul_(10)
     return m.eval()
 
 
@@ -47,7 +58,12 @@ def _hf_model(cfg: ModelConfig):
         config = transformers.AutoConfig.for_model(**to_hf_config(cfg))
         if cfg.arch == "gpt":  # GPT2Config's token ids (50256) lie outside these vocabularies
             config.bos_token_id = config.eos_token_id = None
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(MLP_INPUTS[1]):  # as _trident_model
+                p.mul_(10)
+    return model
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -144,12 +160,13 @@ def _saved(cfg: ModelConfig, path, **config_edits):
 
 @pytest.mark.parametrize("name, edits, plan_edits, message", [
     ("llama-gqa", {"hidden_size": 128, "head_dim": 16}, {}, r"has model.hidden = 128, the plan 64; plan with --model "),
-    ("llama-gqa", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, {},
-     r"rope type 'llama3' .*have no scaling"),
+    ("llama-gqa", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0}}, {},
+     r"rope type 'yarn' .*scale as linear or llama3 only"),
     ("llama-gqa", {"model_type": "gemma"}, {}, r"cannot load gemma weights"),
     ("llama-gqa", {"model_type": "mistral", "sliding_window": 16}, {},
      r"sliding_window: 16 is below the plan's seq_len 32"),
-    ("gpt", {"activation_function": "gelu_new"}, {}, r"activation_function: 'gelu_new'; the runtime computes exact GELU"),
+    ("gpt", {"activation_function": "gelu_new"}, {}, r"has model.gelu_approximate = 'tanh', the plan 'none'"),
+    ("gpt", {"activation_function": "relu"}, {}, r"activation_function: 'relu'; the runtime computes GELU, exact or tanh"),
     ("llama-gqa", {"attention_bias": True}, {"qkv_bias": True}, r"no place for: model.layers.0.self_attn.o_proj.bias"),
 ])
 def test_weights_trident_would_compute_otherwise_are_refused_by_name(tmp_path, name, edits, plan_edits, message):

@@ -11,6 +11,7 @@ import pytest
 from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
 from planner.hf_config import from_hf_config
 from planner.model import ZOO, ConfigError, ModelConfig, load_model
+from planner.rope import RopeScaling
 
 NAN, INF = float("nan"), float("inf")
 A100 = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
@@ -174,6 +175,18 @@ MODEL_CASES = [
     ("model", {"vocab": None}, r"model\.vocab: is None"),
     ("model", {"layers": 1000000000}, r"model\.layers: is 1000000000; at most 10000, far above any real model"),
     ("model", {"seq_len": 10**12}, r"model\.seq_len: is 1000000000000; at most 100000000"),
+    ("model", {"rope_scaling": 8}, r"model\.rope_scaling: is 8; expected null or an object with type and factor"),
+    ("model", {"rope_scaling": {"type": "yarn", "factor": 4}}, r"model\.rope_scaling\.type: is 'yarn'; use one of linear"),
+    ("model", {"rope_scaling": {"type": "linear"}}, r"model\.rope_scaling\.factor: missing"),
+    ("model", {"rope_scaling": {"type": "linear", "factor": -2}}, r"model\.rope_scaling\.factor: is -2"),
+    ("model", {"rope_scaling": {"type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1}},
+     r"model\.rope_scaling\.high_freq_factor: is 1; it must be above low_freq_factor \(4\)"),
+    ("model", {"rope_scaling": {"type": "llama3", "factor": 8, "original_max_position_embeddings": 8192.5}},
+     r"model\.rope_scaling\.original_max_position_embeddings: is 8192\.5"),
+    ("model", {"rope_scaling": {"type": "linear", "factor": 2, "alpha": 1}}, r"model\.rope_scaling\.alpha: unknown field"),
+    ("hf", {"rope_scaling": {"rope_type": "llama3", "factor": "8"}}, r"rope_scaling\.factor: is '8'"),
+    ("model", {"gelu_approximate": "fast"}, r"model\.gelu_approximate: is 'fast'; use one of none, tanh"),
+    ("model", {"gelu_approximate": "tanh"}, r"model\.gelu_approximate: llama blocks use SwiGLU, no GELU"),
 ]
 
 
@@ -198,6 +211,14 @@ def test_model_files_good_and_bad(tmp_path):
     (tmp_path / "dir.json").mkdir()
     with pytest.raises(ConfigError, match=r"--model: cannot read .*dir\.json \(Is a directory\)"):
         load_model(str(tmp_path / "dir.json"))
+    # Llama 3.1's rope scaling, as its config.json (transformers 4) and transformers 5 write it
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    want = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert from_hf_config(dict(HF, rope_scaling=llama31)).rope_scaling == want
+    assert from_hf_config(dict(HF, rope_parameters={**llama31, "rope_theta": 5e5})).rope_scaling == want
+    assert from_hf_config(dict(HF, rope_scaling={"type": "dynamic", "factor": 2.0})).rope_scaling is None  # priced alike
+    assert "rope_scaling" not in ZOO["tiny"].to_dict()  # plans written before the field read the same
     for name, m in ZOO.items():  # the zoo still builds, and round-trips through a model JSON
         assert ModelConfig.from_dict(json.loads(json.dumps(m.to_dict()))) == m, name
 

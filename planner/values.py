@@ -1,0 +1,27 @@
+"""What every input check uses: ConfigError and the tests of a JSON value."""
+from __future__ import annotations
+
+import math
+
+
+class ConfigError(ValueError):
+    """A bad model, cluster or plan input; the message names the field and the fix."""
+
+
+def is_int(v) -> bool:
+    """An integer that is not a bool (JSON true is not 1 here)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+MAX_NAME = 200  # characters of a name that messages print (a model's, a profile's, a cluster's)
+
+
+def is_one_line(v) -> bool:
+    """A name messages can print: a non-empty printable string of one line, at most MAX_NAME long
+    (a newline would start a second, forgeable, error line)."""
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME and v.isprintable()
+
+
+def is_real(v) -> bool:
+    """A finite JSON number (not a bool, NaN or infinity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
