@@ -342,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("export", help="a checkpoint's model as a Hugging Face transformers directory "
                    "(`export CHECKPOINT -o DIR`)", add_help=False)
+    sub.add_parser("tokenize", help="text into token files for `run --data` (`tokenize --tokenizer DIR "
+                   "INPUT... -o train.bin [--val-out val.bin]`)", add_help=False)
     return ap
 
 
@@ -359,6 +361,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["export"]:
         from runtime.export import main as export_main  # imports torch
         return export_main(argv[1:])
+    if argv[:1] == ["tokenize"]:
+        from runtime.tokens import main as tokenize_main  # Hugging Face's tokenizers library
+        return tokenize_main(argv[1:])
     if argv[:1] == ["compare"]:
         from planner.compare_cli import main as compare_main
         return compare_main(argv[1:])

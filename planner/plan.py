@@ -29,6 +29,7 @@ from pathlib import Path
 from planner.mesh import Mesh
 from planner.model import ConfigError, ModelConfig, is_int as _is_int
 from planner.profile_checks import check_finite, read_input, unreadable
+from planner.values import strict as _strict
 
 FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
@@ -63,20 +64,6 @@ ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad
 
 def _default(cls, name: str):
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
-
-
-def _strict(cls, d, where):
-    """Build dataclass `cls` from dict `d`, refusing unknown and missing fields by name."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected a JSON object")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in d if k not in names]
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown field; {where} has {', '.join(names)}")
-    for f in dataclasses.fields(cls):
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d:
-            raise ConfigError(f"{where}.{f.name}: missing required field")
-    return d
 
 
 def _need(cond: bool, path: str, msg: str):

@@ -1,10 +1,9 @@
 """Rotary embedding scaling, a model field (planner.model.ModelConfig.rope_scaling)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from planner.values import ConfigError, is_int, is_real
+from planner.values import ConfigError, is_int, is_real, strict
 
 ROPE_SCALINGS = ("linear", "llama3")
 
@@ -41,13 +40,7 @@ class RopeScaling:
     def from_dict(cls, d, where: str = "model.rope_scaling") -> "RopeScaling":
         if not isinstance(d, dict):
             raise ConfigError(f"{where}: is {d!r}; expected null or an object with type and factor")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in d if k not in known]
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown field; known fields are {', '.join(known)}")
-        for k in ("type", "factor"):
-            if k not in d:
-                raise ConfigError(f"{where}.{k}: missing; rope scaling needs type and factor")
+        strict(cls, d, where)
         scaling = cls(**d)
         scaling.check(where)
         return scaling

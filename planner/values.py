@@ -1,6 +1,7 @@
 """What every input check uses: ConfigError and the tests of a JSON value."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 
@@ -25,3 +26,17 @@ def is_one_line(v) -> bool:
 def is_real(v) -> bool:
     """A finite JSON number (not a bool, NaN or infinity)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def strict(cls, d, where):
+    """Build dataclass `cls` from dict `d`, refusing unknown and missing fields by name."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in d if k not in names]
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown field; {where} has {', '.join(names)}")
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d:
+            raise ConfigError(f"{where}.{f.name}: missing required field")
+    return d
