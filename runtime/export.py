@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -22,9 +23,26 @@ from planner.args import OneLineParser
 from planner.hf_config import HF_DTYPES, to_hf_config
 from planner.model import ConfigError, ModelConfig
 from runtime.checkpoint import META, checkpoints
-from runtime.hf_weights import _parameter_names, to_hf
+from runtime.hf_weights import parameter_names, to_hf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# what save_pretrained writes for a tokenizer (fast and slow), and the generation defaults
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tokenizer_files(directory: Path) -> tuple[list[Path], dict]:
+    """--tokenizer: the tokenizer files of a model directory, and its config.json's token ids."""
+    files = [directory / f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    if not any(f.name != "generation_config.json" for f in files):
+        raise ConfigError(f"--tokenizer: {directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...); "
+                          "give the model directory the run started from")
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return files, {k: config[k] for k in TOKEN_IDS if isinstance(config, dict) and config.get(k) is not None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                     help="the weights' dtype (default fp32: the master weights as trained)")
     ap.add_argument("--max-shard-gb", type=float, default=5.0, help="the largest safetensors file (default 5 GB)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="a model directory whose tokenizer files and token ids the export gets (the one the run "
+                         "started from)")
     ap.add_argument("--force", action="store_true", help="write into a directory that is not empty")
     return ap.parse_args(argv)
 
@@ -76,17 +97,19 @@ def shards(cfg: ModelConfig, sizes: dict[str, int], limit: float) -> list[list[s
     return groups
 
 
-def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5e9, force: bool = False) -> dict:
+def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5e9, force: bool = False,
+           tokenizer: Path | None = None) -> dict:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"-o: {out} exists and is not an empty directory; choose another or pass --force")
+    tok_files, token_ids = tokenizer_files(tokenizer) if tokenizer is not None else ([], {})
     ckpt = step_dir(src)
     cfg, training, step = read_run(ckpt)
     reader = dcp.FileSystemReader(str(ckpt))
     saved = reader.read_metadata().state_dict_metadata
-    names = [n for n in dict.fromkeys(_parameter_names(cfg))
+    names = [n for n in dict.fromkeys(parameter_names(cfg))
              if not (cfg.tie_embeddings and n.endswith("output.weight"))]  # a tied head is the embedding
     absent = [n for n in names if f"model.{n}" not in saved]
     if absent:
@@ -113,12 +136,15 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     config = to_hf_config(cfg, dtype, training.get("dropout") or 0.0, training.get("attention_dropout_p") or 0.0)
     if cfg.arch == "gpt" and cfg.vocab <= 50256:  # GPT2Config's token ids (50256) would lie outside
         config.update(bos_token_id=None, eos_token_id=None)
+    config.update(token_ids)  # the tokenizer's own
+    for f in tok_files:
+        shutil.copyfile(f, out / f.name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if len(groups) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     return {"checkpoint": str(ckpt), "step": step, "files": len(groups), "bytes": total,
-            "tensors": len(weight_map), "config": config}
+            "tensors": len(weight_map), "config": config, "tokenizer_files": len(tok_files)}
 
 
 def main(argv=None) -> int:
@@ -126,14 +152,19 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         if not args.max_shard_gb > 0:
             raise ConfigError(f"--max-shard-gb: {args.max_shard_gb} must be positive")
-        done = export(Path(args.checkpoint), Path(args.out), args.dtype, args.max_shard_gb * 1e9, args.force)
+        done = export(Path(args.checkpoint), Path(args.out), args.dtype, args.max_shard_gb * 1e9, args.force,
+                      None if args.tokenizer is None else Path(args.tokenizer))
     except ConfigError as exc:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk, a directory that cannot be written
+        print(f"trident: error: -o: cannot write {exc.filename or args.out} ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     arch = done["config"]["architectures"][0]
+    tok = f", {done['tokenizer_files']} tokenizer file(s)" if done["tokenizer_files"] else ""
     print(f"exported step {done['step']} of {done['checkpoint']}: {done['tensors']} tensors, "
           f"{done['bytes'] / 2**20:,.1f} MiB {HF_DTYPES[args.dtype]} in {done['files']} safetensors file(s), "
-          f"config.json for {arch}, in {args.out}")
+          f"config.json for {arch}{tok}, in {args.out}")
     print(f"load: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}); or start a run from it: "
           f"trident run PLAN --init-from {args.out}")
     return 0

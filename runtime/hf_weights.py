@@ -220,7 +220,7 @@ class ModelDir:
             if mine.get(field) != value:
                 raise ConfigError(f"{self.flag}: {where} has model.{field} = {mine.get(field)!r}, the plan "
                                   f"{value!r}; plan with --model {where}")
-        wanted = {source(cfg, n)[0] for n in _parameter_names(cfg)}
+        wanted = {source(cfg, n)[0] for n in parameter_names(cfg)}
         missing = sorted(n for n in wanted if n not in self._files and n.removeprefix("transformer.") not in self._files)
         if missing:
             raise ConfigError(f"{self.flag}: {self.path} lacks {missing[0]}"
@@ -255,7 +255,7 @@ def initial_weights(args, plan):
     return full_of
 
 
-def _parameter_names(cfg: ModelConfig) -> list[str]:
+def parameter_names(cfg: ModelConfig) -> list[str]:
     from runtime.model import Transformer
     with torch.device("meta"):
         return [n for n, _ in Transformer(cfg).named_parameters(remove_duplicate=False)]

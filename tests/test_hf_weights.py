@@ -11,12 +11,15 @@ import warnings
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from planner.hf_config import from_hf_config, to_hf_config
 from planner.model import ZOO, ConfigError, ModelConfig
 from planner.rope import RopeScaling
 from planner.plan import Plan
 from runtime.data import make_source
+from runtime.export import export
 from runtime.hf_weights import ModelDir, from_hf, to_hf, initial_weights
 from runtime.model import Transformer, init_weights
 from torchrun_helpers import REPO, assert_ok, losses_of, train, write_plan
@@ -136,6 +139,14 @@ def test_an_exported_checkpoint_is_the_trained_model_and_starts_other_plans(tmp_
     sharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")  # through the index
     assert all(torch.equal(a, b) for a, b in zip(sharded.state_dict().values(), exported.state_dict().values()))
     assert losses_of(tmp_path / "tp2-run.json")[2] == pytest.approx(_hf_loss(exported, tp2, 2), rel=1e-6)
+    tok = tmp_path / "tokenizer"  # --tokenizer: the files and token ids of the model a run started from
+    tok.mkdir()
+    Tokenizer(WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tok / "tokenizer.json"))
+    (tok / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    assert export(tmp_path / "ck", tmp_path / "with-tokenizer", tokenizer=tok)["tokenizer_files"] == 1
+    config = json.loads((tmp_path / "with-tokenizer" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    assert (tmp_path / "with-tokenizer" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
     assert_ok(train(2, "--plan", plans["pp2"], "--steps", 1, "--init-from", out, "--out", tmp_path / "pp2-run.json"))
     assert losses_of(tmp_path / "pp2-run.json")[0] == pytest.approx(_hf_loss(exported, tp2, 0), rel=1e-6)
     assert json.loads((tmp_path / "pp2-run.json").read_text())["init_from"] == str(out)
@@ -222,4 +233,5 @@ def test_the_commands_refuse_bad_input_in_one_line(tmp_path):
     (tmp_path / "ck" / "step-1" / "trident.json").write_text("{}")
     assert "unreadable or corrupt" in cli("export", tmp_path / "ck", "-o", tmp_path / "out")
     assert "-o: " in cli("export", tmp_path / "ck", "-o", tmp_path)
+    assert "holds no tokenizer files" in cli("export", tmp_path / "ck", "-o", tmp_path / "o", "--tokenizer", tmp_path)
     assert "--max-shard-gb: 0.0 must be positive" in cli("export", tmp_path / "ck", "-o", tmp_path / "o", "--max-shard-gb", 0)
