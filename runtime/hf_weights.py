@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -112,32 +113,65 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.T
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def source(cfg: ModelConfig, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """The transformers tensor trident's parameter `name` comes from, and how to turn it into it."""
+@dataclass(frozen=True)
+class Layout:
+    """How one of trident's tensors is laid out in transformers' tensor: transposed (GPT-2's
+    Conv1D), `rows` of it from row `row0` on (after transposing: GPT-2's fused q, k, v), each head
+    of `head` rows reordered from halves to pairs (q and k of a llama block)."""
+
+    transposed: bool = False
+    row0: int = 0
+    rows: int | None = None
+    head: int = 0
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.t() if self.transposed else t
+        if self.rows is not None:
+            t = t[self.row0:self.row0 + self.rows]
+        return to_pairs(t, t.shape[0] // self.head) if self.head else t
+
+    def shape(self, hf_shape) -> tuple:
+        """trident's shape of a transformers tensor of `hf_shape`."""
+        shape = list(hf_shape)[::-1] if self.transposed else list(hf_shape)
+        if self.rows is not None:
+            shape[0] = self.rows if self.row0 + self.rows <= shape[0] else -1
+        return tuple(shape)
+
+    def block(self, hf, offset, size) -> torch.Tensor | None:
+        """trident's block [offset, offset + size) read from `hf` (a tensor or a safetensors slice),
+        or None where its rows cut a head that is reordered (the reorder needs the whole head)."""
+        if self.head and (offset[0] % self.head or size[0] % self.head):
+            return None
+        index = [slice(o, o + n) for o, n in zip(offset, size)]
+        index[0] = slice(self.row0 + offset[0], self.row0 + offset[0] + size[0])
+        t = hf[tuple(index[::-1] if self.transposed else index)]
+        t = t.t() if self.transposed else t
+        return to_pairs(t, size[0] // self.head) if self.head else t
+
+
+def source(cfg: ModelConfig, name: str) -> tuple[str, Layout]:
+    """The transformers tensor trident's parameter `name` comes from, and its layout there."""
     outer = _outer_names(cfg)
     if name in outer:
-        return outer[name], lambda t: t
+        return outer[name], Layout()
     i, rest = _split(name)
     if cfg.arch == "gpt":
         if rest.startswith(_GPT_QKV):
             kind, part = rest.rsplit(".", 1)[1], _GPT_QKV.index(rest[:len("attention.wq.")])
-
-            def qkv(t):
-                return (t.t() if kind == "weight" else t)[part * cfg.hidden:(part + 1) * cfg.hidden]
-            return f"transformer.h.{i - 1}.attn.c_attn.{kind}", qkv
+            return (f"transformer.h.{i - 1}.attn.c_attn.{kind}",
+                    Layout(transposed=kind == "weight", row0=part * cfg.hidden, rows=cfg.hidden))
         hf, transposed = _GPT_BLOCK[rest]
-        return f"transformer.h.{i - 1}.{hf}", (lambda t: t.t()) if transposed else (lambda t: t)
+        return f"transformer.h.{i - 1}.{hf}", Layout(transposed=transposed)
     hf = f"model.layers.{i - 1}.{_LLAMA_BLOCK[rest]}"
     if rest.startswith(("attention.wq.", "attention.wk.")):
-        heads = cfg.heads if "wq" in rest else cfg.kv_heads
-        return hf, lambda t: to_pairs(t, heads)
-    return hf, lambda t: t
+        return hf, Layout(head=cfg.dim_per_head)
+    return hf, Layout()
 
 
 def from_hf(cfg: ModelConfig, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """The full tensor of trident's parameter `name`, from transformers' tensors (`read`)."""
-    hf, turn = source(cfg, name)
-    return turn(read(hf))
+    hf, layout = source(cfg, name)
+    return layout.full(read(hf))
 
 
 class ModelDir:
@@ -184,14 +218,25 @@ class ModelDir:
                 raise ConfigError(f"{self.flag}: {f} is unreadable ({type(exc).__name__}: {exc})") from None
         return self._open[f]
 
-    def read(self, name: str) -> torch.Tensor:
+    def _find(self, name: str):
         f = self._files.get(name) or self._files.get(name.removeprefix("transformer."))  # gpt2's hub files
         if f is None:
             raise ConfigError(f"{self.flag}: {self.path} has no tensor {name!r}; is it a {self.hf.get('model_type')} "
                               "model saved with save_pretrained?")
         h = self._handle(f)
-        key = name if name in h.keys() else name.removeprefix("transformer.")
+        return h, name if name in h.keys() else name.removeprefix("transformer.")
+
+    def read(self, name: str) -> torch.Tensor:
+        h, key = self._find(name)
         return h[key] if isinstance(h, dict) else h.get_tensor(key)
+
+    def sliced(self, name: str):
+        """(an object that `[...]` reads a block of, without reading the rest; its shape)."""
+        h, key = self._find(name)
+        if isinstance(h, dict):  # torch.load(mmap=True): indexing reads the pages it touches
+            return h[key], tuple(h[key].shape)
+        part = h.get_slice(key)
+        return part, tuple(part.get_shape())
 
     def check(self, cfg: ModelConfig, seq_len: int) -> None:
         """ConfigError unless this directory's weights are those of `cfg`, trained at `seq_len`."""
@@ -233,26 +278,55 @@ class ModelDir:
                               f"{', '.join(extra[:3])}{f' and {len(extra) - 3} more' if len(extra) > 3 else ''}")
 
 
-def initial_weights(args, plan):
-    """--init-from: `full_of(name, shape)` for runtime.model.init_weights, each parameter's full
-    tensor from a transformers directory; None without the flag or where a checkpoint is resumed
-    (it holds the model already)."""
+class HFInit:
+    """runtime.model.init_weights' source for --init-from: a plain parameter gets its full tensor,
+    a DTensor parameter the block of it this rank holds, read alone where its placements are
+    plain shards (`local`), so a rank reads its slices of the model, not the model."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: ModelDir):
+        self.cfg, self.dir = cfg, model_dir
+        self.counts = {"whole": 0, "sliced": 0}
+
+    def _checked(self, name: str, shape: tuple):
+        hf, layout = source(self.cfg, name)
+        part, hf_shape = self.dir.sliced(hf)
+        if layout.shape(hf_shape) != tuple(shape):
+            raise ConfigError(f"--init-from: {self.dir.path}: {hf} has shape {hf_shape}, which does not make the "
+                              f"model's {name} of shape {tuple(shape)}")
+        return hf, layout, part
+
+    def __call__(self, name: str, shape: tuple) -> torch.Tensor:
+        hf, layout, _ = self._checked(name, shape)
+        self.counts["whole"] += 1
+        return layout.full(self.dir.read(hf))
+
+    def local(self, name: str, shape: tuple, mesh, placements) -> torch.Tensor | None:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        if not all(type(p) is Shard or isinstance(p, Replicate) for p in placements):  # FSDP2's strided shards
+            return None
+        _, layout, part = self._checked(name, shape)
+        size, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+        block = layout.block(part, offset, size) if all(size) else None
+        if block is not None:
+            self.counts["sliced"] += 1
+        return block
+
+    def record(self) -> dict:
+        """For run.json: the directory, and how many tensors this rank read whole and in slices."""
+        return {"path": str(self.dir.path), **self.counts}
+
+
+def initial_weights(args, plan) -> HFInit | None:
+    """--init-from: the source of runtime.model.init_weights (HFInit); None without the flag or
+    where a checkpoint is resumed (it holds the model already)."""
     from runtime.checkpoint import checkpoints
     path = getattr(args, "init_from", None)
     if not path or (args.resume and args.checkpoint_dir and checkpoints(args.checkpoint_dir)):
         return None
-    cfg, model_dir = plan.model, ModelDir(path)
-    model_dir.check(cfg, plan.training.seq_len)
-
-    def full_of(name: str, shape: tuple) -> torch.Tensor:
-        hf, turn = source(cfg, name)
-        t = model_dir.read(hf)
-        full = turn(t)
-        if tuple(full.shape) != shape:
-            raise ConfigError(f"--init-from: {model_dir.path}: {hf} has shape {tuple(t.shape)}, which does not "
-                              f"make the model's {name} of shape {shape}")
-        return full
-    return full_of
+    model_dir = ModelDir(path)
+    model_dir.check(plan.model, plan.training.seq_len)
+    return HFInit(plan.model, model_dir)
 
 
 def parameter_names(cfg: ModelConfig) -> list[str]:

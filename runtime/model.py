@@ -241,19 +241,25 @@ def full_init(name: str, shape, seed: int, cfg: ModelConfig) -> torch.Tensor:
 @torch.no_grad()
 def init_weights(chunk: Transformer, seed: int, full_of=None) -> None:
     """Fill a materialized (to_empty) chunk: each parameter gets its slice of the full tensor
-    full_init makes, or `full_of(name, shape)` gives (trident run --init-from), whatever its
-    DTensor placements; RoPE tables are computed."""
+    full_init makes, or `full_of(name, shape)` gives (trident run --init-from: runtime.hf_weights.
+    HFInit, whose `local` reads a rank's block alone), whatever its DTensor placements; RoPE tables
+    are computed."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from runtime.tied import EMBEDDING, head_weight
     copy = head_weight(chunk.cfg) if chunk.cfg.tie_embeddings else None
-    for name, p in chunk.named_parameters():  # a tied head's copy starts as the embedding's matrix
+
+    def full(name, shape):  # a tied head's copy starts as the embedding's matrix
+        return full_init(EMBEDDING if name == copy else name, shape, seed, chunk.cfg) if full_of is None \
+            else full_of(name, shape)
+
+    for name, p in chunk.named_parameters():
         shape = tuple(p.shape)
-        full = (full_init(EMBEDDING if name == copy else name, shape, seed, chunk.cfg) if full_of is None
-                else full_of(name, shape)).to(p.dtype)
-        if isinstance(p, DTensor):
-            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        if isinstance(p, DTensor):  # --init-from reads the rank's block alone where it can (HFInit.local)
+            local = full_of.local(name, shape, p.device_mesh, p.placements) if hasattr(full_of, "local") else None
+            if local is None:
+                local = distribute_tensor(full(name, shape), p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)
         else:
-            p.copy_(full)
+            p.copy_(full(name, shape))
     chunk.init_buffers(next(iter(chunk.parameters())).device)

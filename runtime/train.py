@@ -315,7 +315,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
                  "dp_replicate": plan.mesh.dp_replicate},
         "schedule": plan.pipeline.schedule,
         "dtype": trainer.dtype,
-        "first_step": start_step, "init_from": args.init_from if trainer.full_of else None,
+        "first_step": start_step, "init_from": trainer.full_of.record() if trainer.full_of else None,
         "steps": len(losses),
         "losses": losses,
         "grad_norms": [g if math.isfinite(g) else None for g in grad_norms],  # before clipping (null: fp16 skipped)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 import warnings
@@ -20,7 +21,7 @@ from planner.rope import RopeScaling
 from planner.plan import Plan
 from runtime.data import make_source
 from runtime.export import export
-from runtime.hf_weights import ModelDir, from_hf, to_hf, initial_weights
+from runtime.hf_weights import ModelDir, from_hf, initial_weights, source, to_hf
 from runtime.model import Transformer, init_weights
 from torchrun_helpers import REPO, assert_ok, losses_of, train, write_plan
 
@@ -116,7 +117,7 @@ def _hf_loss(model, plan: Plan, step: int) -> float:
 def test_an_exported_checkpoint_is_the_trained_model_and_starts_other_plans(tmp_path):
     """tp 2 with sequence parallelism trains 3 steps, a checkpoint after step 2; `trident export`
     of it loads in transformers, whose loss on step 3's batch is the run's step-3 loss; pp 2 (1F1B)
-    started from the export with --init-from has that model's loss on its first batch. A tied GPT
+    and tp 2 started from the export with --init-from have that model's loss on their first batch. A tied GPT
     model initialized by transformers and saved with save_pretrained starts pp 2 (the head a copy of
     the embedding, runtime.tied) and dp 2 under ZeRO 3 at transformers' loss."""
     gpt = dataclasses.replace(ZOO["tiny-gpt"], name="tiny-gpt-tied", tie_embeddings=True)
@@ -147,9 +148,17 @@ def test_an_exported_checkpoint_is_the_trained_model_and_starts_other_plans(tmp_
     config = json.loads((tmp_path / "with-tokenizer" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
     assert (tmp_path / "with-tokenizer" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
-    assert_ok(train(2, "--plan", plans["pp2"], "--steps", 1, "--init-from", out, "--out", tmp_path / "pp2-run.json"))
-    assert losses_of(tmp_path / "pp2-run.json")[0] == pytest.approx(_hf_loss(exported, tp2, 0), rel=1e-6)
-    assert json.loads((tmp_path / "pp2-run.json").read_text())["init_from"] == str(out)
+    runs = tmp_path / "from-export"  # pp 2, and tp 2 with SP again, each from the export
+    assert_ok(train(2, "--plan", plans["pp2"], plans["tp2"], "--steps", 1, "--init-from", out, "--out", runs))
+    for name in ("pp2", "tp2"):
+        assert losses_of(runs / f"{name}.json")[0] == pytest.approx(_hf_loss(exported, tp2, 0), rel=1e-6), name
+    first = Plan.read(plans["pp2"]).pipeline.stages[0]  # rank 0's: plain tensors, read whole
+    held = len(list(Transformer(tp2.model, first.start, first.end).parameters()))
+    assert json.loads((runs / "pp2.json").read_text())["init_from"] == {"path": str(out), "whole": held, "sliced": 0}
+    # tp 2's rank reads its block of every tensor alone: whole heads of q and k (reordered), its
+    # rows or columns of the others, the replicated norms whole
+    read = json.loads((runs / "tp2.json").read_text())["init_from"]
+    assert (read["whole"], read["sliced"]) == (0, len(list(Transformer(tp2.model).parameters())))
 
     hf_gpt = _hf_model(gpt)
     hf_gpt.save_pretrained(tmp_path / "gpt")
@@ -158,6 +167,10 @@ def test_an_exported_checkpoint_is_the_trained_model_and_starts_other_plans(tmp_
     want = _hf_loss(hf_gpt, Plan.read(plans["gpt-pp2"]), 0)
     for name in ("gpt-pp2", "gpt-zero3"):
         assert losses_of(tmp_path / "runs" / f"{name}.json")[0] == pytest.approx(want, rel=1e-6), name
+    # ZeRO 3's rank reads its half of each tensor alone (FSDP2's row shards; q, k and v of GPT-2's
+    # fused projection its columns)
+    read = json.loads((tmp_path / "runs" / "gpt-zero3.json").read_text())["init_from"]
+    assert (read["whole"], read["sliced"]) == (0, len(list(Transformer(gpt).parameters())))
 
 
 def _saved(cfg: ModelConfig, path, **config_edits):
@@ -235,3 +248,29 @@ def test_the_commands_refuse_bad_input_in_one_line(tmp_path):
     assert "-o: " in cli("export", tmp_path / "ck", "-o", tmp_path)
     assert "holds no tokenizer files" in cli("export", tmp_path / "ck", "-o", tmp_path / "o", "--tokenizer", tmp_path)
     assert "--max-shard-gb: 0.0 must be positive" in cli("export", tmp_path / "ck", "-o", tmp_path / "o", "--max-shard-gb", 0)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_block_read_alone_is_that_block_of_the_whole_tensor(name):
+    """What --init-from reads for a sharded parameter (HFInit.local): any block of any parameter,
+    read from transformers' tensor alone, is that block of the whole; a q or k block whose rows cut
+    a head (reordered as a whole) is not read alone (None: the rank reads the whole tensor)."""
+    cfg = CONFIGS[name]
+    state = {n: p.detach() for n, p in _trident_model(cfg).named_parameters(remove_duplicate=False)}
+    hf = to_hf(cfg, state)
+    gen = random.Random(0)
+    for n, t in state.items():
+        hf_name, layout = source(cfg, n)
+        assert layout.shape(hf[hf_name].shape) == tuple(t.shape), n
+        blocks = [([0] * t.dim(), list(t.shape))]  # the whole, and halves of the rows (a TP or FSDP shard)
+        blocks += [([h] + [0] * (t.dim() - 1), [r] + list(t.shape[1:]))
+                   for h, r in ((0, t.shape[0] // 2), (t.shape[0] // 2, t.shape[0] - t.shape[0] // 2))]
+        for _ in range(6):
+            offset = [gen.randrange(d) for d in t.shape]
+            blocks.append((offset, [gen.randint(1, d - o) for d, o in zip(t.shape, offset)]))
+        for offset, size in blocks:
+            block = layout.block(hf[hf_name], offset, size)
+            if block is None:
+                assert layout.head and (offset[0] % layout.head or size[0] % layout.head), (n, offset, size)
+                continue
+            torch.testing.assert_close(block, t[tuple(slice(o, o + s) for o, s in zip(offset, size))], rtol=0, atol=0)
