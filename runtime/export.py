@@ -120,6 +120,8 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     sizes = {n: elem * torch.Size(saved[f"model.{n}"].size).numel() for n in names}
     groups = shards(cfg, sizes, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("model*.safetensors*"):  # --force: an earlier export's files would mix in
+        stale.unlink()
     weight_map, total = {}, 0
     for k, group in enumerate(groups):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"

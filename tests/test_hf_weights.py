@@ -139,6 +139,8 @@ def test_an_exported_checkpoint_is_the_trained_model_and_starts_other_plans(tmp_
     assert proc.returncode == 0 and "in 6 safetensors file(s)" in proc.stdout, proc.stdout + proc.stderr
     sharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")  # through the index
     assert all(torch.equal(a, b) for a, b in zip(sharded.state_dict().values(), exported.state_dict().values()))
+    export(tmp_path / "ck", tmp_path / "sharded", force=True)  # one file again: the 6 and their index go
+    assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == ["config.json", "model.safetensors"]
     assert losses_of(tmp_path / "tp2-run.json")[2] == pytest.approx(_hf_loss(exported, tp2, 2), rel=1e-6)
     tok = tmp_path / "tokenizer"  # --tokenizer: the files and token ids of the model a run started from
     tok.mkdir()
