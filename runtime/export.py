@@ -24,6 +24,7 @@ from planner.hf_config import HF_DTYPES, to_hf_config
 from planner.model import ConfigError, ModelConfig
 from runtime.checkpoint import META, checkpoints
 from runtime.hf_weights import parameter_names, to_hf
+from runtime.tied import head_weight
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # what save_pretrained writes for a tokenizer (fast and slow), and the generation defaults
@@ -81,7 +82,7 @@ def read_run(ckpt: Path) -> tuple[ModelConfig, dict, int]:
     return cfg, run.get("training") or {}, step
 
 
-def shards(cfg: ModelConfig, sizes: dict[str, int], limit: float) -> list[list[str]]:
+def shards(sizes: dict[str, int], limit: float) -> list[list[str]]:
     """Parameter names in groups of whole layers, each under `limit` bytes where a layer allows."""
     groups, size = [[]], 0
     by_layer: dict[int, list[str]] = {}
@@ -110,7 +111,7 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     reader = dcp.FileSystemReader(str(ckpt))
     saved = reader.read_metadata().state_dict_metadata
     names = [n for n in dict.fromkeys(parameter_names(cfg))
-             if not (cfg.tie_embeddings and n.endswith("output.weight"))]  # a tied head is the embedding
+             if not (cfg.tie_embeddings and n == head_weight(cfg))]  # a tied head is the embedding
     absent = [n for n in names if f"model.{n}" not in saved]
     if absent:
         raise ConfigError(f"{ckpt}: the checkpoint lacks model.{absent[0]}"
@@ -118,7 +119,7 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
                           "checkpoint of this model")
     elem = DTYPES[dtype].itemsize
     sizes = {n: elem * torch.Size(saved[f"model.{n}"].size).numel() for n in names}
-    groups = shards(cfg, sizes, max_shard_bytes)
+    groups = shards(sizes, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("model*.safetensors*"):  # --force: an earlier export's files would mix in
         stale.unlink()

@@ -26,6 +26,7 @@ import torch
 from planner.hf_config import EXACT_GELUS, from_hf_config, rope_parameters
 from planner.model import ConfigError, ModelConfig
 from planner.rope import ROPE_SCALINGS
+from runtime.tied import head_weight
 
 WEIGHT_TYPES = ("llama", "mistral", "qwen2", "gpt2")  # whose blocks trident's runtime computes exactly
 # GPT-2's activation_function values the runtime computes (transformers' activations.py: gelu and
@@ -88,31 +89,6 @@ def _split(name: str) -> tuple[int, str]:
     return int(index), rest
 
 
-def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full (unsharded) tensors by trident's names -> by transformers' (a tied head left out)."""
-    outer, out, qkv = _outer_names(cfg), {}, {}
-    for name, t in state.items():
-        if name in outer:
-            if not (cfg.tie_embeddings and name.endswith("output.weight")):
-                out[outer[name]] = t
-            continue
-        i, rest = _split(name)
-        if cfg.arch == "gpt":
-            if rest.startswith(_GPT_QKV):
-                qkv.setdefault((i, rest.rsplit(".", 1)[1]), {})[rest[:len("attention.wq")]] = t
-                continue
-            hf, transposed = _GPT_BLOCK[rest]
-            out[f"transformer.h.{i - 1}.{hf}"] = t.t() if transposed else t
-        else:
-            if rest.startswith(("attention.wq.", "attention.wk.")):
-                t = to_halves(t, cfg.heads if "wq" in rest else cfg.kv_heads)
-            out[f"model.layers.{i - 1}.{_LLAMA_BLOCK[rest]}"] = t
-    for (i, kind), parts in qkv.items():  # Conv1D: [in, 3 x hidden], q then k then v
-        fused = torch.cat([parts[p] for p in ("attention.wq", "attention.wk", "attention.wv")], dim=0)
-        out[f"transformer.h.{i - 1}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
-    return {k: v.contiguous() for k, v in out.items()}
-
-
 @dataclass(frozen=True)
 class Layout:
     """How one of trident's tensors is laid out in transformers' tensor: transposed (GPT-2's
@@ -125,10 +101,7 @@ class Layout:
     head: int = 0
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.t() if self.transposed else t
-        if self.rows is not None:
-            t = t[self.row0:self.row0 + self.rows]
-        return to_pairs(t, t.shape[0] // self.head) if self.head else t
+        return self.block(t, [0] * t.dim(), self.shape(t.shape))
 
     def shape(self, hf_shape) -> tuple:
         """trident's shape of a transformers tensor of `hf_shape`."""
@@ -172,6 +145,23 @@ def from_hf(cfg: ModelConfig, name: str, read: Callable[[str], torch.Tensor]) ->
     """The full tensor of trident's parameter `name`, from transformers' tensors (`read`)."""
     hf, layout = source(cfg, name)
     return layout.full(read(hf))
+
+
+def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors by trident's names -> by transformers' (a tied head left out): each
+    laid out as `source` says, GPT-2's q, k and v joined into one tensor by their rows."""
+    parts: dict[str, list] = {}
+    for name, t in state.items():
+        if cfg.tie_embeddings and name == head_weight(cfg):  # the embedding's tensor there
+            continue
+        hf, layout = source(cfg, name)
+        parts.setdefault(hf, []).append((layout, to_halves(t, t.shape[0] // layout.head) if layout.head else t))
+    out = {}
+    for hf, ps in parts.items():
+        ps.sort(key=lambda p: p[0].row0)
+        t = torch.cat([t for _, t in ps]) if len(ps) > 1 else ps[0][1]
+        out[hf] = (t.t() if ps[0][0].transposed else t).contiguous()
+    return out
 
 
 class ModelDir:
