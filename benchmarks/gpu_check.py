@@ -9,7 +9,8 @@ networkx and pandas (the lent H200 machine's own). On one GPU, in one command of
    bandwidth), against the shipped profile of the same device where there is one;
 2. `trident profile model` of a 1.2B Llama-shaped model (Llama 3.2 1B's shape) at sequence 2048,
    in bf16 on the GPU, micro-batches 1, 2, 4;
-3. five single-GPU plans (recompute none, selective, full; micro-batch 1 to 4; one with dropout 0.1), each predicted
+3. six single-GPU plans (recompute none, selective, full; micro-batch 1 to 4; one with dropout 0.1,
+   one with a document mask: runtime.documents, documents of 257 tokens of the synthetic data), each predicted
    three ways: the shipped profile alone, the measured device alone, the measured device and model
    profile; then trained by runtime.train (bf16 autocast over float32 weights, AdamW), and
    compared: step time, optimizer step and peak memory (torch.cuda.max_memory_allocated); the last
@@ -40,10 +41,12 @@ from planner.device import CONVERSIONS  # noqa: E402
 # vocabulary 128256, tied embeddings), trained at sequence 2048
 LLAMA_1B = dict(name="llama-1.2b", arch="llama", layers=16, hidden=2048, ffn_hidden=8192, heads=32, kv_heads=8,
                 vocab=128256, seq_len=2048, tie_embeddings=True)
-# name: (micro_batch, global_batch, recompute, dropout): the last with hidden and attention dropout
-# (runtime.dropout; the model profile measures without it, planner.model_profile.dropout_delta)
-PLANS = {"mb1-none": (1, 8, "none", 0.0), "mb2-selective": (2, 8, "selective", 0.0), "mb4-full": (4, 16, "full", 0.0),
-         "mb4-none": (4, 16, "none", 0.0), "mb2-dropout": (2, 8, "none", 0.1)}
+# name: (micro_batch, global_batch, recompute, dropout, document mask): one with hidden and attention
+# dropout (runtime.dropout), one with a document mask (runtime.documents); the model profile
+# measures without either (planner.model_profile.unmeasured_delta)
+PLANS = {"mb1-none": (1, 8, "none", 0.0, False), "mb2-selective": (2, 8, "selective", 0.0, False),
+         "mb4-full": (4, 16, "full", 0.0, False), "mb4-none": (4, 16, "none", 0.0, False),
+         "mb2-dropout": (2, 8, "none", 0.1, False), "mb2-documents": (2, 8, "none", 0.0, True)}
 
 
 def env() -> dict:
@@ -291,18 +294,23 @@ def main(argv=None) -> int:
     print("3. plans: predict, train, compare", flush=True)
     (out / "plans").mkdir(exist_ok=True)
     plans, preds = {}, {}
-    for pname, (mb, gb, rec, drop) in PLANS.items():
+    for pname, (mb, gb, rec, drop, masked) in PLANS.items():
         plan = build_plan(model, cluster_name=measured.name, device=measured.device.name, nodes=1, devices_per_node=1,
                           global_batch=gb, micro_batch=mb, seq_len=seq, recompute=rec, dtype=dtype,
-                          profile_hash=measured.profile_hash, dropout=drop)
+                          profile_hash=measured.profile_hash, dropout=drop, document_mask=masked)
         preds[pname] = {"shipped": estimate(plan, shipped), "device": estimate(plan, measured),
                         "device+model": estimate(plan, measured, model_profile=mprof)}
         plan.prediction = preds[pname]["device+model"].to_dict()
         plan.prediction.pop("stages", None)
         plan.write(out / "plans" / f"{pname}.json")
         plans[pname] = plan
-    torchrun("-m", "runtime.train", "--plan", *[out / "plans" / f"{n}.json" for n in plans], "--steps", args.steps,
-             "--out", out / "runs", "--trace", out / "traces")
+    from runtime.data import SyntheticData
+    eos = int(SyntheticData(model.vocab, seq, 0).cycle[0])  # once in each 257 tokens of the synthetic rows
+    for masked in (False, True):  # --eos-id is for masked plans alone
+        names = [n for n in plans if plans[n].training.document_mask == masked]
+        runs = out / "runs" if len(names) > 1 else out / "runs" / f"{names[0]}.json"  # one plan: its file
+        torchrun("-m", "runtime.train", "--plan", *[out / "plans" / f"{n}.json" for n in names], "--steps", args.steps,
+                 "--out", runs, "--trace", out / "traces", *(["--eos-id", eos] if masked else []))
     rows = []
     for pname, plan in plans.items():
         run = json.loads((out / "runs" / f"{pname}.json").read_text())

@@ -163,6 +163,9 @@ def _add_problem_args(p, sizes: bool = False) -> None:
                         "outputs (Megatron-LM's GPT default 0.1; priced: masks and kernels; default 0)")
     p.add_argument("--attention-dropout", type=probability, default=None,
                    help="dropout on the attention probabilities (default: --dropout)")
+    p.add_argument("--document-mask", action="store_true",
+                   help="attention stays inside each document of a packed sequence (an end-of-text id ends one; "
+                        "priced: a dense mask, every score computed; no context parallelism)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -210,7 +213,7 @@ def training_settings(args) -> dict:
         raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
     if note := dropout_note(args):
         print(f"trident: note: {note}", file=sys.stderr)
-    return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout)
+    return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout, document_mask=args.document_mask)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -93,10 +93,12 @@ def divisors(n: int) -> list[int]:
 MIN_CP_TOKENS = 8192
 
 
-def cp_degrees(seq_len: int) -> list[int]:
+def cp_degrees(seq_len: int, document_mask: bool = False) -> list[int]:
     """The context-parallel degrees searched by default: 1, and the powers of two that leave a
-    rank at least MIN_CP_TOKENS tokens."""
+    rank at least MIN_CP_TOKENS tokens; 1 alone under a document mask (planner.plan_checks)."""
     out, c = [1], 2
+    if document_mask:
+        return out
     while seq_len // c >= MIN_CP_TOKENS:
         out.append(c)
         c *= 2
@@ -116,7 +118,7 @@ def configs(ctx, global_batch: int):
     for tp in divisors(dpn):
         if any(x % tp for x in (m.heads, m.kv_heads, m.ffn_hidden)) or (sp_.tp and tp not in sp_.tp) or world % tp:
             continue
-        for pp, cp in itertools.product(divisors(world // tp), sp_.cp or cp_degrees(ctx.train.seq_len)):
+        for pp, cp in itertools.product(divisors(world // tp), sp_.cp or cp_degrees(ctx.train.seq_len, ctx.train.document_mask)):
             if pp > total or (sp_.pp and pp not in sp_.pp) or world % (tp * pp * cp) or ctx.train.seq_len % (2 * cp):
                 continue
             dp = world // (tp * pp * cp)

@@ -46,12 +46,27 @@ def gemm_time(count: int, M: int, N: int, K: int, e: int, rate, bw: float) -> fl
     return count * max(2.0 * M * N * K / r, e * (M * K + K * N + M * N) / bw)
 
 
-def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str) -> tuple[float, float]:
-    """(forward, backward) FLOPs the attention core really executes on one whole layer."""
+def attention_core_hw_flops(model: ModelConfig, b: int, s: int, attention: str,
+                            masked: bool = False) -> tuple[float, float]:
+    """(forward, backward) FLOPs the attention core really executes on one whole layer. `masked`:
+    under an explicit mask (training.document_mask) a fused kernel computes every block of the
+    scores, where with the causal flag alone it skips those above the diagonal."""
     core = model.attention_core_flops(b, s)
     if attention != "unfused":  # fused: the causal half, the backward recomputing the scores
-        return 0.5 * core, 0.5 * core * 2.5
+        half = 1.0 if masked else 0.5
+        return half * core, half * core * 2.5
     return core, 2.0 * core
+
+
+def repeated_kv_bytes(m: ModelConfig, t, b: float, s: int, tp: int, e: int) -> tuple[float, float]:
+    """(bytes moved, bytes kept beyond K and V) per block where the runtime repeats grouped K and V
+    heads to the query heads (runtime.documents: torch's fused kernels take an explicit mask with
+    grouped-query attention only by falling back to the math kernel, which materializes the
+    scores): one copy kernel a pass (the backward's sums the same bytes), and the attention
+    kernel keeps the repeated heads for its backward instead of the grouped ones."""
+    if not t.document_mask or m.kv_dim == m.q_dim:
+        return 0.0, 0.0
+    return 2.0 * e * b * s * (m.q_dim + m.kv_dim) / tp, 2.0 * e * b * s * (m.q_dim - m.kv_dim) / tp
 
 
 def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list,
@@ -75,7 +90,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         gemms = m.block_gemms(b, s, tp)
         dense = wgrad = sum(gemm_time(*g, e, grate, bw) for g in gemms[:-2])
         if t.attention != "unfused":
-            core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, t.attention))
+            core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, t.attention, t.document_mask))
         else:
             core_f = sum(gemm_time(*g, e, grate, bw) for g in gemms[-2:])
             core_b = 2 * core_f
@@ -110,7 +125,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     cast_f, cast_b = cluster.device.pointwise_seconds(cf), cluster.device.pointwise_seconds(cb, upcast=cb)
     accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
                            if plan.pipeline.micro_batches > 1 else 0.0)
-    fwd_c, bwd_c = mm_f + el_f + cast_f, mm_b + el_b + accumulate
+    moved, repeated = repeated_kv_bytes(m, t, b, s, tp, e) if kind == "block" else (0.0, 0.0)
+    fwd_c, bwd_c = (mm_f + el_f + cast_f + cluster.device.pointwise_seconds(moved),
+                    mm_b + el_b + accumulate + cluster.device.pointwise_seconds(moved))
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.
     wgrad = (el_b if kind == "embedding" else wgrad) + accumulate
@@ -122,15 +139,16 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
             core = sum(gemm_time(*g, e, grate, bw) for g in m.block_gemms(b, s, tp)[-2:])
             core += (4 * e + 1 if attn_drop else 2 * e) * m.heads * s * s * b / tp / bw
         else:
-            core = attention_core_hw_flops(m, b, s, t.attention)[0] / tp / rate
+            core = attention_core_hw_flops(m, b, s, t.attention, t.document_mask)[0] / tp / rate
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
               dropout=dropout, attention=t.attention, attention_dropout=attn_drop)
     held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
     cp_f, cp_b, gathered = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
-    act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered if rec == "none" else 0.0)
-    replay = m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered - act if rec != "none" else 0.0
+    act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered + repeated if rec == "none" else 0.0)
+    replay = (m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered + repeated - act
+              if rec != "none" else 0.0)
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b)
 
 

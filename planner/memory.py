@@ -115,6 +115,20 @@ def stage_output_bytes(plan: Plan, i: int) -> float:
             / (plan.mesh.tp if pipe.stages[i].sequence_parallel else 1))
 
 
+def document_mask_bytes(t, rows: float) -> float:
+    """Bytes of the dense attention mask of a micro-batch of `rows` sequences under
+    training.document_mask (runtime.documents): [rows, 1, s, s] in the compute dtype, built once a
+    micro-batch on each stage with blocks and kept, as every block's attention saves it, until the
+    micro-batch's backward on that stage ends."""
+    return DTYPES[t.dtype] * rows * t.seq_len ** 2 if t.document_mask else 0.0
+
+
+def stage_mask_bytes(plan: Plan, i: int) -> float:
+    st = plan.pipeline.stages[i]
+    blocks = any(plan.model.layer_kind(j) == "block" for j in range(st.start, st.end))
+    return document_mask_bytes(plan.training, plan.rank_micro_batch) if blocks else 0.0
+
+
 def largest_param_on_device(model: ModelConfig, index: int, tp: int) -> float:
     """Elements of the largest parameter tensor one TP rank holds for a layer (runtime/model.py's
     tensors: the vocabulary matrices, the position table, the projections)."""
@@ -240,7 +254,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     for rr in range(pp):
         ids = plan.stages_of_rank(rr)
         weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) + stage_output_bytes(plan, i)
-                   for i in ids}
+                   + stage_mask_bytes(plan, i) for i in ids}
         zero = {i: 0.0 for i in range(len(pipe.stages))}
         split = None
         if two:
@@ -285,7 +299,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 first_bytes = float(first_backward_bytes(
                     len(block_acts), max(block_acts, default=0.0), (block_params or [0.0])[0] * gs,
                     [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"])
-                ) + stage_output_bytes(plan, i)  # its output, held until its backward ends
+                ) + stage_output_bytes(plan, i) + stage_mask_bytes(plan, i)  # held until its backward ends
             fsdp_held += held
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)

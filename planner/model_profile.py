@@ -296,9 +296,9 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
                 more = params * optimizer_step_bytes(t) * (1 / plan.mesh.zero_shards - 1 / measured)
                 dpm = dict(dpm, optimizer_s=max(0.0, dpm["optimizer_s"] + more / cluster.device.memory_bytes_per_s))
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
-    if t.dropout > 0 or t.attention_dropout_p > 0:  # measured without dropout: its masks and kernels
-        fwd, bwd, act, replay = (x + d for x, d in zip((fwd, bwd, act, replay), dropout_delta(plan, cluster, index,
-                                                                                                stage, tp_ranks)))
+    if t.dropout > 0 or t.attention_dropout_p > 0 or t.document_mask:  # measured without: as the analytic model
+        fwd, bwd, act, replay = (x + d for x, d in zip((fwd, bwd, act, replay), unmeasured_delta(plan, cluster, index,
+                                                                                                    stage, tp_ranks)))
     wshare = 0.0
     if plan.pipeline.schedule == "zbv":  # the weights' share of the measured backward, as the analytic
         analytic = layer_cost(plan, cluster, index, stage, tp_ranks)  # model splits it (measured whole)
@@ -307,12 +307,13 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
                      fwd_cp_s=cp_f, bwd_cp_s=cp_b)
 
 
-def dropout_delta(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list) -> tuple:
-    """(forward s, backward s, kept bytes, replay bytes) the plan's dropout adds to a layer, as the
-    analytic model prices it (planner.layers.layer_cost with and without): a model profile is
-    measured without dropout (runtime.profile_model)."""
+def unmeasured_delta(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list) -> tuple:
+    """(forward s, backward s, kept bytes, replay bytes) the plan's dropout and document mask add to
+    a layer, as the analytic model prices them (planner.layers.layer_cost with and without): a
+    model profile is measured without either (runtime.profile_model)."""
     from planner.layers import layer_cost
-    plain = dataclasses.replace(plan, training=dataclasses.replace(plan.training, dropout=0.0, attention_dropout=0.0))
+    plain = dataclasses.replace(plan, training=dataclasses.replace(plan.training, dropout=0.0, attention_dropout=0.0,
+                                                                   document_mask=False))
     a, b = layer_cost(plan, cluster, index, stage, tp_ranks), layer_cost(plain, cluster, index, stage, tp_ranks)
     return (a.fwd_compute_s - b.fwd_compute_s, a.bwd_compute_s - b.bwd_compute_s,
             a.activation_bytes - b.activation_bytes, a.replay_bytes - b.replay_bytes)

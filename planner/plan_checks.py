@@ -60,6 +60,7 @@ def check(plan) -> None:
     _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")
+    _need(isinstance(t.document_mask, bool), "training.document_mask", "must be true or false")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")
@@ -87,6 +88,9 @@ def check(plan) -> None:
           + (" (cp > 1: add cp, e.g. pp, dp, cp, tp)" if mesh.cp > 1 else ""))
     # causal attention is balanced by giving CP rank i sequence chunks i and 2 cp - 1 - i
     # (Llama 3, Dubey et al. 2024, section 3.3.2; torchtitan's load balancing): 2 cp chunks
+    _need(mesh.cp == 1 or not t.document_mask, "training.document_mask",
+          f"true with mesh.cp={mesh.cp}: a document mask is a dense s x s mask, which context parallelism's "
+          "chunked attention does not take; set mesh.cp to 1 or document_mask to false")
     _need(mesh.cp == 1 or t.seq_len % (2 * mesh.cp) == 0, "mesh.cp",
           f"{mesh.cp}: the sequence ({t.seq_len} tokens) must split into 2 x cp = {2 * mesh.cp} equal chunks; "
           "pick a cp whose double divides training.seq_len")

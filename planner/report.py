@@ -35,7 +35,8 @@ def describe_plan(plan: Plan) -> str:
             f"{plan.cluster.devices_per_node} {plan.cluster.device} ({plan.cluster.name})\n"
             f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp}{f' cp={mesh.cp}' if mesh.cp > 1 else ''} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
-            f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}{_dropout(t)}\n"
+            f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}{_dropout(t)}"
+            f"{', documents masked' if t.document_mask else ''}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
             f"sequence parallel {'off' if sp == 'off' else f'on (keeps {sp} inputs)'}; stages (layers): {split}"
             + _lr_schedule(t))

@@ -80,6 +80,9 @@ def cmd_search(args) -> int:
 
     from planner.search import search, search_profiled
 
+    if args.document_mask and any(c > 1 for c in args.cp or ()):
+        raise ConfigError("--cp: a document mask is a dense s x s mask, which context parallelism does not take; "
+                          "leave --cp out or drop --document-mask")
     sizes = args.gpus or args.nodes
     names = args.cluster.split(",")
     if len(sizes) > 1 or len(names) > 1:

@@ -8,14 +8,34 @@ would.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from planner.model import ConfigError
+from planner.values import is_int
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def token_file_meta(path: str) -> dict | None:
+    """What `trident tokenize` wrote beside token file `path` (PATH.json: its dtype, end-of-text
+    id, documents and tokens), or None (synthetic data, or a file from elsewhere)."""
+    side = Path(f"{path}.json")
+    if path == "synthetic" or not side.is_file():
+        return None
+    try:
+        meta = json.loads(side.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--data: {side} is not the JSON trident tokenize writes ({exc}); remove it or write it "
+                          "again") from None
+    eos = meta.get("eos_id") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or meta.get("dtype") not in TOKEN_DTYPES or not (eos is None or is_int(eos)):
+        raise ConfigError(f"--data: {side} names no token dtype (uint16, uint32) and integer eos_id; remove it or run "
+                          "trident tokenize again")
+    return meta
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
@@ -46,7 +66,8 @@ class TokenFileData:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--data: {path} is not a file; give a token file or `synthetic`")
-        dtype = dtype or ("uint32" if p.suffix in (".u32", ".uint32") else "uint16")
+        meta = token_file_meta(path) or {}
+        dtype = dtype or meta.get("dtype") or ("uint32" if p.suffix in (".u32", ".uint32") else "uint16")
         if dtype not in TOKEN_DTYPES:
             raise ConfigError(f"--data-dtype: {dtype!r}; use uint16 or uint32")
         size = np.dtype(TOKEN_DTYPES[dtype]).itemsize

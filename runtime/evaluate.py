@@ -76,6 +76,7 @@ def eval_loss(trainer, batch) -> float:
     computes it."""
     import torch
 
+    from runtime.documents import set_micro
     from runtime.pipeline import run_schedule
     inputs, targets = trainer.local_batch(batch)
     n_micro, scale = trainer.plan.pipeline.micro_batches, trainer.scaler.scale
@@ -83,5 +84,8 @@ def eval_loss(trainer, batch) -> float:
         if trainer.schedule is not None:
             losses = run_schedule(trainer.schedule, trainer.stage_ids, trainer.n_stages, inputs, targets, forward_only=True)
         else:
-            losses = [trainer.loss(trainer.chunks[0](x), y) for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro))]
+            losses = []
+            for i, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+                set_micro(trainer.chunks[0], i)
+                losses.append(trainer.loss(trainer.chunks[0](x), y))
     return trainer.mean_loss(sum(float(l) for l in losses) / n_micro / scale)

@@ -33,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="run even if the prediction says the plan does not fit")
     ap.add_argument("--data", default="synthetic")
     ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
+    ap.add_argument("--eos-id", type=int, default=None,
+                    help="the end-of-text id a plan's document mask splits rows by (default: the token file's)")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     ap.add_argument("--initial-loss-scale", type=positive_number, default=None,
                     help="fp16: the loss scale to start from (runtime.loss_scale)")
@@ -58,7 +60,7 @@ def train_args(args: argparse.Namespace) -> list[str]:
                         ("--initial-loss-scale", None if args.initial_loss_scale is None else repr(args.initial_loss_scale)),
                         ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace),
                         ("--eval-data", args.eval_data), ("--allow-change", args.allow_change),
-                        ("--init-from", args.init_from)):
+                        ("--init-from", args.init_from), ("--eos-id", None if args.eos_id is None else str(args.eos_id))):
         if value is not None:
             out += [flag, value]
     if args.checkpoint_every:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from planner.model import ModelConfig
+from runtime.documents import masked_attention
 from runtime.dropout import ATTENTION_OUT, EMBEDDING, MLP_OUT
 from runtime.recompute import replay_once
 
@@ -88,7 +90,8 @@ class Attention(nn.Module):
         self.dropout = None  # training.dropout: runtime.dropout.Dropout
         self.key = None  # the dropout key of the forward (Block._forward sets it; a replay alike)
 
-    def forward(self, x, cos=None, sin=None):
+    def forward(self, x, cos=None, sin=None, mask=None):
+        """`mask`: the micro-batch's runtime.documents.DocumentMask under a document mask, else None."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
@@ -97,6 +100,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         core = _sdpa if self.context is None else self.context.attend  # the latter gathers K and V
+        if mask is not None:
+            core = partial(masked_attention, mask=mask)
         if self.key is not None:
             core = self.dropout.attention_core(core, self.key[:3], self.key[3])
         if self.selective_recompute and torch.is_grad_enabled():
@@ -140,22 +145,23 @@ class Block(nn.Module):
         self.replay_once = False  # recompute for a split backward (runtime.recompute)
         self.dropout = None  # training.dropout: runtime.dropout.Dropout
 
-    def _forward(self, x, cos, sin, key=None):
-        """`key`: (step, first row, rows, layer) of the micro-batch under dropout, else None."""
+    def _forward(self, x, cos, sin, key=None, mask=None):
+        """`key`: (step, first row, rows, layer) of the micro-batch under dropout, else None;
+        `mask`: its document mask (runtime.documents), else None."""
         self.attention.key = key
-        h = self.attention(self.attention_norm(x), cos, sin)
+        h = self.attention(self.attention_norm(x), cos, sin, mask=mask)  # by name: TP prepares the others
         if key is not None:
             h = self.dropout.hidden(h, key[:3], key[3], ATTENTION_OUT)
         x = x + h
         h = self.feed_forward(self.ffn_norm(x))
         return x + (h if key is None else self.dropout.hidden(h, key[:3], key[3], MLP_OUT))
 
-    def forward(self, x, cos=None, sin=None, key=None):
+    def forward(self, x, cos=None, sin=None, key=None, mask=None):
         if self.full_recompute and torch.is_grad_enabled():
             if self.replay_once:
-                return replay_once(self._forward, x, cos, sin, key)
-            return checkpoint(self._forward, x, cos, sin, key, use_reentrant=False)
-        return self._forward(x, cos, sin, key)
+                return replay_once(self._forward, x, cos, sin, key, mask)
+            return checkpoint(self._forward, x, cos, sin, key, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, key, mask)
 
 
 class Embedding(nn.Module):
@@ -198,6 +204,7 @@ class Transformer(nn.Module):
             self.layers[str(end - 1)].output.weight = self.layers["0"].tok_embeddings.weight
         self.positions = None  # the tokens' positions where not 0..s-1 (context parallelism)
         self.dropout = None  # training.dropout: runtime.dropout.Dropout (runtime.dropout.attach_dropout)
+        self.documents = None  # training.document_mask: runtime.documents.Documents
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         if cfg.arch == "llama":
@@ -212,9 +219,10 @@ class Transformer(nn.Module):
 
     def forward(self, x):
         drop = self.dropout.key(x.shape[0]) if self.dropout is not None and torch.is_grad_enabled() else None
+        mask = self.documents.mask(x.shape[0]) if self.documents is not None else None
         for name, layer in self.layers.items():
             if isinstance(layer, Block):
-                x = layer(x, self.rope_cos, self.rope_sin, None if drop is None else (*drop, int(name)))
+                x = layer(x, self.rope_cos, self.rope_sin, None if drop is None else (*drop, int(name)), mask)
             elif isinstance(layer, Embedding):
                 x = layer(x, self.positions)
                 if drop is not None:

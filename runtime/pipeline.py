@@ -24,6 +24,7 @@ from torch.distributed.pipelining.stage import to_local_if_dtensor
 
 from planner.plan import Plan
 from planner.sends import delivery_proofs
+from runtime.documents import set_micro
 
 
 class _Stage(PipelineStage):
@@ -68,8 +69,7 @@ class _Stage(PipelineStage):
         return []
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        if getattr(self.submod, "dropout", None) is not None:  # its masks are the micro-batch's (runtime.dropout)
-            self.submod.dropout.micro = fwd_chunk_id
+        set_micro(self.submod, fwd_chunk_id)  # its dropout and document masks are the micro-batch's
         if self.sends is not None:
             self.sends.reached(("F", self.stage_index, fwd_chunk_id))
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)

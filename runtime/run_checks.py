@@ -1,5 +1,6 @@
-"""What runtime.train checks before its process group starts: the plan against this launch and
-what the runtime runs, and the command line; ConfigError (one line) on anything wrong."""
+"""runtime.train's command line, and what it checks before its process group starts: the plan
+against this launch and what the runtime runs, and the options; ConfigError (one line) on
+anything wrong."""
 from __future__ import annotations
 
 import argparse
@@ -7,16 +8,46 @@ import json
 import tempfile
 from pathlib import Path
 
+from planner.args import OneLineParser, positive_number
 from planner.model import ConfigError
 from planner.plan import Plan
+from runtime.evaluate import add_eval_args
+from runtime.loss_scale import INITIAL
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = OneLineParser(prog="runtime.train", description="torchrun entry: train a plan (runtime.train)")
+    ap.add_argument("--plan", nargs="+", required=True, help="plan.json (several: trained one after another)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--data", default="synthetic", help="synthetic, or a uint16/uint32 token file")
+    ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
+    ap.add_argument("--eos-id", type=int, default=None, help="end-of-text id of a document mask (default: the data's)")
+    ap.add_argument("--out", default=None, help="run.json (a directory when several plans are given)")
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: after the last)")
+    ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    ap.add_argument("--allow-change", type=changeable_fields, default=(), metavar="FIELDS",
+                    help="training settings (e.g. global_batch,lr) a resumed plan may change from the checkpoint's run")
+    ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
+    ap.add_argument("--init-from", default=None, metavar="DIR", help="start from a transformers model's weights")
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="compute dtype (default: the plan's on GPU, fp32 on CPU)")
+    ap.add_argument("--initial-loss-scale", type=positive_number, default=INITIAL,
+                    help=f"fp16: the dynamic loss scale to start from (default {INITIAL:g}; Megatron-LM's --initial-loss-scale)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="profile the last step with torch.profiler: per-rank operator tables and traces in DIR")
+    add_eval_args(ap)
+    return ap.parse_args(argv)
+
 
 # what makes two plans one training run: a step of either gives the same loss from the same state
 # (the data of step i depends on the seed, the step and the global batch; the learning rate on the step)
 RUN_FIELDS = ("global_batch", "seq_len", "dtype", "optimizer", "master_weights", "lr", "weight_decay", "grad_clip",
-              "dropout", "attention_dropout_p", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr")
+              "dropout", "attention_dropout_p", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr",
+              "document_mask")
 # run fields that checkpoints written before them lack, and the value those ran with (the runtime
-# refused dropout before 2026-12-05)
-RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0}
+# refused dropout and had no document masks before 2026-12-05)
+RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0, "document_mask": False}
 
 
 def plan_field(k: str) -> str:
@@ -105,6 +136,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         make_source(args.data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
     from runtime.evaluate import check_eval_args
     check_eval_args(args, plan)
+    from runtime.data import token_file_meta
+    from runtime.documents import end_of_text
+    end_of_text(plan, args, token_file_meta(getattr(args, "data", "synthetic")))
     return plan
 
 

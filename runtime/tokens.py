@@ -9,7 +9,8 @@ one document an object, its text under --text-key). Each document's ids are foll
 end-of-text id (--eos-id, else the directory's config.json eos_token_id or tokenizer_config.json
 eos_token), as nanoGPT's prepare.py and Megatron-LM's preprocess_data.py --append-eod separate
 documents. The ids go out as one flat file, uint16 where the vocabulary has at most 65,536 ids and
-uint32 beyond (`--data-dtype uint32`, or a `.u32` name), written as the documents stream by.
+uint32 beyond, written as the documents stream by; beside it FILE.json says its dtype and
+end-of-text id (which `run --data` reads: runtime.data.token_file_meta), documents and tokens.
 Every round(1 / --val-fraction)-th document goes to --val-out instead: held-out documents for
 `--eval-data`, not a slice of the training ones.
 """
@@ -133,6 +134,9 @@ def tokenize(args) -> dict:
         flush()
         if counts["train"]["documents"] == 0:
             raise ConfigError("INPUT: no documents" + (" left for training (lower --val-fraction)" if index else ""))
+        for k, out in outs.items():  # beside each file, what runtime.data.token_file_meta reads
+            Path(f"{out}.json").write_text(json.dumps({"dtype": np.dtype(dtype).name, "eos_id": eos, **counts[k],
+                                                       "tokenizer": str(args.tokenizer)}, indent=1) + "\n")
         done = True
     except OSError as exc:
         raise ConfigError(f"-o: cannot write {exc.filename or ''} ({exc.strerror or exc})") from None
@@ -142,6 +146,7 @@ def tokenize(args) -> dict:
         if not done:  # no half-written token file left to train on
             for k in files:
                 outs[k].unlink(missing_ok=True)
+                Path(f"{outs[k]}.json").unlink(missing_ok=True)
     return {"eos": eos, "vocab": vocab, "dtype": np.dtype(dtype).name, "counts": counts,
             "outs": {k: str(p) for k, p in outs.items()}}
 
@@ -157,8 +162,6 @@ def main(argv=None) -> int:
         print(f"{split}: {c['documents']:,} documents, {c['tokens']:,} tokens ({done['dtype']}, end-of-text id "
               f"{done['eos']}) in {done['outs'][split]}")
     flags = f"--data {done['outs']['train']}" + (f" --eval-data {done['outs']['val']}" if "val" in done["outs"] else "")
-    if done["dtype"] == "uint32":
-        flags += " --data-dtype uint32"
     print(f"vocabulary of {done['vocab']:,} ids (the model's vocab must be at least that); train with: "
           f"trident run PLAN {flags}")
     return 0

@@ -10,7 +10,6 @@ the start-up once), each writing OUT/<plan file stem>.json where OUT is then a d
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -26,13 +25,13 @@ import torch.distributed as dist
 
 from planner.compare import busy_note, leak_note
 from planner.model import ConfigError
-from planner.args import OneLineParser, positive_number
 from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.context_parallel import ContextParallel, apply_context_parallel
-from runtime.data import local_rows, make_source
+from runtime.data import local_rows, make_source, token_file_meta
+from runtime.documents import attach_documents, end_of_text, set_micro
 from runtime.dropout import attach_dropout, dropout_step
-from runtime.evaluate import Evaluator, add_eval_args
+from runtime.evaluate import Evaluator
 from runtime.hf_weights import initial_weights
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
@@ -41,38 +40,15 @@ from runtime.metrics import PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm, lr_at, param_groups, reduce_partial_grads
-from runtime.loss_scale import INITIAL, LossScale
+from runtime.loss_scale import LossScale
 from runtime.tied import TiedMatrix
 from runtime.parallelize import apply_data_parallel, apply_recompute, apply_tp, build_mesh, retie
 from runtime.pipeline import build_schedule, held_tensors, run_schedule
 from runtime.trace import traced_step
-from runtime.run_checks import changeable_fields, check_out, check_plan  # noqa: F401 (check_plan: runtime.train's API)
+from runtime.run_checks import check_out, check_plan, parse_args  # noqa: F401 (check_plan, parse_args: runtime.train's API)
 
 BETAS = (0.9, 0.95)
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = OneLineParser(prog="runtime.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--plan", nargs="+", required=True, help="plan.json (several: trained one after another)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--data", default="synthetic", help="synthetic, or a uint16/uint32 token file")
-    ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
-    ap.add_argument("--out", default=None, help="run.json (a directory when several plans are given)")
-    ap.add_argument("--checkpoint-dir", default=None)
-    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: after the last)")
-    ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    ap.add_argument("--allow-change", type=changeable_fields, default=(), metavar="FIELDS",
-                    help="training settings (e.g. global_batch,lr) a resumed plan may change from the checkpoint's run")
-    ap.add_argument("--force", action="store_true", help="run a plan even if its prediction says it does not fit")
-    ap.add_argument("--init-from", default=None, metavar="DIR", help="start from a transformers model's weights")
-    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                    help="compute dtype (default: the plan's on GPU, fp32 on CPU)")
-    ap.add_argument("--initial-loss-scale", type=positive_number, default=INITIAL,
-                    help=f"fp16: the dynamic loss scale to start from (default {INITIAL:g}; Megatron-LM's --initial-loss-scale)")
-    ap.add_argument("--trace", default=None, metavar="DIR",
-                    help="profile the last step with torch.profiler: per-rank operator tables and traces in DIR")
-    add_eval_args(ap)
-    return ap.parse_args(argv)
 
 
 def compute_dtype(plan: Plan, args, device: torch.device) -> str:
@@ -100,6 +76,7 @@ class Trainer:
         self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
+        self.documents = attach_documents(self.chunks, end_of_text(plan, args, token_file_meta(args.data)))
         t = plan.training
         # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
         # its temporaries: planner.precision.optimizer_temp_bytes)
@@ -199,7 +176,10 @@ class Trainer:
         inputs, targets = local_rows(batch, self.dp_rank, self.plan.mesh.dp)
         if self.context is not None:
             inputs, targets = self.context.local_tokens(inputs), self.context.local_tokens(targets)
-        return inputs.to(self.device), targets.to(self.device)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        if self.documents is not None:  # their document masks (runtime.documents)
+            self.documents.set_rows(inputs)
+        return inputs, targets
 
     def mean_loss(self, local: float) -> float:
         """The loss of a global batch, the same on every rank: the mean over data-parallel (and CP:
@@ -218,8 +198,7 @@ class Trainer:
         losses = []
         for i, (x, y) in enumerate(zip(xs, ys)):
             self._set_grad_sync(i == len(xs) - 1)
-            if self.chunks[0].dropout is not None:
-                self.chunks[0].dropout.micro = i
+            set_micro(self.chunks[0], i)
             loss = self.loss(self.chunks[0](x), y) / len(xs)
             loss.backward()
             losses.append(loss.detach())

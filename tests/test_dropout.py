@@ -167,17 +167,19 @@ def test_plan_files_and_the_command_line_carry_both_dropouts(tmp_path):
     assert dataclasses.replace(t, attention_dropout=None).attention_dropout_p == 0.1
 
 
-def test_a_model_profile_measured_without_dropout_gets_its_price(model_profile, cluster_profile):
-    """runtime.profile_model measures layers without dropout; a plan with dropout priced from it pays
-    the masks and kernels as the analytic model prices them (planner.model_profile.dropout_delta)."""
+@pytest.mark.parametrize("extra, layers", [(dict(dropout=0.1), (0, 1)), (dict(document_mask=True), (1,))])
+def test_a_model_profile_measured_without_dropout_gets_its_price(model_profile, cluster_profile, extra, layers):
+    """runtime.profile_model measures layers without dropout or a document mask; a plan with them
+    priced from it pays their masks and kernels as the analytic model prices them, in the layers
+    they touch (planner.model_profile.unmeasured_delta)."""
     from planner.layers import layer_cost
     from planner.model_profile import load_model_profile, profiled_layer_cost
     mp, cluster = load_model_profile(str(model_profile)), load_cluster(str(cluster_profile))
     plans = [build_plan(ZOO["tiny"], cluster_name=cluster.name, device=cluster.device.name, nodes=1, devices_per_node=2,
                         global_batch=8, micro_batch=2, seq_len=32, tp=2, sequence_parallel=True, dtype="fp32",
-                        dropout=p) for p in (0.0, 0.1)]
+                        **kw) for kw in ({}, extra)]
     stage, ranks = plans[0].pipeline.stages[0], [0, 1]
-    for index in (0, 1):  # the embedding and a block
+    for index in layers:  # the embedding, a block
         got = [profiled_layer_cost(p, cluster, index, stage, ranks, mp) for p in plans]
         want = [layer_cost(p, cluster, index, stage, ranks) for p in plans]
         for field in ("fwd_compute_s", "bwd_compute_s", "activation_bytes"):

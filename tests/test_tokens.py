@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from runtime.data import TokenFileData
 from runtime.tokens import main
 from torchrun_helpers import assert_ok, losses_of, train, write_plan
 
@@ -48,10 +50,14 @@ def test_documents_become_ids_and_end_of_text_in_a_train_and_a_held_out_file(mod
         return [i for d in docs for i in tok.encode(d, add_special_tokens=False).ids + [eos]]
     assert np.fromfile(out, dtype=np.uint16).tolist() == ids(TEXTS[0], TEXTS[2])
     assert np.fromfile(val, dtype=np.uint16).tolist() == ids(TEXTS[1], TEXTS[3])
+    side = json.loads(Path(f"{out}.json").read_text())  # what run --data reads beside the file
+    assert side["dtype"] == "uint16" and side["eos_id"] == eos and side["documents"] == 2
+    assert side["tokens"] == len(ids(TEXTS[0], TEXTS[2])) and json.loads(Path(f"{val}.json").read_text())["documents"] == 2
     printed = capsys.readouterr().out
     assert "train: 2 documents" in printed and f"--data {out} --eval-data {val}" in printed
 
-    plan = write_plan(tmp_path, "one", seq_len=16)
+    # a document-masked plan: its end-of-text id from the file's side (runtime.documents)
+    plan = write_plan(tmp_path, "one", seq_len=16, document_mask=True)
     assert_ok(train(1, "--plan", plan, "--steps", 2, "--data", out, "--eval-data", val, "--eval-every", 2,
                     "--out", tmp_path / "run.json"))
     run = json.loads((tmp_path / "run.json").read_text())
@@ -67,7 +73,9 @@ def test_a_vocabulary_beyond_uint16_writes_uint32(tmp_path, capsys):
     assert main(["--tokenizer", str(tmp_path / "tokenizer.json"), str(tmp_path / "doc.txt"), "-o",
                  str(tmp_path / "t.bin"), "--eos-id", "7"]) == 0
     assert np.fromfile(tmp_path / "t.bin", dtype=np.uint32).tolist() == [69999, 5, 65536, 7]
-    assert "--data-dtype uint32" in capsys.readouterr().out
+    assert "(uint32, end-of-text id 7)" in capsys.readouterr().out
+    # read as uint32 without --data-dtype: the side file says so
+    assert TokenFileData(str(tmp_path / "t.bin"), seq_len=2, seed=0, vocab=70_000).tokens.dtype == np.uint32
 
 
 @pytest.mark.parametrize("setup, args, message", [
@@ -95,4 +103,4 @@ def test_bad_input_is_one_line_and_leaves_no_token_file(model_dir, tmp_path, cap
     assert len(err.strip().splitlines()) == 1
 
     assert re.search(message, err), err
-    assert not (tmp_path / "t.bin").exists()
+    assert not (tmp_path / "t.bin").exists() and not (tmp_path / "t.bin.json").exists()
