@@ -1,10 +1,18 @@
 """Training data: the global batch of step i is the same sequences whatever the plan.
 
 A source returns the whole global batch of a step, `[global_batch, seq_len + 1]` token ids, from
-a generator seeded with (seed, step) alone; `local_rows` then cuts out a data-parallel rank's rows
-and `micro_batches` splits those. The position of a source is the next step to read, so a
-checkpoint stores one integer and a resumed run reads exactly the batches an uninterrupted run
-would.
+(seed, step) alone; `local_rows` then cuts out a data-parallel rank's rows and `micro_batches`
+splits those. The position of a source is the next step to read, so a checkpoint stores one
+integer and a resumed run reads exactly the batches an uninterrupted run would.
+
+A token file is read in epochs, as Megatron-LM's GPT dataset reads one: it is cut into windows of
+seq_len + 1 tokens, window w starting at token w x seq_len (a window's last token, a target, is
+the next one's first input), and sample k of the run (row r of step i: k = i x global_batch + r)
+is window perm_e(k mod W) of epoch e = k // W, W windows in all, so that an epoch reads every
+window once, in an order of its own. The permutation is a keyed Feistel network over the next
+power of four at or above W, walked until it lands below W (Black and Rogaway 2002, "Ciphers with
+arbitrary finite domains"): a window's place is computed, not stored, which a shuffle index of
+the whole file would be (hundreds of MB a rank for 10^11 tokens).
 """
 from __future__ import annotations
 
@@ -58,9 +66,39 @@ class SyntheticData:
         return self.cycle[idx]
 
 
+_M64 = np.uint64(2**64 - 1)
+FEISTEL_ROUNDS = 4  # Luby and Rackoff: four rounds of a random round function make a strong permutation
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer (Steele et al. 2014) on uint64 values: a well-spread hash."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return x ^ (x >> np.uint64(31))
+
+
+def shuffled(k: np.ndarray, n: int, key: int) -> np.ndarray:
+    """The places of indices `k` (each below n) under the permutation of range(n) that `key` picks."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)  # 4^half >= n
+    low = np.uint64((1 << half) - 1)
+    keys = _mix(np.arange(FEISTEL_ROUNDS, dtype=np.uint64) + np.uint64(key % 2**64) * np.uint64(FEISTEL_ROUNDS))
+    out = np.asarray(k, dtype=np.uint64).copy()
+    todo = np.ones(out.shape, dtype=bool)
+    while todo.any():  # cycle-walking: fewer than 4 rounds a value on average (the domain < 4 n)
+        x = out[todo]
+        left, right = x >> np.uint64(half), x & low
+        for r in keys:
+            left, right = right, left ^ (_mix(right ^ r) & low)
+        out[todo] = (left << np.uint64(half)) | right
+        todo &= out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
 class TokenFileData:
-    """A flat file of token ids (nanoGPT's train.bin): uint16 or uint32, memory-mapped. Row r of
-    step i starts at a random offset drawn from the (seed, step) generator."""
+    """A flat file of token ids (nanoGPT's train.bin): uint16 or uint32, memory-mapped, read in
+    shuffled epochs of windows (module doc)."""
 
     def __init__(self, path: str, seq_len: int, seed: int, vocab: int, dtype: str | None = None):
         p = Path(path)
@@ -76,11 +114,21 @@ class TokenFileData:
                               f"sequence of {seq_len + 1}")
         self.tokens = np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
         self.seq_len, self.seed, self.vocab = seq_len, seed, vocab
+        self.windows = (len(self.tokens) - 1) // seq_len  # W
+
+    def windows_of(self, step: int, global_batch: int) -> np.ndarray:
+        """The windows the rows of step `step` read."""
+        k = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+        epoch, place = np.divmod(k, self.windows)
+        out = np.empty_like(k)
+        for e in np.unique(epoch):
+            out[epoch == e] = shuffled(place[epoch == e], self.windows, self.seed * 1_000_003 + int(e))
+        return out
 
     def batch(self, step: int, global_batch: int) -> torch.Tensor:
-        gen = _generator(self.seed, step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (global_batch,), generator=gen)
-        rows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64)
+        s = self.seq_len
+        rows = np.stack([self.tokens[w * s:w * s + s + 1] for w in self.windows_of(step, global_batch).tolist()])
+        rows = rows.astype(np.int64)
         out = torch.from_numpy(rows)
         if int(out.max()) >= self.vocab:
             raise ConfigError(f"--data: token id {int(out.max())} is not below model.vocab={self.vocab}; "

@@ -221,6 +221,10 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         print(f"note: the plan's training.dtype is {t.dtype}; on {device.type} the runtime computes in "
               f"{trainer.dtype} unless asked (--dtype)", flush=True)
     source = make_source(args.data, t.seq_len, t.seed, plan.model.vocab, args.data_dtype)
+    windows = getattr(source, "windows", None)  # a token file's, read in epochs (runtime.data)
+    if windows and rank == 0:
+        print(f"data: {args.data}: {len(source.tokens):,} tokens, {windows:,} windows of {t.seq_len + 1}; an epoch "
+              f"every {windows / t.global_batch:,.4g} steps", flush=True)
     start_step = ckpt.resume(args, plan, trainer, rank)
     # three warm-up steps, not timed: the first allocates the optimizer state, the third measures the
     # peak memory (tracking every allocation slows it several-fold). Not the second: on CPU the C
@@ -310,6 +314,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "traced_step_index": len(times) - 1 if trace else None,
         "warmup_steps": warmup,
         "tokens_per_step": tokens,
+        # epochs of the token file read by the end of the run (null: synthetic data)
+        "data_epochs": args.steps * t.global_batch / windows if windows else None,
         "tokens_per_s": tokens * len(timed) / sum(timed),
         "peak_memory_bytes": max((p for p in peaks if p is not None), default=None),
         "peak_memory_bytes_per_rank": peaks,

@@ -15,7 +15,7 @@ import pytest
 from planner.model import ZOO
 from planner.plan import Stage
 from planner.build import build_plan
-from torchrun_helpers import (SEQ_LEN, assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train,
+from torchrun_helpers import (GLOBAL_BATCH, SEQ_LEN, assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train,
                               write_plan)
 
 
@@ -154,6 +154,39 @@ def test_the_batch_of_a_step_depends_on_seed_and_step_only():
     assert a.shape == (4, 17) and (a == b).all() and not (a == data.batch(1, 4)).all()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
+def test_the_shuffle_is_a_permutation_of_its_own_per_key(n):
+    import numpy as np
+
+    from runtime.data import shuffled
+    orders = [shuffled(np.arange(n), n, key) for key in (0, 1)]
+    assert all(sorted(o.tolist()) == list(range(n)) for o in orders)
+    assert n < 5 or not (orders[0] == orders[1]).all()
+    assert (shuffled(np.arange(n)[::-1], n, 0) == orders[0][::-1]).all()  # each index alone
+
+
+def test_a_token_file_is_read_in_epochs_of_every_window_once(tmp_path):
+    """Windows of seq_len + 1 tokens w x seq_len apart; an epoch reads each once (here 40 windows,
+    batches of 6: epoch 1 ends inside step 6), the next in another order; the batch of a step
+    depends on the seed and the step alone."""
+    import numpy as np
+    import torch
+
+    from runtime.data import TokenFileData
+    ids = np.arange(16 * 40 + 1, dtype=np.uint16)  # token t is t: a row says where it starts
+    ids.tofile(tmp_path / "t.bin")
+    data = TokenFileData(str(tmp_path / "t.bin"), seq_len=16, seed=3, vocab=2**16)
+    assert data.windows == 40
+    rows = torch.cat([data.batch(i, 6) for i in range(14)])  # 84 samples: two epochs and 4
+    assert (rows[:, 1:] - rows[:, :-1] == 1).all() and (rows[:, 0] % 16 == 0).all()
+    first, second = rows[:40, 0] // 16, rows[40:80, 0] // 16
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(40)) and not (first == second).all()
+    again = TokenFileData(str(tmp_path / "t.bin"), seq_len=16, seed=3, vocab=2**16)
+    assert (again.batch(9, 6) == rows[54:60]).all()
+    other = TokenFileData(str(tmp_path / "t.bin"), seq_len=16, seed=4, vocab=2**16)
+    assert not (other.batch(0, 6) == rows[:6]).all()
+
+
 def test_a_token_file_trains(plans, tmp_path):
     import numpy as np
 
@@ -162,7 +195,8 @@ def test_a_token_file_trains(plans, tmp_path):
     out = tmp_path / "run.json"
     proc = train(1, "--plan", plans["ref"], "--steps", 2, "--data", tokens, "--out", out, "--trace", tmp_path / "tr")
     assert_ok(proc)
-    assert len(losses_of(out)) == 2
+    assert len(losses_of(out)) == 2 and "10,000 tokens, 312 windows of 33" in proc.stdout
+    assert json.loads(out.read_text())["data_epochs"] == pytest.approx(2 * GLOBAL_BATCH / 312)
     # two steps: the second measures memory, with the optimizer state the first allocated; no step
     # is left to time cleanly or to trace, and the run says so
     run = json.loads(out.read_text())
