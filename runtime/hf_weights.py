@@ -165,8 +165,8 @@ def to_hf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 class ModelDir:
-    """A transformers model directory (config.json; model.safetensors, sharded safetensors with
-    their index, or pytorch_model.bin), read a tensor at a time."""
+    """A transformers model directory (config.json; model.safetensors or pytorch_model.bin, or
+    either's shards with their index), read a tensor at a time."""
 
     def __init__(self, path: str | Path, flag: str = "--init-from"):
         self.path, self.flag = Path(path), flag
@@ -182,19 +182,20 @@ class ModelDir:
 
     def _weight_files(self) -> dict[str, Path]:
         """transformers' tensor name -> the file holding it."""
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ConfigError(f"{self.flag}: {index} is unreadable ({type(exc).__name__}: {exc})") from None
-            return {k: self.path / v for k, v in weight_map.items()}
-        for fname in ("model.safetensors", "pytorch_model.bin"):
+        for fname in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                      "pytorch_model.bin"):  # safetensors first, as transformers' from_pretrained
             f = self.path / fname
-            if f.is_file():
+            if not f.is_file():
+                continue
+            if not fname.endswith(".index.json"):
                 return {k: f for k in self._handle(f).keys()}
-        raise ConfigError(f"{self.flag}: {self.path} has no model.safetensors, model.safetensors.index.json or "
-                          "pytorch_model.bin; save the model with save_pretrained")
+            try:  # a sharded checkpoint: its index maps each tensor to its file
+                weight_map = json.loads(f.read_text())["weight_map"]
+                return {k: self.path / v for k, v in weight_map.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ConfigError(f"{self.flag}: {f} is unreadable ({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"{self.flag}: {self.path} has no model.safetensors, pytorch_model.bin or the index of "
+                          "either's shards; save the model with save_pretrained")
 
     def _handle(self, f: Path):
         if f not in self._open:

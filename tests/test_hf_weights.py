@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import subprocess
 import sys
 import warnings
@@ -97,13 +98,23 @@ def test_transformers_computes_the_same_logits_both_ways(name, tmp_path):
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
 
     theirs = _hf_model(cfg)
-    theirs.save_pretrained(tmp_path)
+    theirs.save_pretrained(tmp_path / "safetensors")
+    # transformers 4's sharded pytorch_model.bin (5 writes safetensors alone): two files and their index
+    (tmp_path / "bin").mkdir()
+    shutil.copy(tmp_path / "safetensors" / "config.json", tmp_path / "bin")
+    state = {k: v.contiguous() for k, v in theirs.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    names = sorted(state)
+    weight_map = {k: f"pytorch_model-0000{1 + (i % 2)}-of-00002.bin" for i, k in enumerate(names)}
+    for f in set(weight_map.values()):
+        torch.save({k: state[k] for k in names if weight_map[k] == f}, tmp_path / "bin" / f)
+    (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     plan = type("P", (), {"model": cfg, "training": type("T", (), {"seq_len": cfg.seq_len})})
-    args = type("A", (), {"init_from": str(tmp_path), "resume": False, "checkpoint_dir": None})
-    loaded = Transformer(cfg)
-    init_weights(loaded, 0, initial_weights(args, plan))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.eval()(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+    for saved in ("safetensors", "bin"):
+        args = type("A", (), {"init_from": str(tmp_path / saved), "resume": False, "checkpoint_dir": None})
+        loaded = Transformer(cfg)
+        init_weights(loaded, 0, initial_weights(args, plan))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.eval()(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def _hf_loss(model, plan: Plan, step: int) -> float:
