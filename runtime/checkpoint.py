@@ -140,6 +140,7 @@ class Saver:
 
     def __init__(self, args, device_type: str = "cpu"):
         self.root, self.every, self.last = args.checkpoint_dir, args.checkpoint_every, args.steps
+        self.keep = getattr(args, "keep_checkpoints", 0)  # the newest K complete ones (0: all)
         self.group = dist.new_group(backend="gloo") if self.root and getattr(args, "async_checkpoint", False) else None
         if self.group is not None and device_type == "cpu" and dist.get_rank() == 0:
             print("note: --async-checkpoint on CPU: the writes compete with training for the same cores (on this "
@@ -189,6 +190,10 @@ class Saver:
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
+            if self.keep:  # the oldest beyond K in all, never the one just completed
+                others = [p for p in checkpoints(final.parent) if p != final]  # oldest first
+                for old in others[:max(0, len(others) + 1 - self.keep)]:
+                    shutil.rmtree(old)
         dist.barrier()
 
 

@@ -40,6 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="fp16: the loss scale to start from (runtime.loss_scale)")
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--keep-checkpoints", type=int, default=0, metavar="K",
+                    help="keep the newest K checkpoints (default 0: all)")
+    ap.add_argument("--metrics", default=None, metavar="FILE", help="a JSON line per step, appended as the run goes")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
     ap.add_argument("--allow-change", default=None, metavar="FIELDS", type=lambda text: changeable_fields(text) and text,
@@ -60,11 +63,13 @@ def train_args(args: argparse.Namespace) -> list[str]:
                         ("--initial-loss-scale", None if args.initial_loss_scale is None else repr(args.initial_loss_scale)),
                         ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace),
                         ("--eval-data", args.eval_data), ("--allow-change", args.allow_change),
-                        ("--init-from", args.init_from), ("--eos-id", None if args.eos_id is None else str(args.eos_id))):
+                        ("--init-from", args.init_from), ("--metrics", args.metrics), ("--eos-id", None if args.eos_id is None else str(args.eos_id))):
         if value is not None:
             out += [flag, value]
     if args.checkpoint_every:
         out += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.keep_checkpoints:
+        out += ["--keep-checkpoints", str(args.keep_checkpoints)]
     if args.eval_every:
         out += ["--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches)]
     out += ["--resume"] * args.resume + ["--force"] * args.force + ["--async-checkpoint"] * args.async_checkpoint

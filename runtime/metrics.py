@@ -1,12 +1,14 @@
-"""Measurements for run.json: peak memory of one step, the environment, throughput."""
+"""Measurements for run.json: peak memory of one step, the environment, throughput; the
+per-step metrics log (--metrics)."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import gc
+import json
 import platform
-
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -210,6 +212,28 @@ def held_bytes(device: torch.device) -> int | None:
         return None
     gc.collect(1)
     return HEAP_READER()
+
+
+class MetricsLog:
+    """--metrics FILE: rank 0 appends one JSON object a line as the run goes, flushed, so that a long
+    run can be watched and plotted before (or without) its run.json: {"step", "loss", "lr",
+    "grad_norm", "step_time_s", "tokens_per_s"} after each step, {"step", "validation_loss"} after
+    each validation. A run resumed from a checkpoint appends to the file; a fresh one starts it."""
+
+    def __init__(self, path: str | None, resumed: bool):
+        self.fh = None
+        if path and dist.get_rank() == 0:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.fh = open(path, "a" if resumed else "w")
+
+    def write(self, **record) -> None:
+        if self.fh is not None:
+            self.fh.write(json.dumps(record) + "\n")
+            self.fh.flush()
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
 
 
 def environment(backend: str, device: torch.device) -> dict:

@@ -24,6 +24,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="run.json (a directory when several plans are given)")
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: after the last)")
+    ap.add_argument("--keep-checkpoints", type=int, default=0, metavar="K",
+                    help="keep the newest K checkpoints, deleting older ones as new ones complete (default 0: all)")
+    ap.add_argument("--metrics", default=None, metavar="FILE",
+                    help="append a JSON line per step (and validation) to FILE as the run goes (rank 0)")
     ap.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     ap.add_argument("--allow-change", type=changeable_fields, default=(), metavar="FIELDS",
@@ -127,6 +131,12 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError("--async-checkpoint needs --checkpoint-dir")
     if args.steps < 1:
         raise ConfigError(f"--steps: {args.steps} must be at least 1")
+    if getattr(args, "metrics", None):
+        check_out_file("--metrics", args.metrics, "metrics.jsonl")
+    if getattr(args, "keep_checkpoints", 0) and not args.checkpoint_dir:
+        raise ConfigError("--keep-checkpoints needs --checkpoint-dir")
+    if getattr(args, "keep_checkpoints", 0) < 0:
+        raise ConfigError(f"--keep-checkpoints: {args.keep_checkpoints} must be at least 0 (0: keep all)")
     if args.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} must be at least 0 (0: only at the end)")
     if args.data != "synthetic":

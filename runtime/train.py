@@ -36,7 +36,7 @@ from runtime.hf_weights import initial_weights
 from runtime.loss import cross_entropy
 from runtime.host_share import compute_slots, other_load
 from runtime.launch import free_port
-from runtime.metrics import PeakMemory, environment, gather, held_bytes
+from runtime.metrics import MetricsLog, PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
 from runtime.optim import clip_grad_norm, lr_at, param_groups, reduce_partial_grads
@@ -241,6 +241,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               + "; ask for 4 or more steps to compare", flush=True)
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
     evaluator, saver = Evaluator(args, plan), ckpt.Saver(args, device.type)
+    log = MetricsLog(args.metrics, resumed=start_step > 0)
     other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
     # how many ranks computed at full speed at once right before the steps (the cluster profile's
     # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
@@ -273,14 +274,18 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         if rank == 0:
             rate = f"  lr {trainer.lr:.3g}" if t.lr_scheduled else ""
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}{rate}  {times[-1] * 1000:.0f} ms", flush=True)
+        log.write(step=step + 1, loss=loss, lr=trainer.lr, grad_norm=trainer.grad_norm if math.isfinite(trainer.grad_norm)
+                  else None, step_time_s=times[-1], tokens_per_s=t.global_batch * t.seq_len / times[-1])
         if evaluator.due(step):  # after the step's time and memory: a validation loss (runtime.evaluate)
             loss = evaluator.run(trainer, step)
             if rank == 0:
                 print(f"step {step + 1}/{args.steps}  validation loss {loss:.6f}", flush=True)
+            log.write(step=step + 1, validation_loss=loss)
         if saver.due(step):
             saver.save(step + 1, trainer.chunks, trainer.optimizers, plan,
                        {"next_step": step + 1, "loss_scale": trainer.scaler.state()})
     saver.finish()  # an asynchronous save under way (--async-checkpoint)
+    log.close()
     other += [other_load(0.2)] if device.type == "cpu" else []
     busy = max((x for x in other if x is not None), default=None)
     note = busy_note(busy, len(os.sched_getaffinity(0)))
@@ -336,8 +341,9 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         plans = [(check_plan(p, args, world), p) for p in args.plan]
-        if len(plans) > 1 and args.checkpoint_dir:
-            raise ConfigError("--checkpoint-dir works with one --plan at a time")
+        for flag in ("checkpoint_dir", "metrics"):
+            if len(plans) > 1 and getattr(args, flag):
+                raise ConfigError(f"--{flag.replace('_', '-')} works with one --plan at a time")
         check_out(args.out, len(plans))
     except ConfigError as exc:
         return fail(str(exc))

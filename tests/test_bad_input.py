@@ -328,3 +328,20 @@ def test_an_odd_sequence_is_profiled_without_context_parallelism():
     check_args(parse_args(base), 2)
     with pytest.raises(ConfigError, match=r"--cp: 2 must divide the 2 processes launched and its double the sequence"):
         check_args(parse_args([*base, "--cp", "1,2"]), 2)
+
+
+def test_the_metrics_log_and_checkpoint_retention_are_checked_before_training(tmp_path, capsys):
+    """--metrics and --keep-checkpoints: a place no file can be, a retention without checkpoints or
+    below 0, one log for several plans, each one line before any process group."""
+    from runtime.train import main as train_main
+    from tests.torchrun_helpers import write_plan
+    plan, other = str(write_plan(tmp_path, "p")), str(write_plan(tmp_path, "q"))
+    for argv, says in ((["--metrics", str(tmp_path)], f"--metrics: {tmp_path} is a directory"),
+                       (["--keep-checkpoints", "2"], "--keep-checkpoints needs --checkpoint-dir"),
+                       (["--keep-checkpoints", "-1", "--checkpoint-dir", str(tmp_path / "c")],
+                        "--keep-checkpoints: -1 must be at least 0"),
+                       (["--metrics", str(tmp_path / "m.jsonl"), "--plan", plan, other],
+                        "--metrics works with one --plan at a time")):
+        assert train_main(["--plan", plan, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], (argv, err)

@@ -52,19 +52,30 @@ def test_asynchronous_checkpoints_resume_exactly_and_a_run_without_interval_save
     """--async-checkpoint: each step's state is written by a background thread while the next steps
     train (one process, then dp 2 under ZeRO 3 resuming its step-2 and saving asynchronously
     again); every checkpoint is complete (no step-N.tmp left) and resumes to the uninterrupted run's
-    losses. Without --checkpoint-every the run saves once, after its last step."""
+    losses. Without --checkpoint-every the run saves once, after its last step. --metrics appends
+    a line a step and a validation as the run goes, the resumed run to the same file;
+    --keep-checkpoints 2 leaves the newest two."""
     one = write_plan(tmp_path, "one", world=1)
     zero3 = write_plan(tmp_path, "zero3", world=2, zero=3, micro_batch=1)
     a, b, end = tmp_path / "a", tmp_path / "b", tmp_path / "end"
+    metrics = tmp_path / "logs" / "metrics.jsonl"
     assert_ok(train(1, "--plan", one, "--steps", 4, "--checkpoint-dir", a, "--checkpoint-every", 1,
-                    "--async-checkpoint", "--out", tmp_path / "straight.json"))
+                    "--async-checkpoint", "--out", tmp_path / "straight.json", "--metrics", metrics, "--eval-every", 2))
     want = losses_of(tmp_path / "straight.json")
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 2, 3, 4, 4] and [x["loss"] for x in lines if "loss" in x] == want
+    assert [x["validation_loss"] for x in lines if "validation_loss" in x] == [
+        v["loss"] for v in json.loads((tmp_path / "straight.json").read_text())["validation"]]
+    assert all(x["step_time_s"] > 0 and x["tokens_per_s"] > 0 and x["lr"] > 0 for x in lines if "loss" in x)
     assert sorted(p.name for p in a.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]
     assert all((p / "trident.json").is_file() for p in a.iterdir())
     shutil.copytree(a / "step-2", b / "step-2")
     assert_ok(train(2, "--plan", zero3, "--steps", 4, "--checkpoint-dir", b, "--resume", "--checkpoint-every", 1,
-                    "--async-checkpoint", "--out", tmp_path / "resumed.json"))
+                    "--async-checkpoint", "--out", tmp_path / "resumed.json", "--metrics", metrics,
+                    "--keep-checkpoints", 2))
     assert_same_losses(losses_of(tmp_path / "resumed.json"), want[2:], "dp 2 ZeRO 3 resumed at step 2")
-    assert sorted(p.name for p in b.iterdir()) == ["step-2", "step-3", "step-4"]
+    assert sorted(p.name for p in b.iterdir()) == ["step-3", "step-4"]
+    resumed = [json.loads(x) for x in metrics.read_text().splitlines()][6:]
+    assert [x["step"] for x in resumed] == [3, 4] and [x["loss"] for x in resumed] == losses_of(tmp_path / "resumed.json")
     assert_ok(train(1, "--plan", one, "--steps", 2, "--checkpoint-dir", end))
     assert [p.name for p in end.iterdir()] == ["step-2"]
