@@ -100,6 +100,19 @@ def end_of_text(plan, args, meta: dict | None) -> int | None:
     return eos
 
 
+def synthetic_note(source, eos_id: int) -> str | None:
+    """What a document mask does to the synthetic language (runtime.data.SyntheticData), whose
+    rows walk one cycle of distinct tokens: the end-of-text id, if in the cycle, ends a document
+    every len(cycle) tokens; else every row is one document."""
+    cycle = getattr(source, "cycle", None)
+    if cycle is None:
+        return None
+    if eos_id not in cycle.tolist():
+        return (f"end-of-text id {eos_id} never occurs in the synthetic data: every row is one document (the "
+                f"mask is the causal one); pick one of its ids, e.g. {int(cycle[0])}")
+    return f"the synthetic data's documents are {len(cycle)} tokens long (end-of-text id {eos_id})"
+
+
 def attach_documents(chunks, eos_id: int | None) -> Documents | None:
     """Give every chunk one Documents (None: no document mask)."""
     docs = Documents(eos_id) if eos_id is not None else None

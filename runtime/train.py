@@ -29,7 +29,7 @@ from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.context_parallel import ContextParallel, apply_context_parallel
 from runtime.data import local_rows, make_source, token_file_meta
-from runtime.documents import attach_documents, end_of_text, set_micro
+from runtime.documents import attach_documents, end_of_text, set_micro, synthetic_note
 from runtime.dropout import attach_dropout, dropout_step
 from runtime.evaluate import Evaluator
 from runtime.hf_weights import initial_weights
@@ -222,6 +222,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
               f"{trainer.dtype} unless asked (--dtype)", flush=True)
     source = make_source(args.data, t.seq_len, t.seed, plan.model.vocab, args.data_dtype)
     windows = getattr(source, "windows", None)  # a token file's, read in epochs (runtime.data)
+    if trainer.documents is not None and rank == 0 and (note := synthetic_note(source, trainer.documents.eos_id)):
+        print(f"note: {note}", flush=True)
     if windows and rank == 0:
         print(f"data: {args.data}: {len(source.tokens):,} tokens, {windows:,} windows of {t.seq_len + 1}; an epoch "
               f"every {windows / t.global_batch:,.4g} steps", flush=True)

@@ -17,7 +17,7 @@ from planner.layers import attention_core_hw_flops
 from planner.model import ZOO, ConfigError
 from planner.plan import Plan
 from planner.search import search
-from runtime.documents import DocumentMask, attach_documents, document_ids
+from runtime.documents import DocumentMask, attach_documents, document_ids, synthetic_note
 from planner.cli import main as cli_main
 from runtime.model import Transformer, init_weights
 from runtime.train import main as train_main
@@ -37,6 +37,15 @@ def test_a_token_belongs_to_the_document_its_end_of_text_id_closes():
     assert allowed == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0],
                        [0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
     assert torch.isinf(m[0, 0][m[0, 0] != 0]).all() and mask(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_the_run_says_what_a_mask_does_to_synthetic_data(tmp_path):
+    from runtime.data import SyntheticData, TokenFileData
+    src = SyntheticData(512, 32, 0)
+    absent = min(set(range(512)) - set(src.cycle.tolist()))
+    assert "documents are 257 tokens long" in synthetic_note(src, int(src.cycle[5]))
+    assert f"{absent} never occurs in the synthetic data: every row is one document" in synthetic_note(src, absent)
+    assert synthetic_note(TokenFileData(str(_token_file(tmp_path / "t.bin")), 32, 0, 512), EOS) is None
 
 
 def _logits(model, rows, eos=None):
