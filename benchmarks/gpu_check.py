@@ -171,6 +171,10 @@ def compare_curves(shipped, measured) -> list[str]:
         b = measured.device.attention_flops_per_s("bf16", seq, 64)
         lines.append(f"  causal attention s={seq} d=64: shipped {a / 1e12:5.0f}  measured {b / 1e12:5.0f} TFLOP/s "
                      f"({b / a - 1:+.0%})")
+    if "masked" in measured.device.attention_by_seq:  # runtime.documents' dense mask, all scores counted
+        b = measured.device.attention_flops_per_s("bf16", 2048, 64, "masked")
+        lines.append(f"  masked attention s=2048 d=64: measured {b / 1e12:5.0f} TFLOP/s (causal flash: "
+                     f"{b / measured.device.attention_flops_per_s('bf16', 2048, 64) - 1:+.0%})")
     a, b = shipped.device.memory_bytes_per_s, measured.device.memory_bytes_per_s
     lines.append(f"  memory bandwidth: shipped {a / 1e12:.2f}  measured {b / 1e12:.2f} TB/s ({b / a - 1:+.0%})")
     for k in CONVERSIONS:  # planner.device: dtype-converting kernels

@@ -21,7 +21,10 @@
   TFLOP/s at 512 tokens, 155 at 2k, 182 at 8k; Dao 2023, Fig. 4d), so one figure measured at 8k
   overstates it at 2k. Interpolated in log(seq_len), and linearly between the two nearest head
   dimensions; held at the end values outside the measured range. Where a profile has it, it
-  replaces `attention_flops` for that kernel; a kernel other than `flash` needs it.
+  replaces `attention_flops` for that kernel; a kernel other than `flash` needs it. The curve
+  `masked` is torch's attention under a dense additive mask (runtime.documents: a document mask,
+  all s^2 scores counted): where a profile has it, it rates plans with training.document_mask,
+  else flash's curve does.
 - `device.conversion_bandwidth_bytes_per_s`: bytes/s (read and written) of the eager elementwise
   kernels that convert dtypes on the way, by class: `upcast`, reading 16-bit values and writing
   float32 ones (a cast to float32, a float32 add of a 16-bit operand); `broadcast`, operands of
@@ -41,6 +44,7 @@ from planner.model import ATTENTION_KERNELS, ConfigError
 from planner.profile_checks import check_keys, decimal
 
 FUSED_ATTENTION_DTYPES = ("fp16", "bf16")  # what FlashAttention kernels run
+MASKED_KERNEL = "masked"  # attention_flops_by_seq's curve under a dense mask (module doc)
 DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth_bytes_per_s",
                "memory_bandwidth_efficiency", "reserved_bytes", "allocator_overhead_fraction",
                "matmul_flops_by_size", "attention_flops", "attention_flops_by_seq",
@@ -139,6 +143,12 @@ class DeviceSpec:
                               f"for {dtype}; use flash, or a profile that measured {kernel}")
         return self.attention_flops.get(dtype) or self.matmul_flops_per_s(dtype)
 
+    def attention_kernel(self, t) -> str:
+        """The attention_flops_by_seq curve that rates training `t`'s attention: its kernel, or
+        under a document mask the masked curve where the profile measured one."""
+        return MASKED_KERNEL if t.document_mask and t.attention == "flash" and MASKED_KERNEL in self.attention_by_seq \
+            else t.attention
+
     def gemm_flops_per_s(self, dtype: str, M: float, N: float, K: float) -> float:
         """Achieved FLOP/s of an M x K by K x N product: the measured curve at the edge of the
         square product of equal arithmetic intensity, 3MNK / (MK + KN + MN), where the profile
@@ -210,7 +220,7 @@ def _attention_curves(d, peak: dict, where: str) -> dict:
         raise ConfigError(f"{where}: expected an object of kernel -> {{head_dim: [[seq_len, flop/s], ...]}}")
     top = max((peak.get(k, 0.0) for k in FUSED_ATTENTION_DTYPES), default=0.0)
     out = {}
-    fused = tuple(k for k in ATTENTION_KERNELS if k != "unfused")
+    fused = tuple(k for k in ATTENTION_KERNELS if k != "unfused") + (MASKED_KERNEL,)
     for kernel, by_dim in d.items():
         if kernel not in fused:
             raise ConfigError(f"{where}.{kernel}: unknown kernel; rated kernels are {', '.join(fused)}")

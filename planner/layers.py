@@ -81,7 +81,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     b, s, tp, sp = t.micro_batch / cp, t.seq_len, plan.mesh.tp, stage.sequence_parallel
     e, dropout, kind, rec = DTYPES[t.dtype], t.dropout > 0, m.layer_kind(index), stage.recompute[index - stage.start]
     # fused attention (not a library GEMM), at its rate for this sequence length and head size
-    rate = (cluster.device.attention_flops_per_s(t.dtype, s, m.dim_per_head, t.attention)
+    rate = (cluster.device.attention_flops_per_s(t.dtype, s, m.dim_per_head, cluster.device.attention_kernel(t))
             if t.attention != "unfused" else None)
     grate = lambda M, N, K: cluster.device.gemm_flops_per_s(t.dtype, M, N, K)  # noqa: E731
     bw = cluster.device.memory_bytes_per_s

@@ -10,7 +10,9 @@ Every rank measures its own GPU at once, in the dtypes the runtime trains in:
   forward and backward, in bf16 (FlashAttention-2 on recent GPUs, what the runtime runs), at head
   dimensions 64 and 128 and sequence lengths 512 to 16k, set up as the FlashAttention-2 benchmark
   (Dao 2023, Fig. 4: 16k tokens a batch, hidden 2048) and counted as it counts (4 s^2 d per head
-  forward, halved for the mask, 2.5x that backward);
+  forward, halved for the mask, 2.5x that backward); attention_flops_by_seq.masked the same under
+  a dense additive mask of the runtime's document masks (runtime.documents; documents of a quarter
+  sequence), all s^2 scores counted, which rates plans with training.document_mask;
 - memory bandwidth: a 1 GiB copy (larger than any GPU's L2), reads and writes counted; that of
   the kernels converting dtypes (conversion_bandwidth: a cast of bf16 to float32, and the loss's
   broadcast subtraction into float32), which PyTorch runs unvectorized;
@@ -60,16 +62,21 @@ def matmul_rate(m: int, n: int, k: int, dtype, budget_s: float) -> float:
     return _batched_rate(lambda: a @ b, 2.0 * m * n * k, budget_s)
 
 
-def attention_rate(seq: int, head_dim: int, budget_s: float, tokens: int = 16384, hidden: int = 2048) -> float:
+def attention_rate(seq: int, head_dim: int, budget_s: float, tokens: int = 16384, hidden: int = 2048,
+                   masked: bool = False) -> float:
     import torch.nn.functional as F
+
+    from runtime.documents import DocumentMask
     dev, heads, batch = current(), hidden // head_dim, max(1, tokens // seq)
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, device=dev, dtype=torch.bfloat16)
+    docs = (torch.arange(seq, device=dev) // max(1, seq // 4)).expand(batch, -1)  # four documents a row
+    mask = DocumentMask(docs)(torch.bfloat16) if masked else None
 
     def fwd_bwd():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-    return _batched_rate(fwd_bwd, 3.5 * 4 * batch * heads * seq * seq * head_dim / 2, budget_s)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked).backward(grad)
+    return _batched_rate(fwd_bwd, 3.5 * 4 * batch * heads * seq * seq * head_dim / (1 if masked else 2), budget_s)
 
 
 def memory_bandwidth() -> float:
@@ -131,8 +138,8 @@ def measure_device(quick: bool) -> tuple[dict, dict, float, float]:
         shapes = [mean_over_ranks(matmul_rate(m, n, k, dt, budget / 3)) for m, n, k in SHAPES]
         eff[name] = min(1.0, statistics.median(shapes) / peak[name])
     top16 = max(peak["bf16"], peak["fp16"])
-    attn = {str(d): [[s, min(top16, mean_over_ranks(attention_rate(s, d, budget)))] for s in ATTN_SEQS]
-            for d in ATTN_DIMS}
+    attn = {kernel: {str(d): [[s, min(top16, mean_over_ranks(attention_rate(s, d, budget, masked=kernel == "masked")))]
+                              for s in ATTN_SEQS] for d in ATTN_DIMS} for kernel in ("flash", "masked")}
     props = torch.cuda.get_device_properties(dev)
     device = {
         "name": torch.cuda.get_device_name(dev),
@@ -145,7 +152,7 @@ def measure_device(quick: bool) -> tuple[dict, dict, float, float]:
         "reserved_bytes": 0,  # replaced after the collectives by reserved_outside_allocator
         "allocator_overhead_fraction": 0.05,
         "matmul_flops_by_size": curves,
-        "attention_flops_by_seq": {"flash": attn},
+        "attention_flops_by_seq": attn,
     }
     sources = {
         "device.peak_flops": "measured: the best rate of the square products of matmul_flops_by_size per dtype "
@@ -158,7 +165,9 @@ def measure_device(quick: bool) -> tuple[dict, dict, float, float]:
                                          f"in bf16, head dimensions {ATTN_DIMS}, sequence lengths {ATTN_SEQS}, 16k "
                                          "tokens a batch and hidden 2048 (the FlashAttention-2 benchmark's setup, Dao "
                                          "2023 Fig. 4), FLOPs counted as it counts them (4 s^2 d per head forward, "
-                                         "halved for the mask, 2.5x backward); used for fp16 too",
+                                         "halved for the mask, 2.5x backward); used for fp16 too; masked: the same "
+                                         "under a dense additive mask of four documents a row (runtime.documents), "
+                                         "all s^2 scores counted",
         "device.memory_bandwidth_bytes_per_s": "measured: best of 10 copies of a 1 GiB fp32 tensor (reads and writes "
                                                "counted), mean over ranks; efficiency 1: this is the achieved rate",
         "device.conversion_bandwidth_bytes_per_s": "measured: best of 10 of a 2^28-element bf16 tensor cast to "

@@ -6,6 +6,7 @@ sweep and a model profile at tp 1, 2.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -345,8 +346,8 @@ def test_the_gpu_check_builds_a_loadable_profile_from_a_measured_device(tmp_path
               "memory_bandwidth_efficiency": 1.0, "reserved_bytes": 6e8, "allocator_overhead_fraction": 0.05,
               "conversion_bandwidth_bytes_per_s": {"upcast": 2.1e12, "broadcast": 1.4e12},
               "matmul_flops_by_size": {k: [[e, r * min(1.0, e / 8192)] for e in profile_gpu.EDGES] for k, r in rates.items()},
-              "attention_flops_by_seq": {"flash": {str(d): [[s, 4e14] for s in profile_gpu.ATTN_SEQS]
-                                                   for d in profile_gpu.ATTN_DIMS}}}
+              "attention_flops_by_seq": {k: {str(d): [[s, r] for s in profile_gpu.ATTN_SEQS] for d in profile_gpu.ATTN_DIMS}
+                                         for k, r in (("flash", 4e14), ("masked", 2e14))}}
     shipped = json.loads((REPO / "profiles" / "hardware" / "hgx-h200-141gb.json").read_text())
     out = tmp_path / "measured.json"
     out.write_text(json.dumps(gc.measured_cluster(shipped, {"device": device, "sources": {"device.x": "measured"},
@@ -356,7 +357,23 @@ def test_the_gpu_check_builds_a_loadable_profile_from_a_measured_device(tmp_path
     assert measured.device.attention_flops_per_s("bf16", 4096, 128) == pytest.approx(4e14)
     lines = gc.compare_curves(load_cluster("hgx-h200-141gb").shaped_as(1, 1), measured)
     assert measured.device.conversion_bandwidth == {"upcast": 2.1e12, "broadcast": 1.4e12}
-    assert len(lines) == 8 and all("shipped" in ln and "measured" in ln for ln in lines)
+    assert len(lines) == 9 and all("measured" in ln for ln in lines) and "masked attention" in lines[5]
+    # a document-masked plan is rated by the masked curve where the profile has one, else by flash's
+    from planner.plan import Training
+    masked = Training(global_batch=8, micro_batch=1, seq_len=4096, document_mask=True)
+    assert measured.device.attention_kernel(masked) == "masked"
+    assert measured.device.attention_kernel(dataclasses.replace(masked, document_mask=False)) == "flash"
+    assert load_cluster("hgx-h200-141gb").device.attention_kernel(masked) == "flash"
+    from planner.build import build_plan
+    from planner.layers import layer_cost
+    plan = build_plan(ZOO["llama3-8b"], cluster_name=measured.name, device=measured.device.name, nodes=1,
+                      devices_per_node=1, global_batch=8, micro_batch=1, seq_len=4096, document_mask=True)
+    flash_only = dataclasses.replace(measured, device=dataclasses.replace(
+        measured.device, attention_by_seq={"flash": measured.device.attention_by_seq["flash"]}))
+    block = [layer_cost(plan, c, 1, plan.pipeline.stages[0], [0]) for c in (measured, flash_only)]
+    core = 3.5 * 4 * 4096 ** 2 * ZOO["llama3-8b"].hidden  # the masked core's FLOPs, forward and backward
+    spent = block[0].fwd_compute_s + block[0].bwd_compute_s - block[1].fwd_compute_s - block[1].bwd_compute_s
+    assert spent == pytest.approx(core / 2e14 - core / 4e14, rel=1e-6)  # the masked curve's rate, not flash's
 
 
 def test_the_recorded_h200_run_is_predicted_from_its_measured_device(capsys):
