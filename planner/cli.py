@@ -166,6 +166,8 @@ def _add_problem_args(p, sizes: bool = False) -> None:
     p.add_argument("--document-mask", action="store_true",
                    help="attention stays inside each document of a packed sequence (an end-of-text id ends one; "
                         "priced: a dense mask, every score computed; no context parallelism)")
+    p.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input is the end-of-text id (Megatron-LM's --eod-mask-loss)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -213,7 +215,8 @@ def training_settings(args) -> dict:
         raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
     if note := dropout_note(args):
         print(f"trident: note: {note}", file=sys.stderr)
-    return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout, document_mask=args.document_mask)
+    return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout, document_mask=args.document_mask,
+                eod_mask_loss=args.eod_mask_loss)
 
 
 def build_parser() -> argparse.ArgumentParser:

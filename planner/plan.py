@@ -58,7 +58,8 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
-                              "min_lr", "attention_dropout", "document_mask"),
+                              "min_lr", "attention_dropout", "document_mask",
+                              "eod_mask_loss"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp")}
 
 
@@ -93,6 +94,10 @@ class Training:
     # Llama 3's document mask; runtime.documents): an explicit s x s mask per micro-batch, which the
     # fused kernel computes in full (planner.layers.attention_core_hw_flops, planner.memory)
     document_mask: bool = False
+    # no loss where the input is the end-of-text id (predicting the next document's first token;
+    # Megatron-LM's --eod-mask-loss), every other token weighted alike over the global batch
+    # (runtime.loss); no effect on the prediction
+    eod_mask_loss: bool = False
     seed: int = 0
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
     # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule

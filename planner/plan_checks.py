@@ -61,6 +61,7 @@ def check(plan) -> None:
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")
     _need(isinstance(t.document_mask, bool), "training.document_mask", "must be true or false")
+    _need(isinstance(t.eod_mask_loss, bool), "training.eod_mask_loss", "must be true or false")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")

@@ -83,17 +83,19 @@ def set_micro(chunk, micro: int) -> None:
 
 
 def end_of_text(plan, args, meta: dict | None) -> int | None:
-    """The end-of-text id a run masks documents by: --eos-id, else the token file's; None without a
-    document mask. ConfigError (one line) where the plan masks documents and none is known."""
-    given = getattr(args, "eos_id", None)
-    if not plan.training.document_mask:
+    """The end-of-text id a run masks documents (or the loss after it) by: --eos-id, else the
+    token file's; None where the plan needs none. ConfigError (one line) where it needs one and
+    none is known."""
+    given, t = getattr(args, "eos_id", None), plan.training
+    field = "document_mask" if t.document_mask else "eod_mask_loss" if t.eod_mask_loss else None
+    if field is None:
         if given is not None:
-            raise ConfigError("--eos-id: the plan has no document mask (training.document_mask false); plan with "
-                              "--document-mask, or leave --eos-id out")
+            raise ConfigError("--eos-id: the plan has no document mask nor loss mask (training.document_mask, "
+                              "eod_mask_loss false); plan with --document-mask or --eod-mask-loss, or leave --eos-id out")
         return None
     eos = given if given is not None else (meta or {}).get("eos_id")
     if eos is None:
-        raise ConfigError("training.document_mask: the plan masks documents but no end-of-text id is known; pass "
+        raise ConfigError(f"training.{field}: the plan masks by documents but no end-of-text id is known; pass "
                           "--eos-id (trident tokenize writes it beside its token files, FILE.json)")
     if not 0 <= eos < plan.model.vocab:
         raise ConfigError(f"--eos-id: {eos} is not a token id of the model (0..{plan.model.vocab - 1})")

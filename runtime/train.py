@@ -33,7 +33,7 @@ from runtime.documents import attach_documents, end_of_text, set_micro, syntheti
 from runtime.dropout import attach_dropout, dropout_step
 from runtime.evaluate import Evaluator
 from runtime.hf_weights import initial_weights
-from runtime.loss import cross_entropy
+from runtime.loss import IGNORE, cross_entropy
 from runtime.host_share import compute_slots, other_load
 from runtime.launch import free_port
 from runtime.metrics import MetricsLog, PeakMemory, environment, gather, held_bytes
@@ -76,7 +76,8 @@ class Trainer:
         self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
-        self.documents = attach_documents(self.chunks, end_of_text(plan, args, token_file_meta(args.data)))
+        self.eos = end_of_text(plan, args, token_file_meta(args.data))  # document masks' and eod_mask_loss's
+        self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None)
         t = plan.training
         # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
         # its temporaries: planner.precision.optimizer_temp_bytes)
@@ -179,6 +180,11 @@ class Trainer:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         if self.documents is not None:  # their document masks (runtime.documents)
             self.documents.set_rows(inputs)
+        # a micro-batch's summed loss over its share of the global batch's counted tokens (runtime.loss)
+        counted = int((batch[:, :-1] != self.eos).sum()) if self.plan.training.eod_mask_loss else batch[:, 1:].numel()
+        self.loss_tokens = max(1, counted) / (self.plan.pipeline.micro_batches * self.plan.mesh.grad_ranks)
+        if self.plan.training.eod_mask_loss:
+            targets = targets.masked_fill(inputs == self.eos, IGNORE)
         return inputs, targets
 
     def mean_loss(self, local: float) -> float:
@@ -192,7 +198,8 @@ class Trainer:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of a micro-batch from this rank's vocabulary slice of the logits."""
         group = self.mesh["tp"].get_group() if self.plan.mesh.tp > 1 else None
-        return cross_entropy(logits, targets, group, self.tp_rank, self.plan.model.vocab, self.scaler.scale)
+        return cross_entropy(logits, targets, group, self.tp_rank, self.plan.model.vocab, self.scaler.scale,
+                             self.loss_tokens)
 
     def _accumulate(self, xs, ys) -> float:
         losses = []

@@ -89,23 +89,39 @@ def _token_file(path, n=4000, seed=0):
 
 
 def test_masked_plans_train_as_one_process(tmp_path):
-    """A document-masked model trains to one process's losses (and validation losses) under tp 2
-    with SP, a 1F1B pipeline with selective recompute, ZB-V with full recompute (a replayed
-    forward) and dp 2 under ZeRO 3; its losses differ from those without the mask."""
+    """A document-masked model without loss after end of text (eod_mask_loss: every counted token
+    weighted alike over the global batch, however ranks and micro-batches split it) trains to one
+    process's losses (and validation losses) under tp 2 with SP, a 1F1B pipeline with selective
+    recompute, ZB-V with full recompute (a replayed forward) and dp 2 under ZeRO 3 with micro-batches
+    of one; its losses differ from those without the loss mask, and those from those without either."""
     data, val = _token_file(tmp_path / "train.bin"), _token_file(tmp_path / "val.bin", seed=1)
     d = tmp_path / "plans"
     d.mkdir()
-    masked = dict(document_mask=True)
+    masked = dict(document_mask=True, eod_mask_loss=True)
     ref, plain = write_plan(d, "ref", **masked), write_plan(d, "plain")
+    mask_only = write_plan(d, "mask-only", document_mask=True)
     two = [write_plan(d, "tp2-sp", world=2, tp=2, sequence_parallel=True, **masked),
            write_plan(d, "pp2-1f1b", world=2, pp=2, schedule="1f1b", recompute="selective", **masked),
            write_plan(d, "pp2-zbv", world=2, pp=2, schedule="zbv", recompute="full", micro_batch=1, **masked),
            write_plan(d, "dp2-zero3", world=2, zero=3, micro_batch=1, **masked)]
     flags = ("--steps", 3, "--data", data, "--eval-data", val, "--eval-every", 3, "--out", tmp_path)
-    assert_ok(train(1, "--plan", ref, plain, *flags))
+    assert_ok(train(1, "--plan", ref, plain, mask_only, *flags))
     assert_ok(train(2, "--plan", *two, *flags))
     want = losses_of(tmp_path / "ref.json")
-    assert all(abs(a - b) > 1e-4 for a, b in zip(want, losses_of(tmp_path / "plain.json")))
+    for other in ("plain", "mask-only"):
+        assert all(abs(a - b) > 1e-4 for a, b in zip(want, losses_of(tmp_path / f"{other}.json"))), other
+    assert all(abs(a - b) > 1e-4 for a, b in zip(losses_of(tmp_path / "plain.json"),
+                                                losses_of(tmp_path / "mask-only.json")))
+    # step 1's loss is the initial model's mean over the counted tokens of the global batch
+    from runtime.data import TokenFileData
+    t = Plan.read(ref).training
+    batch = TokenFileData(str(data), t.seq_len, t.seed, ZOO["tiny"].vocab).batch(0, t.global_batch)
+    model = Transformer(ZOO["tiny"])
+    init_weights(model, t.seed)
+    inputs, targets = batch[:, :-1], batch[:, 1:].masked_fill(batch[:, :-1] == EOS, -100)
+    logits = _logits(model, inputs, EOS)
+    first = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    assert want[0] == pytest.approx(float(first) / int((targets != -100).sum()), rel=1e-5)
     val_of = lambda p: json.loads((tmp_path / f"{p.stem}.json").read_text())["validation"][0]["loss"]  # noqa: E731
     for p in two:
         assert_same_losses(losses_of(tmp_path / f"{p.stem}.json"), want, p.stem)
@@ -121,7 +137,7 @@ def test_the_runtime_needs_an_end_of_text_id_and_a_mask_to_use_it(tmp_path, caps
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1, err
         return err
-    assert "training.document_mask: the plan masks documents but no end-of-text id" in error(train_main, "--plan", masked)
+    assert "training.document_mask: the plan masks by documents but no end-of-text id" in error(train_main, "--plan", masked)
     assert "--eos-id: the plan has no document mask" in error(train_main, "--plan", plain, "--eos-id", 3)
     assert "--eos-id: 512 is not a token id" in error(train_main, "--plan", masked, "--eos-id", 512)
     (tmp_path / "t.bin.json").write_text('{"dtype": "int8"}')

@@ -13,7 +13,7 @@ from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.model import LOSS_CHUNKS, ZOO
 from planner.plan import Plan
-from runtime.loss import cross_entropy
+from runtime.loss import IGNORE, cross_entropy
 from runtime.metrics import LiveTensorBytes
 
 
@@ -34,6 +34,24 @@ def test_loss_and_gradient_are_those_of_float32_cross_entropy(dtype, tokens):
     assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-6)
     ulp = 1e-6 if dtype == torch.float32 else 2 ** -7  # one bf16 rounding of the scale
     torch.testing.assert_close(ours.grad.float(), ref.grad.float(), rtol=ulp, atol=ulp * float(ref.grad.abs().max()))
+
+
+def test_ignored_targets_add_nothing_and_the_divisor_is_the_one_given():
+    """training.eod_mask_loss: targets of IGNORE add no loss and no gradient; the sum is divided by
+    `tokens` (the micro-batch's share of the global batch's counted tokens), as F.cross_entropy's
+    summed loss over it."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 16, 301, generator=g)
+    targets = torch.randint(0, 301, (2, 16), generator=g)
+    targets[0, 3] = targets[1, 0] = targets[1, 9] = IGNORE
+    ours, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    loss = cross_entropy(ours, targets, tokens=11.5)
+    loss.backward()
+    expected = F.cross_entropy(ref.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum") / 11.5
+    expected.backward()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-6, atol=1e-7)
+    assert float(ours.grad[0, 3].abs().sum()) == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
