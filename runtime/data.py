@@ -100,10 +100,11 @@ class TokenFileData:
     """A flat file of token ids (nanoGPT's train.bin): uint16 or uint32, memory-mapped, read in
     shuffled epochs of windows (module doc)."""
 
-    def __init__(self, path: str, seq_len: int, seed: int, vocab: int, dtype: str | None = None):
+    def __init__(self, path: str, seq_len: int, seed: int, vocab: int, dtype: str | None = None, stream: int = 0):
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"--data: {path} is not a file; give a token file or `synthetic`")
+            raise ConfigError(f"--data: {path} is not a file; give a uint16/uint32 token file, a blend FILE:WEIGHT,... "
+                              "or synthetic")
         meta = token_file_meta(path) or {}
         dtype = dtype or meta.get("dtype") or ("uint32" if p.suffix in (".u32", ".uint32") else "uint16")
         if dtype not in TOKEN_DTYPES:
@@ -113,32 +114,57 @@ class TokenFileData:
             raise ConfigError(f"--data: {path} holds {p.stat().st_size // size} {dtype} tokens, fewer than one "
                               f"sequence of {seq_len + 1}")
         self.tokens = np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
-        self.seq_len, self.seed, self.vocab = seq_len, seed, vocab
+        self.path, self.seq_len, self.seed, self.vocab, self.stream = path, seq_len, seed, vocab, stream
         self.windows = (len(self.tokens) - 1) // seq_len  # W
 
-    def windows_of(self, step: int, global_batch: int) -> np.ndarray:
-        """The windows the rows of step `step` read."""
-        k = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
-        epoch, place = np.divmod(k, self.windows)
-        out = np.empty_like(k)
+    def windows_of(self, k: np.ndarray) -> np.ndarray:
+        """The windows this file's samples `k` read (`stream`: a blend's file, runtime.blend, an order
+        of its own)."""
+        epoch, place = np.divmod(np.asarray(k, dtype=np.int64), self.windows)
+        out = np.empty_like(place)
         for e in np.unique(epoch):
-            out[epoch == e] = shuffled(place[epoch == e], self.windows, self.seed * 1_000_003 + int(e))
+            key = (self.seed * 1_000_003 + int(e)) * 1_009 + self.stream
+            out[epoch == e] = shuffled(place[epoch == e], self.windows, key)
         return out
 
-    def batch(self, step: int, global_batch: int) -> torch.Tensor:
+    def rows(self, k: np.ndarray) -> torch.Tensor:
+        """[len(k), seq_len + 1] token ids of this file's samples `k`."""
         s = self.seq_len
-        rows = np.stack([self.tokens[w * s:w * s + s + 1] for w in self.windows_of(step, global_batch).tolist()])
-        rows = rows.astype(np.int64)
-        out = torch.from_numpy(rows)
+        out = torch.from_numpy(np.stack([self.tokens[w * s:w * s + s + 1]
+                                         for w in self.windows_of(k).tolist()]).astype(np.int64))
         if int(out.max()) >= self.vocab:
-            raise ConfigError(f"--data: token id {int(out.max())} is not below model.vocab={self.vocab}; "
+            raise ConfigError(f"--data: token id {int(out.max())} of {self.path} is not below model.vocab={self.vocab}; "
                               "wrong --data-dtype or tokenizer")
         return out
 
+    def batch(self, step: int, global_batch: int) -> torch.Tensor:
+        return self.rows(np.arange(step * global_batch, (step + 1) * global_batch))
+
+    def describe(self, global_batch: int) -> str:
+        return (f"{self.path}: {len(self.tokens):,} tokens, {self.windows:,} windows of {self.seq_len + 1}; an epoch "
+                f"every {self.windows / global_batch:,.4g} steps")
+
+    def epochs(self, samples: int) -> float:
+        """Epochs of the file the run's first `samples` samples read."""
+        return samples / self.windows
+
+
+def source_meta(spec: str) -> dict | None:
+    """What --data's side files say: a token file's (token_file_meta), a blend's shared
+    end-of-text id (runtime.blend.blend_meta); None for synthetic data."""
+    from runtime.blend import blend_meta, parse_blend
+    parts = None if spec == "synthetic" else parse_blend(spec)
+    return blend_meta(parts) if parts else token_file_meta(spec)
+
 
 def make_source(spec: str, seq_len: int, seed: int, vocab: int, dtype: str | None = None):
+    """--data's source: `synthetic`, a token file, or a blend of weighted files (runtime.blend)."""
+    from runtime.blend import BlendedData, parse_blend
     if spec == "synthetic":
         return SyntheticData(vocab, seq_len, seed)
+    parts = parse_blend(spec)
+    if parts is not None:
+        return BlendedData(parts, seq_len, seed, vocab, dtype)
     return TokenFileData(spec, seq_len, seed, vocab, dtype)
 
 

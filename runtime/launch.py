@@ -31,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None, help="run.json to write")
     ap.add_argument("--force", action="store_true", help="run even if the prediction says the plan does not fit")
-    ap.add_argument("--data", default="synthetic")
+    ap.add_argument("--data", default="synthetic", help="synthetic, a token file, or a blend FILE:WEIGHT,FILE:WEIGHT")
     ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
     ap.add_argument("--eos-id", type=int, default=None,
                     help="the end-of-text id a plan's document mask splits rows by (default: the token file's)")

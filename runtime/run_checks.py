@@ -18,7 +18,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = OneLineParser(prog="runtime.train", description="torchrun entry: train a plan (runtime.train)")
     ap.add_argument("--plan", nargs="+", required=True, help="plan.json (several: trained one after another)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--data", default="synthetic", help="synthetic, or a uint16/uint32 token file")
+    ap.add_argument("--data", default="synthetic",
+                    help="synthetic, a uint16/uint32 token file, or a blend FILE:WEIGHT,FILE:WEIGHT (runtime.blend)")
     ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None)
     ap.add_argument("--eos-id", type=int, default=None, help="end-of-text id of a document mask (default: the data's)")
     ap.add_argument("--out", default=None, help="run.json (a directory when several plans are given)")
@@ -139,16 +140,14 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError(f"--keep-checkpoints: {args.keep_checkpoints} must be at least 0 (0: keep all)")
     if args.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} must be at least 0 (0: only at the end)")
-    if args.data != "synthetic":
-        if not Path(args.data).is_file():
-            raise ConfigError(f"--data: {args.data} is not a file; give a uint16/uint32 token file or synthetic")
-        from runtime.data import make_source  # long enough for one sequence, in the dtype given
+    if args.data != "synthetic":  # files (a blend's: runtime.blend) long enough for one sequence, in the dtype given
+        from runtime.data import make_source
         make_source(args.data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
     from runtime.evaluate import check_eval_args
     check_eval_args(args, plan)
-    from runtime.data import token_file_meta
+    from runtime.data import source_meta
     from runtime.documents import end_of_text
-    end_of_text(plan, args, token_file_meta(getattr(args, "data", "synthetic")))
+    end_of_text(plan, args, source_meta(getattr(args, "data", "synthetic")))
     return plan
 
 

@@ -28,7 +28,7 @@ from planner.model import ConfigError
 from planner.plan import Plan, split_backward
 from runtime import checkpoint as ckpt
 from runtime.context_parallel import ContextParallel, apply_context_parallel
-from runtime.data import local_rows, make_source, token_file_meta
+from runtime.data import local_rows, make_source, source_meta
 from runtime.documents import attach_documents, end_of_text, set_micro, synthetic_note
 from runtime.dropout import attach_dropout, dropout_step
 from runtime.evaluate import Evaluator
@@ -76,7 +76,7 @@ class Trainer:
         self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
-        self.eos = end_of_text(plan, args, token_file_meta(args.data))  # document masks' and eod_mask_loss's
+        self.eos = end_of_text(plan, args, source_meta(args.data))  # document masks' and eod_mask_loss's
         self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None)
         t = plan.training
         # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
@@ -228,12 +228,10 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         print(f"note: the plan's training.dtype is {t.dtype}; on {device.type} the runtime computes in "
               f"{trainer.dtype} unless asked (--dtype)", flush=True)
     source = make_source(args.data, t.seq_len, t.seed, plan.model.vocab, args.data_dtype)
-    windows = getattr(source, "windows", None)  # a token file's, read in epochs (runtime.data)
     if trainer.documents is not None and rank == 0 and (note := synthetic_note(source, trainer.documents.eos_id)):
         print(f"note: {note}", flush=True)
-    if windows and rank == 0:
-        print(f"data: {args.data}: {len(source.tokens):,} tokens, {windows:,} windows of {t.seq_len + 1}; an epoch "
-              f"every {windows / t.global_batch:,.4g} steps", flush=True)
+    if hasattr(source, "describe") and rank == 0:  # token files, read in epochs (runtime.data, runtime.blend)
+        print(f"data: {source.describe(t.global_batch)}", flush=True)
     start_step = ckpt.resume(args, plan, trainer, rank)
     # three warm-up steps, not timed: the first allocates the optimizer state, the third measures the
     # peak memory (tracking every allocation slows it several-fold). Not the second: on CPU the C
@@ -328,8 +326,8 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "traced_step_index": len(times) - 1 if trace else None,
         "warmup_steps": warmup,
         "tokens_per_step": tokens,
-        # epochs of the token file read by the end of the run (null: synthetic data)
-        "data_epochs": args.steps * t.global_batch / windows if windows else None,
+        # epochs of the token file (a blend: of each file) read by the end of the run (null: synthetic data)
+        "data_epochs": source.epochs(args.steps * t.global_batch) if hasattr(source, "epochs") else None,
         "tokens_per_s": tokens * len(timed) / sum(timed),
         "peak_memory_bytes": max((p for p in peaks if p is not None), default=None),
         "peak_memory_bytes_per_rank": peaks,
