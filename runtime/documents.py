@@ -45,11 +45,12 @@ class DocumentMask:
         self.docs, self.built = docs, {}
 
     def __call__(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self.built:
+        if dtype not in self.built:  # filled in place: one boolean [rows, s, s] beside it, no more
             d, s = self.docs, self.docs.shape[1]
-            allowed = (d[:, :, None] == d[:, None, :]) & torch.ones(s, s, dtype=torch.bool, device=d.device).tril()
-            self.built[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=d.device).masked_fill_(
-                ~allowed, float("-inf")).unsqueeze(1)
+            mask = torch.zeros(d.shape[0], s, s, dtype=dtype, device=d.device)
+            mask.masked_fill_(d[:, :, None] != d[:, None, :], float("-inf"))
+            mask.masked_fill_(torch.ones(s, s, dtype=torch.bool, device=d.device).triu_(1), float("-inf"))
+            self.built[dtype] = mask.unsqueeze(1)
         return self.built[dtype]
 
 
