@@ -168,6 +168,8 @@ def _add_problem_args(p, sizes: bool = False) -> None:
                         "priced: a dense mask, every score computed; no context parallelism)")
     p.add_argument("--eod-mask-loss", action="store_true",
                    help="no loss where the input is the end-of-text id (Megatron-LM's --eod-mask-loss)")
+    p.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart with each document (Megatron-LM's; needs --document-mask)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -216,7 +218,7 @@ def training_settings(args) -> dict:
     if note := dropout_note(args):
         print(f"trident: note: {note}", file=sys.stderr)
     return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout, document_mask=args.document_mask,
-                eod_mask_loss=args.eod_mask_loss)
+                eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -59,7 +59,7 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr", "attention_dropout", "document_mask",
-                              "eod_mask_loss"),
+                              "eod_mask_loss", "reset_position_ids"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp")}
 
 
@@ -98,6 +98,10 @@ class Training:
     # Megatron-LM's --eod-mask-loss), every other token weighted alike over the global batch
     # (runtime.loss); no effect on the prediction
     eod_mask_loss: bool = False
+    # positions restart at 0 with each document of a row (Megatron-LM's --reset-position-ids; under
+    # a document mask only), so a document's logits are those it has alone under GPT's learned
+    # positions too (RoPE sees distances alone); no effect on the prediction
+    reset_position_ids: bool = False
     seed: int = 0
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
     # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule

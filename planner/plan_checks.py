@@ -62,6 +62,9 @@ def check(plan) -> None:
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")
     _need(isinstance(t.document_mask, bool), "training.document_mask", "must be true or false")
     _need(isinstance(t.eod_mask_loss, bool), "training.eod_mask_loss", "must be true or false")
+    _need(isinstance(t.reset_position_ids, bool), "training.reset_position_ids", "must be true or false")
+    _need(not t.reset_position_ids or t.document_mask, "training.reset_position_ids",
+          "true needs training.document_mask true (positions restart where attention does); set both or neither")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")

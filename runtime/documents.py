@@ -8,7 +8,9 @@ document's tokens alone (Megatron-LM's --reset-attention-mask; Llama 3 trained s
 id closes its document, the token after it opens the next. Positions run on through the row
 (Megatron-LM without --reset-position-ids): under RoPE attention depends on the distance between
 tokens alone, so a document's logits are those it has alone at the row's start
-(tests/test_documents.py); GPT's learned positions see where it starts.
+(tests/test_documents.py); GPT's learned positions see where it starts, unless
+training.reset_position_ids restarts them at 0 with each document (DocumentMask.positions: the
+learned position rows, or the rotary tables' rows, of each token).
 
 The mask is dense, [rows, 1, s, s]: 0 where a query attends a key, -inf elsewhere, in the compute
 dtype, which torch's fused attention kernels take as it is (a boolean mask would be converted in
@@ -44,6 +46,14 @@ class DocumentMask:
     def __init__(self, docs: torch.Tensor):
         self.docs, self.built = docs, {}
 
+    def positions(self) -> torch.Tensor:
+        """[rows, s]: each token's position in its document (0 at its first token)."""
+        d, s = self.docs, self.docs.shape[1]
+        at = torch.arange(s, device=d.device).expand_as(d)
+        first = torch.ones_like(d, dtype=torch.bool)
+        first[:, 1:] = d[:, 1:] != d[:, :-1]
+        return at - torch.where(first, at, 0).cummax(1).values
+
     def __call__(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self.built:  # filled in place: one boolean [rows, s, s] beside it, no more
             d, s = self.docs, self.docs.shape[1]
@@ -65,8 +75,8 @@ class Documents:
     """The documents of a rank's rows this step, shared by its chunks: set_rows after the rank's
     batch is cut (Trainer.local_batch), `micro` before each forward (set_micro)."""
 
-    def __init__(self, eos_id: int):
-        self.eos_id, self.ids, self.micro = eos_id, None, 0
+    def __init__(self, eos_id: int, reset_positions: bool = False):
+        self.eos_id, self.ids, self.micro, self.reset_positions = eos_id, None, 0, reset_positions
 
     def set_rows(self, inputs: torch.Tensor) -> None:
         self.ids = document_ids(inputs, self.eos_id)
@@ -116,9 +126,9 @@ def synthetic_note(source, eos_id: int) -> str | None:
     return f"the synthetic data's documents are {len(cycle)} tokens long (end-of-text id {eos_id})"
 
 
-def attach_documents(chunks, eos_id: int | None) -> Documents | None:
+def attach_documents(chunks, eos_id: int | None, reset_positions: bool = False) -> Documents | None:
     """Give every chunk one Documents (None: no document mask)."""
-    docs = Documents(eos_id) if eos_id is not None else None
+    docs = Documents(eos_id, reset_positions) if eos_id is not None else None
     for c in chunks:
         c.documents = docs
     return docs

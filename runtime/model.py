@@ -65,7 +65,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     written out in reals (four products, a sum, a difference, a stack) takes seven, each a pass over
     memory (planner.pointwise prices the kernels the runtime runs)."""
     s = x.shape[1]
-    turn = torch.complex(cos[:s].float(), sin[:s].float()).view(1, s, 1, -1)
+    if cos.dim() == 3:  # a row's own positions (runtime.documents: reset per document), [b, s, d / 2]
+        turn = torch.complex(cos.float(), sin.float()).unsqueeze(2)
+    else:
+        turn = torch.complex(cos[:s].float(), sin[:s].float()).view(1, s, 1, -1)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
 
@@ -174,7 +177,7 @@ class Embedding(nn.Module):
         h = self.tok_embeddings(ids)
         if self.pos_embeddings is not None:
             pos = torch.arange(ids.shape[1], device=ids.device) if positions is None else positions
-            h = h + self.pos_embeddings(pos.unsqueeze(0).expand(ids.shape[0], -1))
+            h = h + self.pos_embeddings(pos if pos.dim() == 2 else pos.unsqueeze(0).expand(ids.shape[0], -1))
         return h
 
 
@@ -220,11 +223,15 @@ class Transformer(nn.Module):
     def forward(self, x):
         drop = self.dropout.key(x.shape[0]) if self.dropout is not None and torch.is_grad_enabled() else None
         mask = self.documents.mask(x.shape[0]) if self.documents is not None else None
+        cos, sin, positions = self.rope_cos, self.rope_sin, self.positions
+        if mask is not None and self.documents.reset_positions:  # each row's own (runtime.documents)
+            positions = mask.positions()
+            cos, sin = (None, None) if cos is None else (cos[positions], sin[positions])
         for name, layer in self.layers.items():
             if isinstance(layer, Block):
-                x = layer(x, self.rope_cos, self.rope_sin, None if drop is None else (*drop, int(name)), mask)
+                x = layer(x, cos, sin, None if drop is None else (*drop, int(name)), mask)
             elif isinstance(layer, Embedding):
-                x = layer(x, self.positions)
+                x = layer(x, positions)
                 if drop is not None:
                     x = self.dropout.hidden(x, drop, 0, EMBEDDING)
             else:

@@ -49,10 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 # (the data of step i depends on the seed, the step and the global batch; the learning rate on the step)
 RUN_FIELDS = ("global_batch", "seq_len", "dtype", "optimizer", "master_weights", "lr", "weight_decay", "grad_clip",
               "dropout", "attention_dropout_p", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr",
-              "document_mask", "eod_mask_loss")
+              "document_mask", "eod_mask_loss", "reset_position_ids")
 # run fields that checkpoints written before them lack, and the value those ran with (the runtime
 # refused dropout and had no document masks before 2026-12-05)
-RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0, "document_mask": False, "eod_mask_loss": False}
+RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0, "document_mask": False, "eod_mask_loss": False,
+                    "reset_position_ids": False}
 
 
 def plan_field(k: str) -> str:

@@ -77,7 +77,8 @@ class Trainer:
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
         self.eos = end_of_text(plan, args, source_meta(args.data))  # document masks' and eod_mask_loss's
-        self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None)
+        self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None,
+                                          plan.training.reset_position_ids)
         t = plan.training
         # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
         # its temporaries: planner.precision.optimizer_temp_bytes)

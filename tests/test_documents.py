@@ -31,6 +31,7 @@ def test_a_token_belongs_to_the_document_its_end_of_text_id_closes():
     tokens = torch.tensor([[5, 7, 3, 3, 7, 2], [7, 7, 1, 2, 3, 4]])
     assert document_ids(tokens, EOS).tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 2, 2, 2, 2]]
     mask = DocumentMask(document_ids(tokens, EOS))
+    assert mask.positions().tolist() == [[0, 1, 0, 1, 2, 0], [0, 0, 0, 1, 2, 3]]
     m = mask(torch.float32)
     assert m.shape == (2, 1, 6, 6) and mask(torch.float32) is m  # built once, shared by the blocks
     allowed = (m[0, 0] == 0).int().tolist()
@@ -48,8 +49,8 @@ def test_the_run_says_what_a_mask_does_to_synthetic_data(tmp_path):
     assert synthetic_note(TokenFileData(str(_token_file(tmp_path / "t.bin")), 32, 0, 512), EOS) is None
 
 
-def _logits(model, rows, eos=None):
-    attach_documents([model], eos)
+def _logits(model, rows, eos=None, reset=False):
+    attach_documents([model], eos, reset)
     if eos is not None:
         model.documents.set_rows(rows)
     with torch.no_grad():
@@ -76,6 +77,11 @@ def test_a_masked_document_sees_nothing_of_the_documents_before_it(name):
     if cfg.arch == "llama":
         assert torch.allclose(masked[:, 10:], _logits(model, second, EOS), atol=1e-5)
         assert (plain[:, 10:] - _logits(model, second)).abs().max() > 1e-2
+    else:  # learned positions: the document's own, 0 at its start, only where they restart
+        assert (masked[:, 10:] - _logits(model, second, EOS)).abs().max() > 1e-2
+    reset = _logits(model, row, EOS, reset=True)  # training.reset_position_ids: alone, either family
+    assert torch.allclose(reset[:, 10:], _logits(model, second, EOS, reset=True), atol=1e-5)
+    assert torch.allclose(reset[:, :10], masked[:, :10])
 
 
 def _token_file(path, n=4000, seed=0):
@@ -89,15 +95,16 @@ def _token_file(path, n=4000, seed=0):
 
 
 def test_masked_plans_train_as_one_process(tmp_path):
-    """A document-masked model without loss after end of text (eod_mask_loss: every counted token
-    weighted alike over the global batch, however ranks and micro-batches split it) trains to one
-    process's losses (and validation losses) under tp 2 with SP, a 1F1B pipeline with selective
-    recompute, ZB-V with full recompute (a replayed forward) and dp 2 under ZeRO 3 with micro-batches
-    of one; its losses differ from those without the loss mask, and those from those without either."""
+    """A document-masked model, its positions reset per document, without loss after end of text
+    (eod_mask_loss: every counted token weighted alike over the global batch, however ranks and
+    micro-batches split it) trains to one process's losses (and validation losses) under tp 2 with
+    SP, a 1F1B pipeline with selective recompute, ZB-V with full recompute (a replayed forward) and
+    dp 2 under ZeRO 3 with micro-batches of one; its losses differ from those without the loss
+    mask, and those from those without either."""
     data, val = _token_file(tmp_path / "train.bin"), _token_file(tmp_path / "val.bin", seed=1)
     d = tmp_path / "plans"
     d.mkdir()
-    masked = dict(document_mask=True, eod_mask_loss=True)
+    masked = dict(document_mask=True, eod_mask_loss=True, reset_position_ids=True)
     ref, plain = write_plan(d, "ref", **masked), write_plan(d, "plain")
     mask_only = write_plan(d, "mask-only", document_mask=True)
     two = [write_plan(d, "tp2-sp", world=2, tp=2, sequence_parallel=True, **masked),
@@ -119,7 +126,7 @@ def test_masked_plans_train_as_one_process(tmp_path):
     model = Transformer(ZOO["tiny"])
     init_weights(model, t.seed)
     inputs, targets = batch[:, :-1], batch[:, 1:].masked_fill(batch[:, :-1] == EOS, -100)
-    logits = _logits(model, inputs, EOS)
+    logits = _logits(model, inputs, EOS, reset=True)
     first = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     assert want[0] == pytest.approx(float(first) / int((targets != -100).sum()), rel=1e-5)
     val_of = lambda p: json.loads((tmp_path / f"{p.stem}.json").read_text())["validation"][0]["loss"]  # noqa: E731
@@ -172,6 +179,8 @@ def test_the_plan_prices_every_score_and_the_mask():
 
 
 def test_context_parallelism_takes_no_document_mask():
+    with pytest.raises(ConfigError, match=r"training.reset_position_ids: true needs training.document_mask true"):
+        _plan(reset_position_ids=True).validate()
     with pytest.raises(ConfigError, match=r"training.document_mask: true with mesh.cp=2.*set mesh.cp to 1"):
         _plan(dp=2, cp=2, document_mask=True).validate()
     assert cp_degrees(131072) != [1] and cp_degrees(131072, document_mask=True) == [1]  # what the search tries
