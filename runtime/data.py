@@ -83,7 +83,7 @@ def shuffled(k: np.ndarray, n: int, key: int) -> np.ndarray:
     """The places of indices `k` (each below n) under the permutation of range(n) that `key` picks."""
     half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)  # 4^half >= n
     low = np.uint64((1 << half) - 1)
-    keys = _mix(np.arange(FEISTEL_ROUNDS, dtype=np.uint64) + np.uint64(key % 2**64) * np.uint64(FEISTEL_ROUNDS))
+    keys = _mix(np.array([(key * FEISTEL_ROUNDS + r) % 2**64 for r in range(FEISTEL_ROUNDS)], dtype=np.uint64))
     out = np.asarray(k, dtype=np.uint64).copy()
     todo = np.ones(out.shape, dtype=bool)
     while todo.any():  # cycle-walking: fewer than 4 rounds a value on average (the domain < 4 n)
