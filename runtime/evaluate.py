@@ -40,8 +40,10 @@ def check_eval_args(args, plan) -> None:
     if data:  # a file, long enough for one sequence, in the dtype given
         from runtime.data import make_source
         t = plan.training
-        if data == "synthetic" or not Path(data).is_file():
-            raise ConfigError(f"--eval-data: {data} is not a file; give a held-out uint16/uint32 token file")
+        from runtime.blend import parse_blend
+        if data == "synthetic" or not (Path(data).is_file() or parse_blend(data)):
+            raise ConfigError(f"--eval-data: {data} is not a file; give a held-out uint16/uint32 token file (or a "
+                              "blend of them, FILE:WEIGHT,...)")
         make_source(data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
 
 

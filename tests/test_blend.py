@@ -69,7 +69,9 @@ def test_a_blend_shares_its_files_end_of_text_id_and_trains(tmp_path):
     with pytest.raises(ConfigError, match=r"end their documents with different ids"):
         source_meta(f"{a}:1,{c}:1")
     plan = write_plan(tmp_path, "masked", seq_len=S, document_mask=True)  # the blend's end-of-text id
-    proc = train(1, "--plan", plan, "--steps", 2, "--data", f"{a}:0.75,{b}:0.25", "--out", tmp_path / "r.json")
+    held = _file(tmp_path / "held.bin", 10, 400, eos=7)
+    proc = train(1, "--plan", plan, "--steps", 2, "--data", f"{a}:0.75,{b}:0.25", "--out", tmp_path / "r.json",
+                 "--eval-data", f"{held}:1,{b}:1", "--eval-every", 2)  # a blend validates too
     assert_ok(proc)
-    assert "(75.00% of the samples)" in proc.stdout
+    assert "(75.00% of the samples)" in proc.stdout and "validation loss" in proc.stdout
     assert json.loads((tmp_path / "r.json").read_text())["data_epochs"] == pytest.approx({a: 12 / 40, b: 4 / 40})
