@@ -24,9 +24,12 @@ are (planner.layers.repeated_kv_bytes). Context parallelism's chunked attention 
 mask (planner.plan_checks refuses the plan).
 
 The end-of-text id: `--eos-id`, else the one `trident tokenize` wrote beside the token file
-(FILE.json, runtime.data.token_file_meta).
+(FILE.json, runtime.data.token_file_meta), else the eos_token_id of the --init-from model.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -106,11 +109,25 @@ def end_of_text(plan, args, meta: dict | None) -> int | None:
         return None
     eos = given if given is not None else (meta or {}).get("eos_id")
     if eos is None:
+        eos = model_eos(getattr(args, "init_from", None))
+    if eos is None:
         raise ConfigError(f"training.{field}: the plan masks by documents but no end-of-text id is known; pass "
                           "--eos-id (trident tokenize writes it beside its token files, FILE.json)")
     if not 0 <= eos < plan.model.vocab:
         raise ConfigError(f"--eos-id: {eos} is not a token id of the model (0..{plan.model.vocab - 1})")
     return eos
+
+
+def model_eos(directory: str | None) -> int | None:
+    """The eos_token_id of the --init-from model's config.json (a list's first), or None."""
+    if not directory:
+        return None
+    try:
+        eos = json.loads((Path(directory) / "config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
 
 
 def synthetic_note(source, eos_id: int) -> str | None:

@@ -17,7 +17,7 @@ from planner.layers import attention_core_hw_flops
 from planner.model import ZOO, ConfigError
 from planner.plan import Plan
 from planner.search import search
-from runtime.documents import DocumentMask, attach_documents, document_ids, synthetic_note
+from runtime.documents import DocumentMask, attach_documents, document_ids, end_of_text, synthetic_note
 from planner.cli import main as cli_main
 from runtime.model import Transformer, init_weights
 from runtime.train import main as train_main
@@ -149,6 +149,14 @@ def test_the_runtime_needs_an_end_of_text_id_and_a_mask_to_use_it(tmp_path, caps
     assert "--eos-id: 512 is not a token id" in error(train_main, "--plan", masked, "--eos-id", 512)
     (tmp_path / "t.bin.json").write_text('{"dtype": "int8"}')
     assert "t.bin.json names no token dtype" in error(train_main, "--plan", masked, "--data", data)
+    # where none is given nor beside the data: the --init-from model's eos_token_id (a list's first)
+    from types import SimpleNamespace
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"eos_token_id": [9, 10]}')
+    t = Plan.read(masked)
+    assert end_of_text(t, SimpleNamespace(eos_id=None, init_from=str(tmp_path / "m")), None) == 9
+    assert end_of_text(t, SimpleNamespace(eos_id=None, init_from=str(tmp_path / "m")), {"eos_id": 5}) == 5
+    assert end_of_text(t, SimpleNamespace(eos_id=3, init_from=str(tmp_path / "m")), {"eos_id": 5}) == 3
     assert "--cp: a document mask is a dense s x s mask" in error(
         cli_main, "search", "--model", "llama3-8b", "--cluster", "dgx-h100-80gb", "--nodes", "1", "--global-batch", 8,
         "--cp", 2, "--document-mask")
