@@ -93,9 +93,10 @@ class BlendedData:
         return "; ".join(f"{f.describe(global_batch * n / PERIOD)} ({n / PERIOD:.2%} of the samples)"
                          for f, n in zip(self.files, self.places))
 
-    def epochs(self, samples: int) -> dict:
-        """Each file's epochs read by the run's first `samples` samples."""
-        return {f.path: f.epochs(int(n)) for f, n in zip(self.files, self.read_by(samples))}
+    def epochs(self, samples: int) -> list[dict]:
+        """Each file's share of the samples and epochs read by the run's first `samples` samples."""
+        return [{"file": f.path, "share": float(p / PERIOD), "epochs": f.epochs(int(n))}
+                for f, p, n in zip(self.files, self.places, self.read_by(samples))]
 
 
 def blend_meta(parts: list[tuple[str, float]]) -> dict | None:

@@ -37,7 +37,8 @@ def test_files_take_their_shares_evenly_and_read_every_window_once_an_epoch(tmp_
         windows = rows[which == d, 0] % 1000
         for e in range(len(windows) // n):
             assert sorted(windows[e * n:(e + 1) * n].tolist()) == list(range(n)), (d, e)
-    assert blend.epochs(600) == pytest.approx({a: 300 / 30, b: 180 / 20, c: 120 / 7})
+    assert [e["epochs"] for e in blend.epochs(600)] == pytest.approx([300 / 30, 180 / 20, 120 / 7])
+    assert [(e["file"], e["share"]) for e in blend.epochs(600)] == [(a, 0.5), (b, 0.3), (c, 0.2)]
     again = make_source(f"{a}:5,{b}:3,{c}:2", S, 0, 2**16)
     assert (again.batch(37, 10).numpy() == rows[370:380]).all()  # the step alone says its batch
     assert not (make_source(f"{a}:5,{b}:3,{c}:2", S, 1, 2**16).batch(0, 10).numpy() == rows[:10]).all()
@@ -74,4 +75,6 @@ def test_a_blend_shares_its_files_end_of_text_id_and_trains(tmp_path):
                  "--eval-data", f"{held}:1,{b}:1", "--eval-every", 2)  # a blend validates too
     assert_ok(proc)
     assert "(75.00% of the samples)" in proc.stdout and "validation loss" in proc.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["data_epochs"] == pytest.approx({a: 12 / 40, b: 4 / 40})
+    epochs = json.loads((tmp_path / "r.json").read_text())["data_epochs"]
+    assert [(e["file"], e["share"]) for e in epochs] == [(a, 0.75), (b, 0.25)]
+    assert [e["epochs"] for e in epochs] == pytest.approx([12 / 40, 4 / 40])
