@@ -228,6 +228,21 @@ def test_trident_run_prints_the_command_of_every_node_of_a_multi_node_plan(tmp_p
         assert "--nproc-per-node 2" in cmd and f"--plan {path}" in cmd and "--trace traces" in cmd
 
 
+def test_trident_run_passes_every_option_to_runtime_train():
+    """Each of `trident run`'s options reaches runtime.train's parser with its value."""
+    from runtime.train import parse_args
+    given = ["p.json", "--data", "a.bin:0.7,b.bin:0.3", "--eos-id", "7", "--metrics", "m.jsonl", "--checkpoint-dir",
+             "ck", "--checkpoint-every", "2", "--keep-checkpoints", "3", "--init-from", "hf", "--eval-data", "v.bin",
+             "--eval-every", "5", "--eval-batches", "2", "--data-dtype", "uint32", "--dtype", "bf16", "--resume",
+             "--force", "--async-checkpoint", "--trace", "tr", "--steps", "9", "--out", "r.json"]
+    got = vars(parse_args(launch.train_args(launch.parse_args(given))))
+    want = dict(plan=["p.json"], data="a.bin:0.7,b.bin:0.3", eos_id=7, metrics="m.jsonl", checkpoint_dir="ck",
+                checkpoint_every=2, keep_checkpoints=3, init_from="hf", eval_data="v.bin", eval_every=5, eval_batches=2,
+                data_dtype="uint32", dtype="bf16", resume=True, force=True, async_checkpoint=True, trace="tr", steps=9,
+                out="r.json")
+    assert {k: got[k] for k in want} == want
+
+
 def test_trident_run_refuses_a_bad_plan_before_launching(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
