@@ -89,8 +89,8 @@ class Menus:
         # the stage's output, which the runtime's pipeline keeps from each forward to its backward
         # (planner.memory.stage_output_bytes): every stage's but the last's
         output = self._message() if (self.S > 1 and not head) else 0.0
-        # and a document mask, on a stage with blocks (planner.memory.stage_mask_bytes)
-        output = output + (karr[kid] > 0) * document_mask_bytes(ctx.train, cfg.rank_micro_batch)
+        if ctx.train.document_mask:  # and its mask, on a stage with blocks (planner.memory.stage_mask_bytes)
+            output = output + (karr[kid] > 0) * document_mask_bytes(ctx.train, cfg.rank_micro_batch)
         act = np.concatenate([p[3] for p in parts]) + e_sum("activation_bytes") + output
         replay = np.concatenate([p[4] for p in parts])
         plain = np.concatenate([p[5] + s0 for p, s0 in zip(parts, start)])
@@ -157,7 +157,8 @@ class Menus:
         cols["first"] = np.zeros(len(rows))
         if self.fb:
             cols["first"] = first_backward_bytes(karr[kr], top[rows], blk[0].params * g,
-                                                 [(x.activation_bytes, x.params * g) for x in ends]) + output[rows]
+                                                 [(x.activation_bytes, x.params * g) for x in ends]) + (
+                                                     output[rows] if np.ndim(output) else output)
         bounds = np.searchsorted(kr, np.arange(nk + 1))
         # each k's options by c (stable), and their memory parts in that order (planner.partition.options)
         by_k = [np.argsort(c[i:j], kind="stable") for i, j in zip(bounds[:-1], bounds[1:])]
