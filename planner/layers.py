@@ -126,8 +126,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
                            if plan.pipeline.micro_batches > 1 else 0.0)
     moved, repeated = repeated_kv_bytes(m, t, b, s, tp, e) if kind == "block" else (0.0, 0.0)
-    fwd_c, bwd_c = (mm_f + el_f + cast_f + cluster.device.pointwise_seconds(moved),
-                    mm_b + el_b + accumulate + cluster.device.pointwise_seconds(moved))
+    repeat_s = cluster.device.pointwise_seconds(moved)  # a copy forward, its sum backward
+    fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s, mm_b + el_b + accumulate + repeat_s
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.
     wgrad = (el_b if kind == "embedding" else wgrad) + accumulate

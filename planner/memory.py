@@ -253,8 +253,9 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     mem_by_rank = []
     for rr in range(pp):
         ids = plan.stages_of_rank(rr)
-        weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) + stage_output_bytes(plan, i)
-                   + stage_mask_bytes(plan, i) for i in ids}
+        # a micro-batch's stage output and document mask, held until its backward on the stage ends
+        kept = {i: stage_output_bytes(plan, i) + stage_mask_bytes(plan, i) for i in ids}
+        weights = {i: sum(c.activation_bytes for c in stage_info[i]["costs"]) + kept[i] for i in ids}
         zero = {i: 0.0 for i in range(len(pipe.stages))}
         split = None
         if two:
@@ -299,7 +300,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 first_bytes = float(first_backward_bytes(
                     len(block_acts), max(block_acts, default=0.0), (block_params or [0.0])[0] * gs,
                     [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"])
-                ) + stage_output_bytes(plan, i) + stage_mask_bytes(plan, i)  # held until its backward ends
+                ) + kept[i]
             fsdp_held += held
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)

@@ -63,7 +63,8 @@ def train_args(args: argparse.Namespace) -> list[str]:
                         ("--initial-loss-scale", None if args.initial_loss_scale is None else repr(args.initial_loss_scale)),
                         ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace),
                         ("--eval-data", args.eval_data), ("--allow-change", args.allow_change),
-                        ("--init-from", args.init_from), ("--metrics", args.metrics), ("--eos-id", None if args.eos_id is None else str(args.eos_id))):
+                        ("--init-from", args.init_from), ("--metrics", args.metrics),
+                        ("--eos-id", None if args.eos_id is None else str(args.eos_id))):
         if value is not None:
             out += [flag, value]
     if args.checkpoint_every:

@@ -14,6 +14,7 @@ from planner.plan import Plan
 from runtime.evaluate import add_eval_args
 from runtime.loss_scale import INITIAL
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = OneLineParser(prog="runtime.train", description="torchrun entry: train a plan (runtime.train)")
     ap.add_argument("--plan", nargs="+", required=True, help="plan.json (several: trained one after another)")
