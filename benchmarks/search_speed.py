@@ -52,7 +52,7 @@ def run_case(name: str, repeat: int, top: int, profile: bool, saved: str = "shar
 
     from planner.cluster import load_cluster
     from planner.hsdp import HSDP_POOL, with_hsdp
-    from planner.model import load_model
+    from planner.model_files import load_model
     from planner.report import sp_mode
     from planner.search import SearchSpace, search
     from planner.sp_modes import EITHER, search_either

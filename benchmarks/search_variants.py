@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--problems", type=int, default=40)
     args = ap.parse_args(argv)
-    from planner.model import load_model
+    from planner.model_files import load_model
     rng = random.Random(args.seed)
     first_space, second_space = spaces(args.variant)
     ratios, times = [], [0.0, 0.0]

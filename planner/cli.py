@@ -12,7 +12,8 @@ from planner.cluster import load_cluster
 from planner.args import (MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, non_negative_int, non_negative_number,
                           nonempty, positive_int, probability, replica_list)
 from planner.cost import estimate
-from planner.model import ATTENTION_KERNELS, ZOO, ConfigError, load_model
+from planner.model import ATTENTION_KERNELS, ZOO, ConfigError
+from planner.model_files import load_model
 from planner.plan import LR_DECAYS, SCHEDULES, SP_SAVED_INPUTS, Plan, Training, priced_on
 from planner.plan_checks import check_optimizer
 from planner.pointwise import ELEMENTWISE_KERNELS

@@ -116,7 +116,7 @@ def configs(ctx, global_batch: int):
     m, c, sp_ = ctx.model, ctx.cluster, ctx.space
     world, dpn, total = c.world_size, c.devices_per_node, m.num_layers_total
     for tp in divisors(dpn):
-        if any(x % tp for x in (m.heads, m.kv_heads, m.ffn_hidden)) or (sp_.tp and tp not in sp_.tp) or world % tp:
+        if any(n % tp for _, n in m.tp_split_sizes()) or (sp_.tp and tp not in sp_.tp) or world % tp:
             continue
         for pp, cp in itertools.product(divisors(world // tp), sp_.cp or cp_degrees(ctx.train.seq_len, ctx.train.document_mask)):
             if pp > total or (sp_.pp and pp not in sp_.pp) or world % (tp * pp * cp) or ctx.train.seq_len % (2 * cp):

@@ -70,10 +70,11 @@ class Estimate:
     hfu: float = 0.0
     stages: list = field(default_factory=list)
     timeline: object = None
+    active_parameters: int = 0  # those a token's FLOPs count: an MoE model's k experts a block (the rest: all)
 
     def to_dict(self) -> dict:
         return {
-            "parameters": self.parameters, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "parameters": self.parameters, "active_parameters": self.active_parameters, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "mfu": self.mfu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
@@ -302,6 +303,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         mfu=tflops * 1e12 / dev.peak_flops[t.dtype], hardware_tflops_per_gpu=hw_tflops,
         hfu=hw_tflops * 1e12 / dev.peak_flops[t.dtype], peak_memory_bytes=peak, memory_limit_bytes=limit,
         required_bytes=required, fits=required <= limit, parameters=m.num_parameters(),
+        active_parameters=m.active_parameters(),
         breakdown={"time": time_breakdown, "memory": memory_breakdown,
                    "memory_per_pp_rank": [x["total_bytes"] for x in mem_by_rank],
                    # the step itself, as the run times it (the slowest rank's, its collectives left out)

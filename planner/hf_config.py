@@ -10,14 +10,21 @@ from planner.rope import ROPE_SCALINGS, RopeScaling
 # max_position_embeddings where a config leaves it out: the defaults of transformers'
 # configuration_<model_type>.py (Mistral's 4096 * 32); GPT-2's n_positions defaults to 1024
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma": 8192,
-                 "gemma2": 8192}
+                 "gemma2": 8192, "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768}
 EXACT_GELUS = ("gelu", "gelu_python")  # transformers' activation_function names of exact GELU
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe")
+# mixture-of-experts configs (planner.moe): (experts, experts_per_token, expert width, shared expert
+# width) keys with the defaults of transformers' configuration_<model_type>.py
+MOE_KEYS = {"mixtral": (("num_local_experts", 8), ("num_experts_per_tok", 2), ("intermediate_size", 14336), None),
+            "qwen2_moe": (("num_experts", 60), ("num_experts_per_tok", 4), ("moe_intermediate_size", 1408),
+                          ("shared_expert_intermediate_size", 5632)),
+            "qwen3_moe": (("num_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 768), None)}
 
 
 def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json") -> ModelConfig:
-    """Map a Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, phi3, gemma, gemma2
-    or gpt2) to a ModelConfig. A key given as null counts as absent (Hugging Face's own convention), except for
+    """Map a Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, phi3, gemma, gemma2,
+    the mixtures of experts mixtral, qwen2_moe and qwen3_moe (planner.moe; ffn_hidden is an expert's
+    width), or gpt2) to a ModelConfig. A key given as null counts as absent (Hugging Face's own convention), except for
     required keys. Qwen3 and Phi-3 are Llama blocks (RMSNorm, SwiGLU, RoPE, grouped-query
     attention) with what their configs say: Qwen3's head_dim (128 where hidden / heads may be 64)
     and no QKV bias, Phi-3's fused QKV and gate/up projections (the same parameters and FLOPs as
@@ -59,12 +66,13 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
         heads, hidden = pos_int("num_attention_heads"), pos_int("hidden_size")
         head_dim = pos_int("head_dim", None)
         kw = dict(arch="llama", layers=pos_int("num_hidden_layers"), hidden=hidden,
-                  ffn_hidden=pos_int("intermediate_size"), heads=heads, kv_heads=pos_int("num_key_value_heads", heads),
+                  heads=heads, kv_heads=pos_int("num_key_value_heads", heads),
                   vocab=pos_int("vocab_size"), seq_len=pos_int("max_position_embeddings", MAX_POSITIONS[mt]),
                   tie_embeddings=flag("tie_word_embeddings", mt in ("gemma", "gemma2")),
-                  qkv_bias=flag("attention_bias", False) or mt == "qwen2",  # Qwen2 always has them
+                  qkv_bias=flag("attention_bias", False) or mt in ("qwen2", "qwen2_moe"),  # Qwen2 always has them
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
                   rope_theta=rope_theta(cfg, where), rope_scaling=rope_scaling(cfg, where))
+        kw.update(moe_fields(cfg, mt, where, pos_int) if mt in MOE_KEYS else {"ffn_hidden": pos_int("intermediate_size")})
     elif mt == "gpt2":
         h, heads = pos_int("n_embd"), pos_int("n_head")
         kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
@@ -75,6 +83,18 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
     else:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; use {', '.join(LLAMA_LIKE)} or gpt2")
     return ModelConfig(name=name, **kw)
+
+
+def moe_fields(cfg: dict, mt: str, where: str, pos_int) -> dict:
+    """ffn_hidden and moe of a mixture-of-experts config, whose blocks must all be MoE blocks (Qwen's
+    decoder_sparse_step 1 and no mlp_only_layers: the configs released so)."""
+    experts, k, width, shared = MOE_KEYS[mt]
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ConfigError(f"{where}: decoder_sparse_step / mlp_only_layers: dense blocks between the MoE blocks are "
+                          "not modeled; trident prices a model whose blocks are all MoE blocks")
+    moe = {"experts": pos_int(*experts), "experts_per_token": pos_int(*k),
+           "shared_ffn_hidden": pos_int(*shared) if shared else 0}
+    return {"ffn_hidden": pos_int(*width), "moe": moe}
 
 
 def rope_parameters(cfg: dict) -> dict:

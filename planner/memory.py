@@ -9,6 +9,7 @@ import numpy as np
 
 from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups, zero_state_bytes
 from planner.model import ModelConfig
+from planner.moe import ffn_width, largest_ffn_param
 from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import (ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes,
                                optimizer_temp_bytes, sharded_param_bytes)
@@ -135,7 +136,7 @@ def largest_param_on_device(model: ModelConfig, index: int, tp: int) -> float:
     h = model.hidden
     if model.layer_kind(index) != "block":
         return max(math.ceil(model.vocab / tp) * h, model.seq_len * h if model.arch == "gpt" else 0)
-    return h * max(model.q_dim, model.kv_dim, model.ffn_hidden) / tp
+    return max(h * max(model.q_dim, model.kv_dim) / tp, largest_ffn_param(model, tp))
 
 
 def accumulation_bytes(model: ModelConfig, layers, tp: int, dp: int, micro_batches: int, gb: float) -> float:
@@ -179,7 +180,7 @@ def backward_flow_bytes(model: ModelConfig, t, tp: int, sp: bool, dp: int, micro
     e, tokens = DTYPES[t.dtype], micro_batch * t.seq_len
     elems = tokens * model.hidden
     stream = 4 if casts_weights(t, dp) else e
-    mlp = (2 if model.arch == "llama" else 1) * model.ffn_hidden / tp
+    mlp = (2 if model.arch == "llama" else 1) * ffn_width(model) / tp  # an MoE block's k rows a token
     flow = stream * elems + e * tokens * max(model.hidden, mlp, 4 * model.q_dim / tp)
     if keeps_shards(t, tp, sp):
         flow += (4 + e if casts_weights(t, dp) else e) * elems

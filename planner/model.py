@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 ARCHS = ("gpt", "llama")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -37,6 +36,7 @@ MAX_SIZE = {"layers": 10_000, "hidden": 1_000_000, "ffn_hidden": 10_000_000, "he
             "kv_heads": 100_000, "vocab": 100_000_000, "seq_len": 100_000_000, "head_dim": 100_000}
 
 
+from planner import moe as moe_parts
 from planner.values import MAX_NAME, ConfigError, is_int, is_one_line, is_real  # noqa: F401 (their home was here)
 from planner.rope import RopeScaling
 
@@ -69,6 +69,7 @@ class ModelConfig:
     # a gpt MLP's GELU: "none" exact (erf), "tanh" its tanh approximation (GPT-2's gelu_new);
     # torch's F.gelu `approximate` argument; omitted from the plan file where "none"
     gelu_approximate: str = "none"
+    moe: moe_parts.MoESpec | None = None  # mixture-of-experts blocks (planner.moe); omitted from the plan file where None
 
     def __post_init__(self):
         def need(cond, fld, msg):
@@ -95,8 +96,14 @@ class ModelConfig:
         if self.head_dim is None:
             need(self.hidden % self.heads == 0, "heads",
                  f"{self.heads} does not divide hidden={self.hidden}; set head_dim or change heads")
-        if isinstance(self.rope_scaling, dict):  # as a plan file holds it
-            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        for fld, kind in (("rope_scaling", RopeScaling), ("moe", moe_parts.MoESpec)):  # as a plan file holds them
+            if isinstance(getattr(self, fld), dict):
+                object.__setattr__(self, fld, kind.from_dict(getattr(self, fld), where=f"model.{fld}"))
+        need(self.moe is None or isinstance(self.moe, moe_parts.MoESpec), "moe", f"is {self.moe!r}; expected null or an "
+             "object with experts and experts_per_token")
+        if self.moe is not None:
+            self.moe.check()
+            need(self.arch == "llama", "moe", "experts are SwiGLU MLPs of llama-family blocks; use arch llama")
         if self.rope_scaling is not None:
             need(isinstance(self.rope_scaling, RopeScaling), "rope_scaling", f"is {self.rope_scaling!r}; expected "
                  "null or an object with type and factor")
@@ -123,6 +130,12 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.kv_heads * self.dim_per_head
 
+    def tp_split_sizes(self) -> tuple:
+        """(field, size) of each dimension tensor parallelism splits, which a TP degree must divide."""
+        fs = self.moe.shared_ffn_hidden if self.moe is not None else 0
+        return (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn_hidden", self.ffn_hidden)) + (
+            (("moe.shared_ffn_hidden", fs),) if fs else ())
+
     @property
     def num_layers_total(self) -> int:
         """Embedding + blocks + head: the layer count a pipeline partition covers."""
@@ -141,7 +154,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         # fields added since plans and checkpoints were first written: left out at their defaults,
         # so that those read (and hash) the same
-        for field, default in (("rope_scaling", None), ("gelu_approximate", "none")):
+        for field, default in (("rope_scaling", None), ("gelu_approximate", "none"), ("moe", None)):
             if d[field] == default:
                 del d[field]
         return d
@@ -171,7 +184,7 @@ class ModelConfig:
             attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
             if self.qkv_bias:
                 attn += self.q_dim + 2 * self.kv_dim
-            mlp = 3 * h * f
+            mlp = moe_parts.ffn_params(self)[0] if self.moe is not None else 3 * h * f
             norms = 2 * h
         return attn + mlp + norms
 
@@ -198,11 +211,17 @@ class ModelConfig:
         """Unique trainable parameters (a tied head counted once)."""
         return self.embedding_params() + self.layers * self.block_params() + self.head_params(held=False)
 
+    def active_parameters(self) -> int:
+        """Parameters a token's computation uses: all of a dense model's; of an MoE model's experts,
+        experts_per_token a block (what its FLOPs count, Jiang et al. 2024's "active parameters")."""
+        idle = (self.moe.experts - self.moe.experts_per_token) * 3 * self.hidden * self.ffn_hidden if self.moe else 0
+        return self.num_parameters() - self.layers * idle
+
     def block_matmul_params(self) -> int:
         h, f = self.hidden, self.ffn_hidden
         if self.arch == "gpt":
             return 4 * h * h + 2 * h * f
-        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * f
+        return 2 * h * self.q_dim + 2 * h * self.kv_dim + (moe_parts.ffn_active_params(self) if self.moe else 3 * h * f)
 
     # ---------------------------------------------------------------- FLOPs
     def attention_core_flops(self, micro_batch: int, seq_len: int) -> float:
@@ -246,6 +265,8 @@ class ModelConfig:
         out = [(1, tokens, qkv, h), (1, tokens, h, self.q_dim // t)]
         if self.arch == "gpt":
             out += [(1, tokens, self.ffn_hidden // t, h), (1, tokens, h, self.ffn_hidden // t)]
+        elif self.moe is not None:
+            out += moe_parts.ffn_gemms(self, tokens, t)
         else:
             out += [(2, tokens, self.ffn_hidden // t, h), (1, tokens, h, self.ffn_hidden // t)]
         out += [(heads, seq_len, seq_len, d), (heads, seq_len, d, seq_len)]  # Q K^T, A V
@@ -277,8 +298,10 @@ class ModelConfig:
             return float(h)
         if kind == "head":
             return math.ceil(self.vocab / tp) + norm
-        column = self.q_dim + 2 * self.kv_dim + (2 if self.arch == "llama" else 1) * self.ffn_hidden
-        return column / tp + 2 * h + 2 * norm
+        column, whole = (2 if self.arch == "llama" else 1) * self.ffn_hidden, h
+        if self.moe is not None:
+            column, whole = moe_parts.weight_grad_outputs(self)
+        return (self.q_dim + 2 * self.kv_dim + column) / tp + h + whole + 2 * norm
 
     def activation_bytes(self, index: int, micro_batch: int, seq_len: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
@@ -320,6 +343,9 @@ class ModelConfig:
             sharded = e * s * b * (self.q_dim + 2 * self.kv_dim)  # Q, K (after RoPE), V
             sharded += e * s * b * self.q_dim
             sharded += 4 * e * s * b * f  # gate out, silu(gate), up out, their product (eager SwiGLU)
+            if self.moe is not None:  # k rows' SwiGLUs and the routing's (planner.moe)
+                whole, swiglu = moe_parts.activation_parts(self, e)
+                sharded += s * b * (swiglu - 4 * e * f + whole * t)  # whole: not split (times t / t)
         if recompute == "none":
             if attention == "unfused":
                 core = e * a * s * s * b  # softmax output
@@ -337,10 +363,10 @@ def _gpt(name, layers, hidden, heads, vocab=51200, seq_len=2048, ffn=None, tie=T
                        heads=heads, kv_heads=heads, vocab=vocab, seq_len=seq_len, tie_embeddings=tie)
 
 
-def _llama(name, layers, hidden, ffn, heads, kv_heads, vocab, seq_len, theta=10000.0, eps=1e-5):
+def _llama(name, layers, hidden, ffn, heads, kv_heads, vocab, seq_len, theta=10000.0, eps=1e-5, **kw):
     return ModelConfig(name=name, arch="llama", layers=layers, hidden=hidden, ffn_hidden=ffn, heads=heads,
                        kv_heads=kv_heads, vocab=vocab, seq_len=seq_len, tie_embeddings=False,
-                       norm_eps=eps, rope_theta=theta)
+                       norm_eps=eps, rope_theta=theta, **kw)
 
 
 ZOO: dict[str, ModelConfig] = {m.name: m for m in [
@@ -371,30 +397,10 @@ ZOO: dict[str, ModelConfig] = {m.name: m for m in [
     _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, theta=500000.0),
     _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192, theta=500000.0),
     _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192, theta=500000.0),
+    # mixture of experts (planner.moe), the released config.json files: Jiang et al. 2024 (Mixtral),
+    # Qwen3 (Qwen3-30B-A3B; its per-head q and k norms left out, as planner.hf_config does)
+    _llama("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, 32768, theta=1e6, moe=moe_parts.MoESpec(8, 2)),
+    _llama("mixtral-8x22b", 56, 6144, 16384, 48, 8, 32768, 65536, theta=1e6, moe=moe_parts.MoESpec(8, 2)),
+    _llama("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, 40960, theta=1e6, eps=1e-6, head_dim=128,
+           moe=moe_parts.MoESpec(128, 8)),
 ]}
-
-
-def load_model(spec: str) -> ModelConfig:
-    """A zoo name, a path to a trident model JSON, or a path to a Hugging Face config.json (or to
-    the model directory holding it)."""
-    if spec in ZOO:
-        return ZOO[spec]
-    path = Path(spec)
-    if path.is_dir() and (path / "config.json").is_file():
-        path = path / "config.json"
-    if not path.exists():
-        raise ConfigError(f"--model: {spec!r} is neither a zoo model ({', '.join(ZOO)}) nor a file")
-    from planner.profile_checks import read_json  # it imports this module
-    _, data = read_json(path, "--model")
-    if isinstance(data, dict) and "model_type" in data:
-        name = path.resolve().parent.name if path.name == "config.json" else path.stem
-        from planner.hf_config import from_hf_config
-        return from_hf_config(data, name=_named(name, "hf-model"), where=str(path))
-    if isinstance(data, dict) and "name" not in data:
-        data = {"name": _named(path.stem, "model"), **data}
-    return ModelConfig.from_dict(data, where=str(path))
-
-
-def _named(name: str, default: str) -> str:
-    """A name taken from a file or directory name, or `default` where that is no printable line."""
-    return name if is_one_line(name) else default

@@ -109,7 +109,7 @@ def check(plan) -> None:
           f"{c.world_size} GPUs ({c.nodes} nodes x {c.devices_per_node}); make the degrees multiply to {c.world_size}")
     _need(mesh.tp <= c.devices_per_node, "mesh.tp",
           f"{mesh.tp} is larger than a node ({c.devices_per_node} devices); TP groups must stay inside a node")
-    for fld, n in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden)):
+    for fld, n in m.tp_split_sizes():
         _need(n % mesh.tp == 0, "mesh.tp", f"{mesh.tp} does not divide model.{fld}={n}; pick a TP degree that divides it")
     _need(t.global_batch % (mesh.dp * t.micro_batch) == 0, "training.global_batch",
           f"{t.global_batch} is not divisible by dp x micro_batch = {mesh.dp} x {t.micro_batch}; "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from planner.model import ModelConfig
+from planner.moe import ffn_width, routing_bytes
 
 ELEMENTWISE_KERNELS = ("eager", "fused")
 BWD_ELEMENTWISE_FACTOR = 1.5  # fused: backward of a memory-bound op moves 3 tensors to the forward's 2
@@ -53,7 +54,10 @@ def fused_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
             sharded = 2 * e * s * b * model.ffn_hidden  # bias + GeLU
         else:
             sharded = 2 * e * s * b * (model.q_dim + model.kv_dim)  # RoPE on q and k
-            sharded += 3 * e * s * b * model.ffn_hidden  # silu(gate) * up
+            sharded += 3 * e * s * b * ffn_width(model)  # silu(gate) * up (an MoE block's k rows a token)
+            if model.moe is not None:  # the router's softmax and top-k; each row moved to its expert and back
+                k, h = model.moe.experts_per_token, model.hidden
+                sharded += tp * s * b * ((e + 4) * model.moe.experts + 4 * e * k * h + e * h)
         sharded += _softmax_bytes(model, b, s, e, dropout if attention_dropout is None else attention_dropout,
                                   attention)
         fwd = replicated / rep + sharded / tp
@@ -113,7 +117,7 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
             norm_f, norm_b = 2 * 4 + (4 + e), 3 * 4 + (e + 4)
         return (norm_f * tokens * h / rep + (3 * e + 20) * vocab,
                 norm_b * tokens * h / rep + 2 * e * vocab)
-    q, kv, f = model.q_dim / tp, model.kv_dim / tp, model.ffn_hidden / tp
+    q, kv, f = model.q_dim / tp, model.kv_dim / tp, ffn_width(model) / tp  # an MoE block's k rows a token
     # per token: two norms and two residual adds on the residual stream (3e each: two reads,
     # one write; backward, the add of the branch's gradient to the stream's)
     stream_f = 2 * norm_f + 2 * 3 * e + 2 * drop_f
@@ -134,8 +138,9 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
         rope_f = rope_b = (2 * _cast(e) + 8) * (q + kv)
         bias = e * (q + 2 * kv) if model.qkv_bias else 0.0
     soft = _softmax_bytes(model, b, s, e, dropout if attention_dropout is None else attention_dropout, attention) / tp
-    fwd = tokens * (stream_f * h / rep + ffn_f + rope_f) + soft
-    bwd = tokens * (stream_b * h / rep + fan_in + ffn_b + rope_b + bias) + BWD_ELEMENTWISE_FACTOR * soft
+    route_f, route_b = routing_bytes(model, e) if model.moe is not None else (0.0, 0.0)  # whole on each TP rank
+    fwd = tokens * (stream_f * h / rep + ffn_f + rope_f + route_f) + soft
+    bwd = tokens * (stream_b * h / rep + fan_in + ffn_b + rope_b + bias + route_b) + BWD_ELEMENTWISE_FACTOR * soft
     return fwd, bwd
 
 

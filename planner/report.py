@@ -31,7 +31,8 @@ def describe_plan(plan: Plan) -> str:
     sp = sp_mode(plan)
     split = " | ".join(f"{st.start}-{st.end - 1}" for st in p.stages)
     hsdp = f" (HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards)" if mesh.dp_replicate > 1 else ""
-    return (f"{m.name} ({m.num_parameters() / 1e9:,.2f} B params) on {plan.cluster.nodes} x "
+    active = f", {m.active_parameters() / 1e9:,.2f} B active" if m.moe is not None else ""
+    return (f"{m.name} ({m.num_parameters() / 1e9:,.2f} B params{active}) on {plan.cluster.nodes} x "
             f"{plan.cluster.devices_per_node} {plan.cluster.device} ({plan.cluster.name})\n"
             f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp}{f' cp={mesh.cp}' if mesh.cp > 1 else ''} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "

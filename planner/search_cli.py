@@ -11,7 +11,8 @@ from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.hsdp import HSDP_POOL, with_hsdp
-from planner.model import ConfigError, load_model
+from planner.model import ConfigError
+from planner.model_files import load_model
 from planner.report import describe_plan, estimate_table, sp_mode
 from planner.sp_modes import EITHER, search_either
 

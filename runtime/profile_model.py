@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.model import ConfigError, load_model
+from planner.model import ConfigError
+from planner.model_files import load_model
 from planner.model_profile import FORMAT_VERSION, fit_linear
 from runtime.device import current, sync
 from runtime.profile_optimizer import MIN_SAMPLE_S, passes_per_sample, time_optimizer
@@ -49,6 +50,9 @@ def check_args(args, world: int) -> None:
     """Validate before the process group starts; ConfigError with one line otherwise."""
     from planner.cluster import load_cluster
     model = load_model(args.model)
+    if model.moe is not None:
+        raise ConfigError(f"--model: {model.name} has mixture-of-experts blocks, which the runtime cannot build yet; "
+                          "price its plans without a model profile")
     args.model_config = dataclasses.replace(model, tie_embeddings=False) if model.tie_embeddings else model
     args.mbs = _ints(args.micro_batches, "--micro-batches")
     args.tps = _ints(args.tp, "--tp")
@@ -57,9 +61,9 @@ def check_args(args, world: int) -> None:
     for tp in args.tps:
         if world % tp:
             raise ConfigError(f"--tp: {tp} does not divide the {world} processes launched")
-        for fld in ("heads", "kv_heads", "ffn_hidden"):  # the vocabulary may split unevenly (as DTensor splits)
-            if getattr(model, fld) % tp:
-                raise ConfigError(f"--tp: {tp} does not divide model.{fld}={getattr(model, fld)}")
+        for fld, n in model.tp_split_sizes():  # the vocabulary may split unevenly (as DTensor splits)
+            if n % tp:
+                raise ConfigError(f"--tp: {tp} does not divide model.{fld}={n}")
         if tp > 1 and args.seq_len % tp:
             raise ConfigError(f"--seq-len: {args.seq_len} is not divisible by tp={tp} (sequence parallelism)")
     args.cps = sorted({1, *_ints(args.cp, "--cp")})  # every layer is measured without it too

@@ -102,6 +102,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     if t.attention != "flash":
         raise ConfigError(f"training.attention: {t.attention} is for predicting other frameworks' runs; the "
                           "runtime runs fused scaled_dot_product_attention, set it to flash to run")
+    if plan.model.moe is not None:
+        raise ConfigError("model.moe: the runtime trains dense models; mixture-of-experts plans are for prediction "
+                          "(trident plan, estimate, search) until it has MoE blocks")
     if t.dtype != "fp32" and not t.master_weights:
         raise ConfigError("training.master_weights: false describes 16-bit training without a float32 master copy, "
                           "for prediction; the runtime keeps float32 masters (and the plan would under-count their "

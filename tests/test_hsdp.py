@@ -185,7 +185,7 @@ def test_asked_for_replica_counts_the_search_searches_them_beyond_the_flat_plans
     13.33 s, and the tiny model on 6 GPUs, whose best flat plans all replicate (ZeRO 0), had no
     plan at all (exit 3, 'no plan fits')."""
     from planner.hsdp import with_hsdp
-    from planner.model import load_model
+    from planner.model_files import load_model
     from planner.search import search
     args = ["search", "--model", "llama3-8b", "--cluster", "dgx-h100-80gb", "--nodes", "2", "--global-batch", "256",
             "--dp-replicate", "2", "--json", "-o", str(tmp_path / "p.json")]

@@ -10,7 +10,8 @@ import pytest
 
 from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
 from planner.hf_config import from_hf_config
-from planner.model import ZOO, ConfigError, ModelConfig, load_model
+from planner.model import ZOO, ConfigError, ModelConfig
+from planner.model_files import load_model
 from planner.rope import RopeScaling
 
 NAN, INF = float("nan"), float("inf")

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from planner.hf_config import from_hf_config
-from planner.model import ZOO, ConfigError, ModelConfig, load_model
+from planner.model import ZOO, ConfigError, ModelConfig
+from planner.model_files import load_model
 
 
 @pytest.mark.parametrize("name,published", [
