@@ -15,11 +15,9 @@ heap's run-to-run spread, benchmarks/zero_memory.py) or a run fails.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.prediction_accuracy import torchrun  # noqa: E402
-from benchmarks.zero_memory import UNDER  # noqa: E402
+from benchmarks.zero_memory import UNDER, benchmark_args, rank_peaks  # noqa: E402
 from planner.build import build_plan  # noqa: E402
-from planner.cluster import load_cluster  # noqa: E402
-from planner.cost import estimate  # noqa: E402
 from planner.model import ZOO  # noqa: E402
-from planner.plan import Plan  # noqa: E402
 
 MiB = 2**20
 EOS = 7
@@ -53,12 +48,7 @@ def token_file(path: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--keep", default=None, help="write the plans, data and run records here")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    work = Path(args.keep or tempfile.mkdtemp(prefix="trident-document-mask-"))
-    (work / "runs").mkdir(parents=True, exist_ok=True)
+    args, work = benchmark_args(argv, __doc__, "trident-document-mask-")
     data = token_file(work / "docs.bin")
     by_world: dict = {}
     for name, (world, kw) in PLANS.items():
@@ -71,17 +61,8 @@ def main(argv=None) -> int:
     for world, paths in by_world.items():
         torchrun(world, "runtime.train", "--plan", *paths, "--steps", 3, "--data", data, "--out", work / "runs")
     rows = []
-    for name, (world, _) in PLANS.items():
-        cluster = dataclasses.replace(load_cluster("dgx-a100-80gb").shaped_as(1, world), backend="gloo")
-        got = {}
-        for kind in ("plain", "masked"):
-            path = work / f"{name}-{kind}.json"
-            plan = Plan.read(path)
-            per_pp = estimate(plan, cluster).breakdown["memory_per_pp_rank"]
-            measured = json.loads((work / "runs" / path.name).read_text())["peak_memory_bytes_per_rank"]
-            predicted = [per_pp[plan.mesh.coords(r)["pp"]] for r in range(world)]
-            got[kind] = (np.array(predicted, dtype=float), np.array(measured, dtype=float))
-        (pp_, mp), (pm, mm) = got["plain"], got["masked"]
+    for name in PLANS:
+        (pp_, mp), (pm, mm) = (rank_peaks(work / f"{name}-{kind}.json", work / "runs") for kind in ("plain", "masked"))
         rows.append(dict(plan=name, ratio_plain=list(mp / pp_), ratio_masked=list(mm / pm),
                          predicted_extra_mib=list((pm - pp_) / MiB), measured_extra_mib=list((mm - mp) / MiB)))
     if args.json:

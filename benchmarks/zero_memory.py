@@ -60,6 +60,31 @@ PLANS = {
 }
 
 
+def rank_peaks(plan_path: Path, runs: Path) -> tuple:
+    """(predicted, measured) peak bytes of each rank of a plan trained with --out runs/: the
+    prediction priced for gloo (memory does not depend on the device's speed, so any shipped
+    cluster reshaped to the plan's world size), the measurement run.json's."""
+    import numpy as np
+    plan = Plan.read(plan_path)
+    world = plan.mesh.world_size
+    cluster = dataclasses.replace(load_cluster("dgx-a100-80gb").shaped_as(1, world), backend="gloo")
+    per_pp = estimate(plan, cluster).breakdown["memory_per_pp_rank"]
+    measured = json.loads((runs / plan_path.name).read_text())["peak_memory_bytes_per_rank"]
+    return (np.array([per_pp[plan.mesh.coords(r)["pp"]] for r in range(world)], dtype=float),
+            np.array(measured, dtype=float))
+
+
+def benchmark_args(argv, doc: str, prefix: str) -> tuple:
+    """(arguments, work directory) of a memory benchmark: --keep DIR (else a temporary one) and --json."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--keep", default=None, help="write the plans, data and run records here")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    work = Path(args.keep or tempfile.mkdtemp(prefix=prefix))
+    (work / "runs").mkdir(parents=True, exist_ok=True)
+    return args, work
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=sorted(PLANS), default=None)

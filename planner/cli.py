@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from planner.cluster import load_cluster
 from planner.args import (MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, non_negative_int, non_negative_number,
-                          nonempty, positive_int, probability, replica_list)
+                          nonempty, number_in, positive_int, probability, replica_list)
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ZOO, ConfigError
 from planner.model_files import load_model
@@ -171,6 +171,9 @@ def _add_problem_args(p, sizes: bool = False) -> None:
                    help="no loss where the input is the end-of-text id (Megatron-LM's --eod-mask-loss)")
     p.add_argument("--reset-position-ids", action="store_true",
                    help="positions restart with each document (Megatron-LM's; needs --document-mask)")
+    p.add_argument("--moe-aux-loss", type=number_in(0, 1), default=0.0,
+                   help="mixture-of-experts models: the load-balancing loss's coefficient (Switch Transformer's "
+                        "0.01; default 0: none)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -219,7 +222,8 @@ def training_settings(args) -> dict:
     if note := dropout_note(args):
         print(f"trident: note: {note}", file=sys.stderr)
     return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout, document_mask=args.document_mask,
-                eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
+                eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+                moe_aux_loss=args.moe_aux_loss)
 
 
 def build_parser() -> argparse.ArgumentParser:

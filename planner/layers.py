@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from planner.cluster import ClusterSpec
 from planner.comm import ASYNC_TP_HIDDEN, cp_comm, regathers, tp_comm
 from planner.model import ModelConfig
+from planner.moe import ffn_params
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
 from planner.precision import GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, casts_weights, runtime_held_bytes
@@ -120,7 +121,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     params = layer_params_on_device(m, index, tp)
     # the weights of its matrix products, which the runtime's autocast casts (precision), the casts
     # of their gradients (upcasts) in the weights' share of the backward; none in an embedding
-    mats = params - replicated_params(m, kind) if kind != "embedding" else 0.0
+    mats = params - replicated_params(m, kind, matrices=False) if kind != "embedding" else 0.0
     cf, cb = (x * mats for x in autocast_cast_bytes(t, dp))
     cast_f, cast_b = cluster.device.pointwise_seconds(cf), cluster.device.pointwise_seconds(cb, upcast=cb)
     accumulate = cast_b + (GRAD_ACCUMULATION_BYTES[t.grad_accumulation] * params / bw
@@ -168,10 +169,13 @@ def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: st
     return fwd, bwd, kv * (cp - 1) / cp
 
 
-def replicated_params(model: ModelConfig, kind: str) -> int:
-    """Parameters of a layer every TP rank holds whole: norms, row-parallel biases, GPT's positions."""
+def replicated_params(model: ModelConfig, kind: str, matrices: bool = True) -> int:
+    """Parameters of a layer every TP rank holds whole: norms, row-parallel biases, GPT's positions
+    and, with `matrices`, an MoE block's router and shared expert's gate (planner.moe)."""
     h, gpt = model.hidden, model.arch == "gpt"
-    return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h, "block": 6 * h if gpt else 2 * h}[kind]
+    moe = ffn_params(model)[1] if kind == "block" and model.moe is not None and matrices else 0
+    return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h,
+            "block": (6 * h if gpt else 2 * h) + moe}[kind]
 
 
 def sp_partial_params(model: ModelConfig, kind: str) -> int:

@@ -13,8 +13,10 @@ How the planner prices one (this module, used by planner.model and planner.point
   load-balancing loss aims at, Fedus et al. 2022 eq. 4); the time a step loses to the most loaded
   expert is not priced, and no token is dropped (dropless, as Gale et al. 2023's MegaBlocks and
   Megatron-Core's default);
-- each expert's products as one grouped product (torch._grouped_mm, Megatron-Core's GroupedGEMM):
-  an expert's rows at the rate of a product as tall as all the routed rows together;
+- each expert's products at the rate of a product as tall as all the routed rows together, as one
+  grouped product runs them (torch._grouped_mm, Megatron-Core's GroupedGEMM); the runtime's loop
+  over the experts (runtime.moe) runs a product an expert, each of tokens x k / experts rows, and
+  pays a launch each on a GPU, which this does not price;
 - the experts are held as the other weights are: every expert on every data-parallel rank (FSDP
   and ZeRO shard them with the rest), each split by tensor parallelism the Megatron-LM way, the
   first projections by columns, the second by rows, one all-reduce (or reduce-scatter under
@@ -22,9 +24,8 @@ How the planner prices one (this module, used by planner.model and planner.point
   spread over the data-parallel ranks, tokens sent to them by all-to-all) is not planned yet;
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each
-  token's rows for its experts and the weighted scatter back) are counted by hand
-  (routing_bytes): trident's runtime has no MoE block yet to trace them against, and refuses
-  MoE plans (runtime.run_checks).
+  token's rows for its experts and the weighted scatter back) as the runtime's block runs them
+  (routing_bytes), what it keeps for the backward as it keeps it (activation_parts).
 """
 from __future__ import annotations
 
@@ -100,41 +101,46 @@ def ffn_gemms(m, tokens: int, tp: int) -> list[tuple]:
 
 
 def activation_parts(m, e: int) -> tuple[float, float]:
-    """Bytes per token an MoE block keeps for its backward beyond a dense block's norm and
-    projection inputs, as (whole: on each TP rank, sequence parallelism or not, since the router
-    and the experts read the MLP input gathered whole; sharded: split tp ways). A dense block's
-    SwiGLU keeps 4 ffn_hidden (gate output, its silu, up output, their product: sharded); an MoE
-    block keeps that for each of its k rows and for the shared expert, and: the router's float32
-    probabilities (its softmax's output), the top-k indices (int64) and probabilities, the
-    renormalized weights (float32), the gathered rows the experts read, the experts' outputs (the
-    weights' gradient reads them), the shared expert's output and its gate's (which scales it)."""
+    """Bytes per token an MoE block of the runtime (runtime.moe) keeps for its backward beyond a
+    dense block's norm and projection inputs, as (whole: on each TP rank, sequence parallelism or
+    not, since the router and the experts read the MLP input gathered whole; sharded: split tp
+    ways). A dense block's SwiGLU keeps 4 ffn_hidden (gate output, its silu, up output, their
+    product: sharded); an MoE block keeps that for each of its k rows and for the shared expert,
+    and: the router's float32 probabilities (its softmax's output), the top-k indices (int64) and
+    probabilities and their sum (float32: the renormalization's division), the rows' token and
+    expert order (int64), the gathered rows the experts read, the experts' outputs and their
+    weights (the product's backward reads both), the weighted outputs (index_add's backward keeps
+    its source), and with a shared expert its output and its gate's (the product's).
+    Traced with saved-tensor hooks in tests/test_moe.py."""
     k, h = m.moe.experts_per_token, m.hidden
-    whole = 4.0 * m.moe.experts + (8 + 4 + 4) * k + 2.0 * e * k * h
+    whole = 4.0 * m.moe.experts + (8 + 4) * k + 4 + 2 * 8 * k + e * k + 3.0 * e * k * h
     if m.moe.shared_ffn_hidden:
         whole += e * h + e
     return whole, 4.0 * e * ffn_width(m)
 
 
 def routing_bytes(m, e: int) -> tuple[float, float]:
-    """(forward, backward) bytes per token the eager routing moves on one TP rank, beyond the
-    SwiGLU kernels (planner.pointwise counts those for ffn_width columns): the router's logits cast
-    to float32 and their softmax (read e, write 4; read 4, write 4 per expert), the top-k (read the
-    probabilities, write k values and int64 indices), the renormalization (a sum, a division), the
-    gather of each token's k rows (read and write k hidden), their outputs scaled by the weights
-    (read, write), the scatter-add into the block's output (zero it, read each row, read and write
-    the sum); with a shared expert its gate's sigmoid and product and the add of the two outputs.
-    The backward moves each as BWD_ELEMENTWISE_FACTOR times (the gather's backward is a scatter-add,
-    the scatter's a gather), plus the gradient adds of the MLP input's extra readers (the router,
-    the gather, the shared expert's gate and up, a read and a write each beside the sum)."""
-    from planner.pointwise import BWD_ELEMENTWISE_FACTOR
+    """(forward, backward) bytes per token the eager routing of the runtime (runtime.moe) moves on
+    one TP rank, beyond a dense block's SwiGLU kernels (planner.pointwise counts those for
+    ffn_width columns). Forward, per token of n experts, k rows, hidden h: the router's logits cast
+    to float32 (none in float32) and their softmax; the top-k, its renormalization (a sum, a
+    division) and the weights cast back; the rows sorted by expert (argsort, bincount, the division
+    by k that gives each row's token); the gather of the rows and of their weights; the experts'
+    outputs concatenated, scaled by their weights and added into a zeroed output (index_add_). The
+    backward moves each one's gradients: the softmax's and the top-k's (a scatter), the
+    renormalization's, the scatter-add's (a gather of the rows' gradients), the product's two, the
+    split's (a concatenation), the gather's (index_put into zeros) and the added gradients of the
+    rows. With a shared expert: its gate's sigmoid, the product with it and the add of the two
+    outputs, forward and backward. Traced op by op on the runtime's block (tests/test_moe.py)."""
     n, k, h = m.moe.experts, m.moe.experts_per_token, m.hidden
-    router = (e + 4) * n + 8 * n + (4 * n + 12 * k) + (4 * k + 4 + 8 * k)  # cast, softmax, top-k, renormalize
-    rows = 2 * e * k * h + (2 * e * k * h + 4 * k) + (e * h + 3 * e * k * h)  # gather, scale, scatter-add
-    fwd, readers = router + rows, 2
+    cast = 0 if e == 4 else e + 4
+    fwd = 12 * n + cast * (n + k) + 80 * k + 8 + 3 * e * k + 7 * e * k * h + 3 * e * h
+    bwd = 20 * n + cast * (n + k) + 100 * k + 12 + 6 * e * k + 14 * e * k * h + 3 * e * h
+    bwd += 4 * k + 4 if k > 1 else 0  # the renormalizing sum's backward (none over one row)
     if m.moe.shared_ffn_hidden:
-        fwd += 2 * e + 2 * e * h + 3 * e * h  # the gate's sigmoid, the product, the add
-        readers += 1
-    return fwd, BWD_ELEMENTWISE_FACTOR * fwd + readers * 3 * e * h
+        fwd += 5 * e * h + 3 * e
+        bwd += 15 * e * h + 5 * e  # the product's two and the gate's sum, three more gradient adds
+    return fwd, bwd
 
 
 def weight_grad_outputs(m) -> tuple[float, float]:
@@ -147,6 +153,6 @@ def weight_grad_outputs(m) -> tuple[float, float]:
 
 
 def largest_ffn_param(m, tp: int) -> float:
-    """Elements of the largest feed-forward parameter on one TP rank: a projection, or an MoE
-    block's experts' projections held as one [experts, ...] tensor (grouped products' layout)."""
-    return m.hidden * m.ffn_hidden * (m.moe.experts if m.moe is not None else 1) / tp
+    """Elements of the largest feed-forward parameter on one TP rank: a projection of the MLP, of
+    an expert or of the shared expert (each expert holds its own, runtime.moe)."""
+    return m.hidden * max(m.ffn_hidden, m.moe.shared_ffn_hidden if m.moe is not None else 0) / tp

@@ -65,6 +65,10 @@ def check(plan) -> None:
     _need(isinstance(t.reset_position_ids, bool), "training.reset_position_ids", "must be true or false")
     _need(not t.reset_position_ids or t.document_mask, "training.reset_position_ids",
           "true needs training.document_mask true (positions restart where attention does); set both or neither")
+    _need(is_real(t.moe_aux_loss) and 0 <= t.moe_aux_loss <= 1, "training.moe_aux_loss",
+          f"{t.moe_aux_loss!r} must be a number from 0 to 1 (Switch Transformer's 0.01; 0: none)")
+    _need(t.moe_aux_loss == 0 or m.moe is not None, "training.moe_aux_loss",
+          "is for mixture-of-experts models; this model has no experts, set it to 0")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")

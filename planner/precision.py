@@ -193,10 +193,12 @@ def sp_gathered_bytes(model, t, index: int, recompute: str, b: int, s: int, tp: 
     (model profiles, CPU): a block kept 64 KB more at TP 2 and 93 KB at TP 4 than the shard
     accounting counts, against 66 and 98 KB this adds. A fully recomputed block's replay
     (`replay`) keeps them whole either way: runtime.sp_shard stays out of torch's checkpoint."""
-    if not sp or tp <= 1 or (keeps_shards(t, tp, sp) and not replay):
+    if not sp or tp <= 1:
         return 0.0
     kind = model.layer_kind(index)
     inputs = {"embedding": 0, "head": 1, "block": 0 if recompute == "full" else 2}[kind]
+    if keeps_shards(t, tp, sp) and not replay:  # an MoE block's experts read its MLP input whole (runtime.moe)
+        inputs = 1 if kind == "block" and model.moe is not None and recompute != "full" else 0
     return inputs * DTYPES[t.dtype] * s * b * model.hidden * (1 - 1 / tp)
 
 
@@ -227,6 +229,11 @@ def decomposed_norm_bytes(model, t, dp: int, index: int, recompute: str, b: int,
 # head 7-14. Kept here as the largest, rounded up, for either architecture.
 CPU_GRAPH_BYTES = {("block", "none"): 72 * 1024, ("block", "selective"): 76 * 1024, ("block", "full"): 52 * 1024,
                    ("embedding", "none"): 4 * 1024, ("head", "none"): 16 * 1024}
+# An MoE block's (runtime.moe) more, per expert and for a shared expert, measured alike on tiny with
+# 4 to 16 experts: 10.1 KiB an expert without recomputation, 6.3 under full recomputation (whose
+# checkpoint keeps the nodes), a shared expert 14-16 KiB; rounded up
+CPU_GRAPH_EXPERT_BYTES = {"none": 11 * 1024, "selective": 11 * 1024, "full": 7 * 1024}
+CPU_GRAPH_SHARED_BYTES = 16 * 1024
 
 
 # Attention-probability dropout on CPU: scaled_dot_product_attention has no fused kernel with
@@ -242,6 +249,9 @@ def cpu_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int
     probabilities (CPU_MATH_DROPOUT_BYTES)."""
     kind = model.layer_kind(index)
     graph = CPU_GRAPH_BYTES[(kind, recompute if kind == "block" else "none")]
+    if kind == "block" and model.moe is not None:
+        graph += (CPU_GRAPH_EXPERT_BYTES[recompute] * model.moe.experts
+                  + (CPU_GRAPH_SHARED_BYTES if model.moe.shared_ffn_hidden else 0))
     math = 0.0
     if kind == "block" and recompute == "none" and t.attention_dropout_p > 0 and t.attention != "unfused":
         math = CPU_MATH_DROPOUT_BYTES * model.heads / tp * s * s * b

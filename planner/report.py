@@ -38,7 +38,8 @@ def describe_plan(plan: Plan) -> str:
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}{_dropout(t)}"
             f"{', documents masked' if t.document_mask else ''}{', positions reset' if t.reset_position_ids else ''}"
-            f"{', no loss after end of text' if t.eod_mask_loss else ''}\n"
+            f"{', no loss after end of text' if t.eod_mask_loss else ''}"
+            f"{f', load-balancing loss {t.moe_aux_loss:g}' if t.moe_aux_loss else ''}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
             f"sequence parallel {'off' if sp == 'off' else f'on (keeps {sp} inputs)'}; stages (layers): {split}"
             + _lr_schedule(t))

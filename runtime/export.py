@@ -79,6 +79,9 @@ def read_run(ckpt: Path) -> tuple[ModelConfig, dict, int]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{ckpt / META}: unreadable or corrupt ({type(exc).__name__}: {exc}); export another "
                           "checkpoint") from None
+    if cfg.moe is not None:
+        raise ConfigError(f"{ckpt / META}: a mixture-of-experts model; export writes dense llama and gpt models "
+                          "only (no MoE layout of transformers is mapped yet)")
     return cfg, run.get("training") or {}, step
 
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from planner.model import ModelConfig
 from runtime.documents import masked_attention
 from runtime.dropout import ATTENTION_OUT, EMBEDDING, MLP_OUT
+from runtime.moe import MoEFeedForward
 from runtime.recompute import replay_once
 
 
@@ -142,7 +143,7 @@ class Block(nn.Module):
         self.attention_norm = _norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = _norm(cfg)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg) if cfg.moe is None else MoEFeedForward(cfg)
 
         self.full_recompute = False  # checkpoint the whole block: keep only its input for backward
         self.replay_once = False  # recompute for a split backward (runtime.recompute)

@@ -55,7 +55,9 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).full_tensor().double() ** 2
         elif isinstance(g, DTensor):
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            # every dim that splits it, FSDP2's _StridedShard over a TP split included (which torch
+            # 2.13 does not count as is_shard(): its dp sum was missed, the norm of a dp x tp plan low)
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
             local = torch.linalg.vector_norm(g.to_local(), dtype=torch.float32).double() ** 2
             entry = sums.setdefault((id(g.device_mesh), dims), [g.device_mesh, dims, torch.zeros_like(sq)])
             entry[2] += local

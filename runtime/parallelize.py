@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from planner.model import ConfigError
 from runtime.model import Block, Embedding, Head, Transformer
+from runtime.moe import MoEFeedForward, MoETensorParallel
 from runtime.sp_shard import keep_shards as keep_shards_of
 
 # FSDP2 warns when a wrapped chunk returns a view (under TP the head returns its local slice of the
@@ -143,14 +144,17 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, k
             }
         else:
             plan = _block_plan(sequence_parallel)
-            if not layer.feed_forward.gated:
+            if isinstance(layer.feed_forward, MoEFeedForward):  # runtime.moe: experts split alike
+                plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+                plan["feed_forward"] = MoETensorParallel(sequence_parallel)
+            elif not layer.feed_forward.gated:
                 del plan["feed_forward.w3"]
         parallelize_module(layer, tp_mesh, plan)
         if sequence_parallel and keep_shards:
             if isinstance(layer, Head):
                 keep_shards_of(layer.output, tp_mesh, lambda: True)
             elif isinstance(layer, Block):
-                for module in (layer.attention, layer.feed_forward):
+                for module in (layer.attention, layer.feed_forward)[:1 if isinstance(layer.feed_forward, MoEFeedForward) else 2]:
                     keep_shards_of(module, tp_mesh, lambda layer=layer: not layer.full_recompute)
     retie(chunk)
 

@@ -50,11 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 # (the data of step i depends on the seed, the step and the global batch; the learning rate on the step)
 RUN_FIELDS = ("global_batch", "seq_len", "dtype", "optimizer", "master_weights", "lr", "weight_decay", "grad_clip",
               "dropout", "attention_dropout_p", "seed", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr",
-              "document_mask", "eod_mask_loss", "reset_position_ids")
+              "document_mask", "eod_mask_loss", "reset_position_ids", "moe_aux_loss")
 # run fields that checkpoints written before them lack, and the value those ran with (the runtime
 # refused dropout and had no document masks before 2026-12-05)
 RUN_FIELDS_ADDED = {"attention_dropout_p": 0.0, "document_mask": False, "eod_mask_loss": False,
-                    "reset_position_ids": False}
+                    "reset_position_ids": False, "moe_aux_loss": 0.0}
 
 
 def plan_field(k: str) -> str:
@@ -102,9 +102,6 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
     if t.attention != "flash":
         raise ConfigError(f"training.attention: {t.attention} is for predicting other frameworks' runs; the "
                           "runtime runs fused scaled_dot_product_attention, set it to flash to run")
-    if plan.model.moe is not None:
-        raise ConfigError("model.moe: the runtime trains dense models; mixture-of-experts plans are for prediction "
-                          "(trident plan, estimate, search) until it has MoE blocks")
     if t.dtype != "fp32" and not t.master_weights:
         raise ConfigError("training.master_weights: false describes 16-bit training without a float32 master copy, "
                           "for prediction; the runtime keeps float32 masters (and the plan would under-count their "

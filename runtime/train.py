@@ -39,6 +39,7 @@ from runtime.launch import free_port
 from runtime.metrics import MetricsLog, PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
+from runtime.moe import attach_aux_loss
 from runtime.optim import clip_grad_norm, lr_at, param_groups, reduce_partial_grads
 from runtime.loss_scale import LossScale
 from runtime.tied import TiedMatrix
@@ -76,6 +77,7 @@ class Trainer:
         self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
+        attach_aux_loss(self.chunks, plan, self.scaler)  # training.moe_aux_loss (runtime.moe)
         self.eos = end_of_text(plan, args, source_meta(args.data))  # document masks' and eod_mask_loss's
         self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None,
                                           plan.training.reset_position_ids)
@@ -210,9 +212,8 @@ class Trainer:
             loss = self.loss(self.chunks[0](x), y) / len(xs)
             loss.backward()
             losses.append(loss.detach())
-            # the name would keep this micro-batch's autograd graph (its nodes and saved-variable
-            # records, which the backward leaves behind) alive through the next forward; on CPU
-            # that is the device's memory: 0.27 MiB on the tiny model's tp4 plan, 4% of its peak
+            # the name would keep this micro-batch's autograd graph (the nodes and saved-variable records the backward
+            # leaves) alive through the next forward; on CPU device memory: 0.27 MiB on tiny's tp4 plan, 4% of its peak
             del loss
         # read once a step: reading each micro-batch's loss waited for its backward on a GPU, which
         # then idled while the host launched the next forward (1.1-1.3 ms a micro-batch in a traced
@@ -377,9 +378,8 @@ def main(argv=None) -> int:
                     out.write_text(json.dumps(result, indent=2) + "\n")
                 except OSError as exc:
                     raise ConfigError(f"--out: cannot write {out} ({exc.strerror or exc}); the record is lost") from None
-        # free what the plans left (reference cycles included) and meet before the process group
-        # goes: a rank destroying it while rank 0 still wrote, with models freed after it, aborted
-        # at exit now and then on a loaded host (tests/sp_probe.py says how often)
+        # free what the plans left (reference cycles) and meet before the process group goes: a rank destroying it
+        # while rank 0 still wrote aborted at exit now and then on a loaded host (tests/sp_probe.py: how often)
         gc.collect()
         dist.barrier()
         return 0

@@ -1,11 +1,13 @@
-"""Mixture-of-experts models (planner.moe): their specification, parameter counts against the
-released models, FLOPs, activations and the plans priced with them."""
+"""Mixture-of-experts models (planner.moe, runtime.moe): their specification, parameter counts
+against the released models, FLOPs, activations, what the runtime's block keeps and moves against
+what the planner counts, and MoE plans training alike under every parallelism."""
 from __future__ import annotations
 
 import dataclasses
 import json
 
 import pytest
+import torch
 
 from planner.build import build_plan
 from planner.cluster import load_cluster
@@ -110,9 +112,11 @@ def test_activations_keep_k_rows_and_the_routing_whole_on_each_tp_rank():
         kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e)
         extra = m.activation_bytes(1, **kw) - dense.activation_bytes(1, **kw)
         # SwiGLU's 4 ffn of each of k rows, split tp ways; whole on every TP rank: float32 router
-        # probabilities, int64 indices and float32 top-k probabilities and weights, the rows the
-        # experts read and their outputs
-        assert extra == pytest.approx(b * s * (4 * e * (2 - 1) * f / tp + 4 * 8 + 16 * 2 + 2 * e * 2 * h))
+        # probabilities, int64 top-k indices, float32 top-k probabilities and their sum, the rows'
+        # tokens and order (int64), the rows the experts read, their outputs, weights and weighted outputs
+        k = 2
+        assert extra == pytest.approx(b * s * (4 * e * (k - 1) * f / tp + 4 * 8 + (8 + 4) * k + 4 + 2 * 8 * k
+                                               + e * k + 3 * e * k * h))
         assert m.activation_bytes(1, recompute="full", **kw) == dense.activation_bytes(1, recompute="full", **kw)
     # the eager routing moves the same bytes on every TP rank; the SwiGLU's k rows split
     wide = dataclasses.replace(dense, ffn_hidden=2 * f)
@@ -136,6 +140,20 @@ def test_moe_plans_round_trip_and_dense_ones_read_as_before(tmp_path):
     assert "moe" not in ZOO["llama3-8b"].to_dict()
 
 
+def test_the_balancing_loss_is_a_checked_training_field_left_out_at_zero(tmp_path):
+    kw = dict(cluster_name=H100.name, device=H100.device.name, nodes=1, devices_per_node=8, global_batch=16,
+              micro_batch=1, seq_len=4096)
+    for model, value, says in ((ZOO["llama3-8b"], 0.01, "is for mixture-of-experts models"),
+                               (ZOO["mixtral-8x7b"], 2.0, "must be a number from 0 to 1")):
+        with pytest.raises(ConfigError, match=rf"training\.moe_aux_loss: .*{says}"):
+            build_plan(model, moe_aux_loss=value, **kw)
+    plain = build_plan(ZOO["mixtral-8x7b"], tp=8, **kw)
+    assert "moe_aux_loss" not in plain.to_dict()["training"]
+    balanced = build_plan(ZOO["mixtral-8x7b"], tp=8, moe_aux_loss=0.01, **kw)
+    assert balanced.to_dict()["training"]["moe_aux_loss"] == 0.01
+    assert estimate(balanced, H100).step_time_s == estimate(plain, H100).step_time_s  # not priced: a few bytes
+
+
 def test_tp_must_divide_the_shared_expert_too():
     m = ModelConfig.from_dict({**ZOO["tiny"].to_dict(), "name": "shared", "moe": {"experts": 4, "experts_per_token": 2,
                                                                                    "shared_ffn_hidden": 6}})
@@ -145,19 +163,126 @@ def test_tp_must_divide_the_shared_expert_too():
                    global_batch=4, micro_batch=1, seq_len=64, tp=4)
 
 
-def test_the_runtime_refuses_moe_plans_and_models_in_one_line(tmp_path, capsys, monkeypatch):
-    """Trident's runtime has no MoE block yet: `trident run` and `trident profile model` say so by
-    the field, before any process group."""
+TINY_MOE = dataclasses.replace(ZOO["tiny"], name="tiny-moe", moe=MoESpec(4, 2, 64))
+
+
+@pytest.mark.parametrize("moe", [MoESpec(8, 2), MoESpec(16, 4), MoESpec(4, 1, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_runtime_moe_block_keeps_and_moves_what_the_planner_counts(moe, dtype):
+    """What runtime.moe's block saves for its backward (saved-tensor hooks, by storage) and the
+    bytes its memory-bound operations move (tests/test_pointwise.py's counter) against
+    ModelConfig.activation_bytes and planner.pointwise.eager_bytes: within what a dense block
+    of the same shape differs by (the rotary tables' and the norms' few bytes a token)."""
+    from test_pointwise import _gpu_norms, _small, _traced
+    from runtime.model import Block, rope_tables
+    b, s, e = 8, 32, torch.tensor([], dtype=dtype).element_size()
+    gaps = []
+    for cfg in (_small("llama3-8b"), _small("llama3-8b", moe=moe)):
+        block = _gpu_norms(Block(cfg).to(dtype), cfg, dtype)
+        cos, sin = rope_tables(cfg)
+        x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
+        kept = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x, cos, sin)
+        shared = {t.untyped_storage().data_ptr() for t in [*block.parameters(), cos, sin]}
+        saved = sum(v for k, v in kept.items() if k not in shared)
+        fwd, bwd = _traced(lambda t: block(t, cos, sin), x)
+        pf, pb = eager_bytes(cfg, 1, b, s, 1, False, e, False, "flash")
+        gaps.append((saved - cfg.activation_bytes(1, b, s, bytes_per_element=e, attention="flash"), fwd - pf, bwd - pb))
+    dense, moe_gap = gaps
+    # the one per-call term the planner's per-token count leaves out: bincount's int64 count per expert
+    assert moe_gap == pytest.approx(dense, abs=8 * moe.experts), (moe_gap, dense)
+    assert all(0 <= g <= 250 * b * s for g in dense)  # the dense block's own gap: a few bytes a token
+
+
+def test_moe_plans_train_like_one_process_and_fit_their_prediction(tmp_path):
+    """Tiny with 4 experts (2 a token), a shared expert and the load-balancing loss: tensor
+    parallelism with sequence parallelism (the experts split by columns, the routing weights'
+    gradients partial sums), ZeRO 3 with full recomputation, a 1F1B pipeline and FSDP2 over TP
+    DTensors train with the losses and gradient norms of one process (the same micro-batches:
+    the balancing loss is a micro-batch's); every rank's peak memory is within the CPU heap's
+    spread of its prediction (benchmarks/moe_memory.py measures more). Without the balancing loss
+    the gradients differ from the first step."""
+    from planner.plan import Plan
+    from torchrun_helpers import assert_ok, assert_same_losses, train, write_plan
+    from benchmarks.zero_memory import UNDER
+    kw = dict(moe_aux_loss=0.1)
+    refs = [write_plan(tmp_path, "ref", TINY_MOE, **kw), write_plan(tmp_path, "ref-no-aux", TINY_MOE)]
+    two = [write_plan(tmp_path, "tp2-sp", TINY_MOE, world=2, tp=2, sequence_parallel=True, recompute="selective", **kw),
+           write_plan(tmp_path, "dp2-zero3-full", TINY_MOE, world=2, zero=3, recompute="full", **kw),
+           write_plan(tmp_path, "pp2-1f1b", TINY_MOE, world=2, pp=2, schedule="1f1b", **kw),
+           write_plan(tmp_path, "pp2-zbv", TINY_MOE, world=2, pp=2, schedule="zbv", recompute="selective", **kw),
+           write_plan(tmp_path, "pp2-interleaved", TINY_MOE, world=2, pp=2, schedule="interleaved-1f1b",
+                      virtual_stages=2, **kw)]
+    four = write_plan(tmp_path, "dp2-tp2-sp", TINY_MOE, world=4, tp=2, zero=1, sequence_parallel=True,
+                      **kw)
+    out = tmp_path / "runs"
+    assert_ok(train(1, "--plan", *refs, "--steps", 4, "--out", out))
+    assert_ok(train(2, "--plan", *two, "--steps", 4, "--out", out))
+    assert_ok(train(4, "--plan", four, "--steps", 4, "--out", out / "dp2-tp2-sp.json"))
+    want = json.loads((out / "ref.json").read_text())
+    plain = json.loads((out / "ref-no-aux.json").read_text())
+    # the balancing loss is left out of the loss reported; its gradient is in the norm, 10x the tolerance
+    assert plain["losses"][0] == want["losses"][0] and plain["losses"][1] != want["losses"][1]
+    assert abs(plain["grad_norms"][0] - want["grad_norms"][0]) > 1e-3 * want["grad_norms"][0]
+    for path in [*two, four]:
+        run = json.loads((out / path.name).read_text())
+        assert_same_losses(run["losses"], want["losses"], path.stem)
+        assert_same_losses(run["grad_norms"], want["grad_norms"], f"{path.stem} gradient norm")
+        plan = Plan.read(path)
+        cluster = dataclasses.replace(load_cluster("dgx-a100-80gb").shaped_as(1, plan.mesh.world_size), backend="gloo")
+        per_pp = estimate(plan, cluster).breakdown["memory_per_pp_rank"]
+        for r, measured in enumerate(run["peak_memory_bytes_per_rank"]):
+            ratio = measured / per_pp[plan.mesh.coords(r)["pp"]]
+            assert 0.85 <= ratio <= UNDER, (path.stem, r, ratio)
+
+
+def test_the_balancing_loss_gradient_is_that_of_the_loss_it_adds(monkeypatch):
+    """runtime.moe.AuxLoss hands the backward `scale` times the balancing loss's gradient: the
+    same gradients as that loss, times the coefficient, added to the main one."""
+    from runtime import moe
+    from runtime.model import init_weights, Transformer
+    torch.manual_seed(0)
+    ids = torch.randint(0, TINY_MOE.vocab, (2, 32))
+    grads = []
+    for explicit in (False, True):
+        model = Transformer(TINY_MOE)
+        init_weights(model, 0)
+        caught = []
+        if explicit:  # the loss as a loss: AuxLoss hands it over untouched
+            monkeypatch.setattr(moe.AuxLoss, "apply", lambda out, aux, scale: caught.append(aux) or out)
+        for module in model.modules():
+            if isinstance(module, moe.MoEFeedForward):
+                module.aux_scale = lambda: 0.3
+        loss = model(ids).float().logsumexp(-1).mean()
+        (loss + 0.3 * sum(caught) if explicit else loss).backward()
+        assert len(caught) == (TINY_MOE.layers if explicit else 0)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g, want in zip(*grads):
+        assert torch.allclose(g, want, rtol=1e-5, atol=1e-8)
+    monkeypatch.undo()
+    router = model.layers["1"].feed_forward.router.weight.grad
+    assert router.abs().max() > 0
+
+
+def test_what_the_runtime_cannot_do_with_moe_models_is_one_line(tmp_path):
+    """`trident profile model` does not measure MoE blocks, `trident export` writes no MoE layout:
+    each says so in one line, before any process group."""
+    from runtime.checkpoint import META
+    from runtime.export import read_run
     from runtime.profile import parse_args
     from runtime.profile_model import check_args
-    from runtime.train import main as train_main
-    from tests.torchrun_helpers import write_plan
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    tiny_moe = dataclasses.replace(ZOO["tiny"], name="tiny-moe", moe=MoESpec(4, 2))
-    assert train_main(["--plan", str(write_plan(tmp_path, "moe", tiny_moe))]) == 2
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("trident: error:")]
-    assert len(lines) == 1 and "model.moe: the runtime trains dense models" in lines[0], lines
-    (tmp_path / "moe.model.json").write_text(json.dumps(tiny_moe.to_dict()))
-    with pytest.raises(ConfigError, match="--model: tiny-moe has mixture-of-experts blocks"):
+    (tmp_path / "moe.model.json").write_text(json.dumps(TINY_MOE.to_dict()))
+    with pytest.raises(ConfigError, match="--model: tiny-moe has mixture-of-experts blocks, whose time"):
         check_args(parse_args(["model", "--model", str(tmp_path / "moe.model.json"), "--cluster-profile",
                                "dgx-a100-80gb", "--seq-len", "32", "-o", "m.json"]), 1)
+    step = tmp_path / "ckpt" / "step-1"
+    step.mkdir(parents=True)
+    (step / META).write_text(json.dumps({"step": 1, "run": {"model": TINY_MOE.to_dict(), "training": {}}}))
+    with pytest.raises(ConfigError, match="a mixture-of-experts model; export writes dense") as err:
+        read_run(step)
+    assert "\n" not in str(err.value)

@@ -23,9 +23,9 @@ PARTIAL_READS = {"nll_loss_forward", "nll_loss_backward", "gather"}
 # operations that update one entry per row of a tensor in place: a few bytes per row; allocations
 NO_TRAFFIC = {"scatter_add_", "empty", "empty_like"}
 # in-place random fills: they write the tensor and read nothing of it
-WRITE_ONLY = {"bernoulli_"}
+WRITE_ONLY = {"bernoulli_", "zeros_like", "new_zeros"}
 # operations that read as much of their input as they write (the rows they select)
-SELECTS = {"index_select"}
+SELECTS = {"index_select", "index"}
 
 
 def _bytes(x) -> int:

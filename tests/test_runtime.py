@@ -114,8 +114,12 @@ def test_every_two_rank_plan_trains_like_one_process(plans, reference, tmp_path)
 def test_pp2_dp2_tp2_on_eight_ranks_trains_like_one_process(plans, reference, tmp_path):
     assert_ok(train(8, "--plan", plans["pp2-dp2-tp2"], plans["pp2-dp2-tp2-mixed"], plans["pp2-dp2-tp2-zbv"],
                     "--steps", STEPS, "--out", tmp_path))
-    assert_same_losses(losses_of(tmp_path / "pp2-dp2-tp2-mixed.json"), reference["ref"], "pp2-dp2-tp2-mixed")
-    assert_same_losses(losses_of(tmp_path / "pp2-dp2-tp2-zbv.json"), reference["ref"], "pp2-dp2-tp2-zbv")
+    for n in ("pp2-dp2-tp2-mixed", "pp2-dp2-tp2-zbv"):
+        assert_same_losses(losses_of(tmp_path / f"{n}.json"), reference["ref"], n)
+        # FSDP2 over TP shards a column-parallel weight as _StridedShard, which the norm once left
+        # out of its dp sum (torch 2.13's is_shard() is False for it): a norm 0.89 of the true one
+        norms = json.loads((tmp_path / f"{n}.json").read_text())["grad_norms"]
+        assert_same_losses(norms, reference["ref.grad_norms"], f"{n} gradient norm")
     run = json.loads((tmp_path / "pp2-dp2-tp2.json").read_text())
     assert_same_losses(run["losses"], reference["ref"], "pp2-dp2-tp2")
     assert run["world_size"] == 8 and len(run["peak_memory_bytes_per_rank"]) == 8
