@@ -43,7 +43,7 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
                sequence_parallel: bool = False, zero: int = 0, dtype: str = "bf16", profile_hash: str = "",
                order: list | None = None, stages: list | None = None, lockstep: bool = False,
                recv_buffers: str = RUNTIME_RECV_BUFFERS, p2p: str = "full", sent_outputs: str = "kept",
-               dp_replicate: int = 1, cp: int = 1, **training_overrides) -> Plan:
+               dp_replicate: int = 1, cp: int = 1, ep: int = 1, **training_overrides) -> Plan:
     """A validated hand-made plan. `dp` defaults to world / (tp * pp * cp); `stages` defaults to an
     even split; `order` to pp, dp, (cp,) tp. Raises ConfigError naming the field on any inconsistency."""
     world = nodes * devices_per_node
@@ -67,7 +67,7 @@ def build_plan(model: ModelConfig, *, cluster_name: str, device: str, nodes: int
         cluster=ClusterRef(name=cluster_name, nodes=nodes, devices_per_node=devices_per_node,
                            device=device, profile_hash=profile_hash),
         mesh=Mesh(pp=pp, dp=dp, tp=tp, order=list(order) if order else ["pp", "dp"] + ["cp"] * (cp != 1) + ["tp"],
-                  dp_replicate=dp_replicate, cp=cp),
+                  dp_replicate=dp_replicate, cp=cp, ep=ep),
         pipeline=Pipeline(schedule=schedule, virtual_stages=virtual_stages, micro_batches=mb_count,
                           stages=stages if stages is not None else even_stages(
                               model, pp, virtual_stages, zero, recompute, sequence_parallel and tp > 1),

@@ -101,7 +101,8 @@ def cmd_plan(args) -> int:
         overlap_grad_reduce=not args.no_overlap_grad_reduce, async_tp_allreduce=args.async_tp_allreduce,
         grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
-        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, **training_settings(args))
+        sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep,
+        **training_settings(args))
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
         if asked:
@@ -172,8 +173,7 @@ def _add_problem_args(p, sizes: bool = False) -> None:
     p.add_argument("--reset-position-ids", action="store_true",
                    help="positions restart with each document (Megatron-LM's; needs --document-mask)")
     p.add_argument("--moe-aux-loss", type=number_in(0, 1), default=0.0,
-                   help="mixture-of-experts models: the load-balancing loss's coefficient (Switch Transformer's "
-                        "0.01; default 0: none)")
+                   help="MoE models: the load-balancing loss's coefficient (Switch Transformer's 0.01; default 0)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context parallelism: each sequence split over this many ranks (1: none)")
     p.add_argument("--dp-replicate", type=positive_int, default=1,
                    help="HSDP: ZeRO shards over dp / this many ranks and all-reduces across the copies (1: none)")
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="expert parallelism (MoE models): each block's experts spread over this many dp ranks (1: none)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (1: none)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
@@ -331,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dp-replicate", type=replica_list, default=None,
                    help="HSDP replica counts searched with the rest, or 'all' (planner/hsdp.py; 1: flat data "
                         "parallelism; default: the flat plans found are split)")
+    c.add_argument("--ep", type=int_list(), default=None,
+                   help="expert-parallel degrees tried on an MoE model's plans found (1: none; default: all)")
     c.add_argument("--micro-batch", type=int_list(), default=None, help="sequences per micro-batch")
     c.add_argument("--schedule", type=choice_list(SCHEDULES), default=None,
                    help=f"pipeline schedules among {', '.join(SCHEDULES)}")

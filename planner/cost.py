@@ -74,7 +74,8 @@ class Estimate:
 
     def to_dict(self) -> dict:
         return {
-            "parameters": self.parameters, "active_parameters": self.active_parameters, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "parameters": self.parameters, "active_parameters": self.active_parameters,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "mfu": self.mfu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
@@ -127,6 +128,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         r = plan.stage_rank(si)
         tp_ranks = mesh.group("tp", pp=r, dp=0)
         dp_ranks, rep_ranks = mesh.shard_group(pp=r, tp=0), mesh.replicate_group(pp=r, tp=0)
+        ex_ranks = mesh.expert_shard_group(pp=r, tp=0)
         costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile, extras) for i in range(st.start, st.end)]
         if m.tie_embeddings and st.end == m.num_layers_total and st.start == 0:  # one matrix: runtime.tied
             costs[-1] = tied_head(m, costs[-1], tp)
@@ -135,16 +137,23 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tpc_f = sum(c.fwd_tp_s for c in costs)
         tpc_b = sum(c.bwd_tp_s for c in costs)
         cpc_f, cpc_b = sum(c.fwd_cp_s for c in costs), sum(c.bwd_cp_s for c in costs)
-        params = sum(c.params for c in costs)
+        epc_f, epc_b = sum(c.fwd_ep_s for c in costs), sum(c.bwd_ep_s for c in costs)
+        params, ex = sum(c.params for c in costs), sum(c.expert_params for c in costs)
+
+        def dp_collective(op: str, per_param: float) -> float:
+            """`op` on the stage's parameters' bytes (per_param each) over the shard group, the
+            experts spread by expert parallelism over their own (planner.moe)."""
+            dense = cluster.collective_time(op, (params - ex) * per_param, dp_ranks)
+            return dense + (cluster.collective_time(op, ex * per_param, ex_ranks) if ex else 0.0)
         grad_total = params * gb
         zero3_f = zero3_b = zero3_w = 0.0
         split = split_backward(pipe.schedule, pp)  # its backward is two operations, I and W
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
         # HSDP: the reduced shard all-reduced across the replicas once a step (the runtime skips it
         # on the other micro-batches: FSDP2's set_requires_all_reduce), after the last reduce-scatter
-        replicas = (cluster.collective_time("all_reduce", grad_total / shard, rep_ranks)
+        replicas = (cluster.collective_time("all_reduce", (grad_total + ex * gb * (mesh.ep - 1)) / shard, rep_ranks)
                     if mesh.dp_replicate > 1 else 0.0)
-        ag = cluster.collective_time("all_gather", params * e, dp_ranks) if (shard > 1 and st.zero == 3) else 0.0
+        ag = dp_collective("all_gather", e) if (shard > 1 and st.zero == 3) else 0.0
         if ag:  # gather parameters before forward and again before backward
             zero3_f = max(0.0, ag - comp_f)
             zero3_b = max(0.0, ag - comp_b)
@@ -166,9 +175,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         elif dp <= 1:
             sync = 0.0
         elif st.zero == 0:
-            sync = cluster.collective_time("all_reduce", grad_total, dp_ranks)
+            sync = dp_collective("all_reduce", gb)
         else:
-            rs = cluster.collective_time("reduce_scatter", grad_total, dp_ranks)
+            rs = dp_collective("reduce_scatter", gb)
             sync = rs + replicas
             if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
                 zero3_b = max(0.0, ag + rs - comp_b)
@@ -191,14 +200,16 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         nxt, prev = si + 1 < len(pipe.stages), si > 0
         send = transfer(plan.stage_rank(si + 1)) if nxt and plan.stage_rank(si + 1) != r else 0.0
         send_back = transfer(plan.stage_rank(si - 1)) if prev and plan.stage_rank(si - 1) != r else 0.0
-        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + cpc_f + zero3_f + copy_f + pipe_op,
-                                      bwd_s=comp_b + tpc_b + cpc_b + zero3_b + zero3_w + copy_b + pipe_op * (2 if split else 1),
+        stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + cpc_f + epc_f + zero3_f + copy_f + pipe_op,
+                                      bwd_s=comp_b + tpc_b + cpc_b + epc_b + zero3_b + zero3_w + copy_b
+                                      + pipe_op * (2 if split else 1),
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync,
                                       bwd_weight_s=sum(c.bwd_weight_s for c in costs) + zero3_w
                                       + (pipe_op if split else 0.0)))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,
                                fwd_compute_s=comp_f, bwd_compute_s=comp_b, fwd_tp_s=tpc_f, bwd_tp_s=tpc_b,
                                **({"fwd_cp_s": cpc_f, "bwd_cp_s": cpc_b} if mesh.cp > 1 else {}),
+                               **({"fwd_ep_s": epc_f, "bwd_ep_s": epc_b, "expert_params": ex} if mesh.ep > 1 else {}),
                                zero3_gather_exposed_s=(zero3_f + zero3_b + zero3_w) * mbs, grad_sync_s=sync,
                                fsdp_copy_s=(copy_f + copy_b) * mbs, fsdp_copy_step_s=copy_step,
                                params=params, optimizer_s=sum(c.optimizer_s for c in costs),
@@ -213,7 +224,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     at_norm, per_rank = [], []  # each rank's arrival at the gradient norm's pipeline all-reduce
     for r in range(pp):
         mine = [stage_info[i] for i in plan.stages_of_rank(r)]
-        opt_params = sum(si["params"] / (shard if si["zero"] >= 1 else 1) for si in mine)
+        # the experts spread by expert parallelism shard over shard / ep ranks (planner.moe)
+        opt_params = sum((si["params"] + si.get("expert_params", 0.0) * (mesh.ep - 1))
+                         / (shard if si["zero"] >= 1 else 1) for si in mine)
         opt_s = opt_params * optimizer_step_bytes(t) / bw
         if extras:  # measured at dp=1: per-tensor overheads dominate small layers
             opt_s = sum(si["optimizer_s"] for si in mine)
@@ -222,10 +235,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                      + tied_grad_comm(cluster, plan, r, grad_bytes(t)))
         gather = 0.0
         if dp > 1:
-            dp_ranks = mesh.shard_group(pp=r, tp=0)
+            dp_ranks, ex_ranks = mesh.shard_group(pp=r, tp=0), mesh.expert_shard_group(pp=r, tp=0)
             for si in mine:
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
-                    gather += cluster.collective_time("all_gather", si["params"] * e, dp_ranks)
+                    ex = si.get("expert_params", 0.0)
+                    gather += cluster.collective_time("all_gather", (si["params"] - ex) * e, dp_ranks)
+                    gather += cluster.collective_time("all_gather", ex * e, ex_ranks) if ex else 0.0
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         at_norm.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))
@@ -249,20 +264,22 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)
     tp_time = sum((si["fwd_tp_s"] + si["bwd_tp_s"]) * mbs for si in mine)
     cp_time = sum((si.get("fwd_cp_s", 0.0) + si.get("bwd_cp_s", 0.0)) * mbs for si in mine)
+    ep_time = sum((si.get("fwd_ep_s", 0.0) + si.get("bwd_ep_s", 0.0)) * mbs for si in mine)
     zero3 = sum(si["zero3_gather_exposed_s"] for si in mine)
     pipe_overhead = (3 if split_backward(pipe.schedule, pp) else 2) * pipe_op * mbs * len(mine)  # F, B or F, I, W
     copies = sum(si["fsdp_copy_s"] for si in mine)
-    busy = compute + tp_time + cp_time + zero3 + copies + pipe_overhead
+    busy = compute + tp_time + cp_time + ep_time + zero3 + copies + pipe_overhead
     if how["sharing"] is not None and busy > 0:  # operations ran at the shared speed: scale to the played time
         f = tl0.busy_s[r] / busy
-        compute, tp_time, cp_time, zero3, copies, pipe_overhead, busy = (
-            x * f for x in (compute, tp_time, cp_time, zero3, copies, pipe_overhead, busy))
+        compute, tp_time, cp_time, ep_time, zero3, copies, pipe_overhead, busy = (
+            x * f for x in (compute, tp_time, cp_time, ep_time, zero3, copies, pipe_overhead, busy))
     bubble = _residue(tl0.compute_end_s[r], busy)
     p2p = _residue(tl.compute_end_s[r], tl0.compute_end_s[r])
     # then the slowest rank's optimizer step and what follows it
     dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[slow][1]
     optimizer = per_rank[slow][0] + per_rank[r][3]  # with the collectives before the step
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, **({"cp_comm_s": cp_time} if mesh.cp > 1 else {}),
+                      **({"ep_comm_s": ep_time} if mesh.ep > 1 else {}),
                       "dp_comm_exposed_s": dp_exposed,
                       "fsdp_copy_s": copies + per_rank[slow][2],
                       "pipeline_bubble_s": bubble, "p2p_s": p2p, "optimizer_s": optimizer,

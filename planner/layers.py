@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from planner.cluster import ClusterSpec
 from planner.comm import ASYNC_TP_HIDDEN, cp_comm, regathers, tp_comm
 from planner.model import ModelConfig
-from planner.moe import ffn_params
+from planner.moe import expert_parallel_comm, ffn_params, held_experts
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
 from planner.precision import GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, casts_weights, runtime_held_bytes
@@ -33,6 +33,9 @@ class LayerCost:
     bwd_weight_s: float = 0.0  # the part of bwd_compute_s that computes weight gradients (see layer_cost)
     fwd_cp_s: float = 0.0  # context-parallel K/V all-gather (planner.comm.cp_comm)
     bwd_cp_s: float = 0.0  # its gradients' reduce-scatter, and the all-gather again where recomputed
+    fwd_ep_s: float = 0.0  # expert parallelism's all-to-alls (planner.moe.expert_parallel_comm)
+    bwd_ep_s: float = 0.0
+    expert_params: float = 0.0  # of `params`, the experts spread over the EP group (mesh.ep > 1), else 0
 
 
 
@@ -119,6 +122,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         else:
             tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wg(1, b * s, math.ceil(m.vocab / tp), m.hidden))
     params = layer_params_on_device(m, index, tp)
+    experts = held_experts(m, kind, tp, plan.mesh.ep)  # the rank's share where spread by expert parallelism
+    params -= experts * (plan.mesh.ep - 1)
     # the weights of its matrix products, which the runtime's autocast casts (precision), the casts
     # of their gradients (upcasts) in the weights' share of the backward; none in an embedding
     mats = params - replicated_params(m, kind, matrices=False) if kind != "embedding" else 0.0
@@ -150,7 +155,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered + repeated if rec == "none" else 0.0)
     replay = (m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered + repeated - act
               if rec != "none" else 0.0)
-    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b)
+    ep_f, ep_b = expert_parallel_comm(cluster, plan, kind, rec, tp_ranks)
+    return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b,
+                     fwd_ep_s=ep_f, bwd_ep_s=ep_b, expert_params=experts)
 
 
 def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: str, tp_ranks: list,

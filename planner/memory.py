@@ -278,21 +278,25 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         first_bytes = 0.0
         for i in ids:
             si, st = stage_info[i], pipe.stages[i]
-            P = si["params"]
+            # X of the P: experts spread by expert parallelism, sharded over dp / ep (planner.moe)
+            P, X, dpx = si["params"], si.get("expert_params", 0.0), dp // mesh.ep
             shard = dp if dp > 1 else 1
             kinds = [m.layer_kind(j) for j in range(st.start, st.end)]
             block_params = [c.params for c, k in zip(si["costs"], kinds) if k == "block"]
             ends = {k: c.params for c, k in zip(si["costs"], kinds) if k != "block"}
             root_params, own = fsdp_groups(m.tie_embeddings, ends.get("embedding"), ends.get("head"))
             ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
-            p_bytes, g_bytes, o_bytes = p_bytes + P * ps, g_bytes + P * gs, o_bytes + P * os_
-            grads_of[i] = P * gs
-            sb = step_bytes(t, st.zero, dp, P)
+            xs = zero_state_bytes(st.zero, dpx, mbs, pb, gb, ob, spb)
+            p_bytes, g_bytes = p_bytes + (P - X) * ps + X * xs[0], g_bytes + (P - X) * gs + X * xs[1]
+            o_bytes += (P - X) * os_ + X * xs[2]
+            grads_of[i] = (P - X) * gs + X * xs[1]
+            sb = [a + b for a, b in zip(step_bytes(t, st.zero, dp, P - X), step_bytes(t, st.zero, dpx, X))]
             step, opt_temp = [a + b for a, b in zip(step, sb)], opt_temp + sb[3]
-            if st.zero == 3 and shard > 1 and spb == 0 and ob > ADAM_STATE_BYTES:
+            if st.zero == 3 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
-                p_bytes += P * (ob - ADAM_STATE_BYTES) / shard
-                o_bytes -= P * (ob - ADAM_STATE_BYTES) / shard
+                master = ob - ADAM_STATE_BYTES
+                moved = (P - X) * master / shard * (shard > 1) + X * master / dpx * (dpx > 1)
+                p_bytes, o_bytes = p_bytes + moved, o_bytes - moved
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
                                                two, rs_temp, own, head_held=v > 1,
                                                resharded=pp == 1 and mbs == 1)

@@ -27,6 +27,11 @@ class Mesh:
     # context parallelism: each sequence split over cp ranks, which hold the same parameters; they
     # add up gradients and share ZeRO shards with the data-parallel ranks (torchtitan's dp_shard_cp)
     cp: int = 1
+    # expert parallelism (planner.moe): an MoE block's experts spread over ep consecutive dp
+    # coordinates of a shard group, each rank holding experts / ep of them; ZeRO shards those over
+    # the ranks that hold the same experts (expert_shard_group), and tokens reach their experts by
+    # all-to-all within the EP group (expert_group)
+    ep: int = 1
 
     @property
     def dp_shard(self) -> int:  # the dp coordinates ZeRO shards over: dp without HSDP
@@ -90,6 +95,19 @@ class Mesh:
     def replicate_group(self, **coords) -> range:
         """The dp ranks through `coords` that hold the same shard (HSDP's replicas)."""
         return self.group("dp", **coords)[coords.get("dp", 0) % self.dp_shard::self.dp_shard]
+
+    def expert_group(self, **coords) -> list[int]:
+        """The ranks through `coords` among which an MoE block's experts are spread (ep of them):
+        the dp coordinates of its block of ep, at the same cp and tp coordinates."""
+        first = coords.get("dp", 0) // self.ep * self.ep
+        return list(self.group("dp", **coords)[first:first + self.ep])
+
+    def expert_shard_group(self, **coords) -> list[int]:
+        """The ranks through `coords` that hold the same experts: the shard group's ranks whose dp
+        coordinate is the same modulo ep (ZeRO shards the experts and reduces their gradients over
+        them; all of the shard group without expert parallelism)."""
+        d = coords.get("dp", 0) % self.ep
+        return [r for r in self.shard_group(**coords) if self.coords(r)["dp"] % self.ep == d]
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of ranks that differ only in coordinate `dim` (e.g. the TP groups), by first rank."""

@@ -17,11 +17,19 @@ How the planner prices one (this module, used by planner.model and planner.point
   grouped product runs them (torch._grouped_mm, Megatron-Core's GroupedGEMM); the runtime's loop
   over the experts (runtime.moe) runs a product an expert, each of tokens x k / experts rows, and
   pays a launch each on a GPU, which this does not price;
-- the experts are held as the other weights are: every expert on every data-parallel rank (FSDP
-  and ZeRO shard them with the rest), each split by tensor parallelism the Megatron-LM way, the
-  first projections by columns, the second by rows, one all-reduce (or reduce-scatter under
-  sequence parallelism) after the weighted sum, as a dense MLP's. Expert parallelism (experts
-  spread over the data-parallel ranks, tokens sent to them by all-to-all) is not planned yet;
+- each expert split by tensor parallelism the Megatron-LM way, the first projections by columns,
+  the second by rows, one all-reduce (or reduce-scatter under sequence parallelism) after the
+  weighted sum, as a dense MLP's;
+- without expert parallelism (mesh.ep 1) the experts are held as the other weights are: every
+  expert on every data-parallel rank, FSDP and ZeRO sharding them with the rest. With it (mesh.ep
+  = ep > 1; GShard, Lepikhin et al. 2021; Megatron-LM and torchtitan spread experts over the
+  data-parallel ranks so) each rank of an EP group (ep consecutive dp coordinates) holds experts /
+  ep of them, ZeRO shards those over the ranks holding the same ones (dp / ep x cp: the expert
+  shard group) and their gradients reduce over that group alone; each block sends every routed
+  row to its expert's rank and back, two all-to-alls forward and two backward (four more where
+  recomputed) of tokens x k rows each, every TP rank its own (it computes whole rows); the
+  experts' products are priced as before (a rank runs experts / ep experts of ep times the rows).
+  Prediction only: the runtime refuses mesh.ep > 1 until it dispatches tokens across ranks;
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each
   token's rows for its experts and the weighted scatter back) as the runtime's block runs them
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.values import ConfigError, is_int, strict
+from planner.values import ConfigError, checked, is_int
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,7 @@ class MoESpec:
 
     @classmethod
     def from_dict(cls, d, where: str = "model.moe") -> "MoESpec":
-        if not isinstance(d, dict):
-            raise ConfigError(f"{where}: is {d!r}; expected null or an object with experts and experts_per_token")
-        strict(cls, d, where)
-        spec = cls(**d)
-        spec.check(where)
-        return spec
+        return checked(cls, d, where, "experts and experts_per_token")
 
 
 def ffn_params(m) -> tuple[int, int]:
@@ -150,6 +153,29 @@ def weight_grad_outputs(m) -> tuple[float, float]:
     TP rank, row-parallel), the router's and the shared gate's."""
     k, h, fs = m.moe.experts_per_token, m.hidden, m.moe.shared_ffn_hidden
     return 2.0 * ffn_width(m), k * h + m.moe.experts + ((h + 1) if fs else 0)
+
+
+def held_experts(m, kind: str, tp: int, ep: int) -> float:
+    """Parameters of a layer's experts one rank holds where expert parallelism spreads them
+    (ep > 1: experts / ep of them, split tp ways), else 0 (held as the layer's other weights)."""
+    if ep == 1 or kind != "block" or m.moe is None:
+        return 0.0
+    return m.moe.experts // ep * 3 * m.hidden * m.ffn_hidden / tp
+
+
+def expert_parallel_comm(cluster, plan, kind: str, recompute: str, tp_ranks) -> tuple[float, float]:
+    """(forward, backward) seconds of a block's expert-parallel all-to-alls on one rank per
+    micro-batch (module doc): dispatch and combine of tokens x k rows of hidden elements over the
+    EP group of the rank leading `tp_ranks`; the backward's two, and a full recomputation's two
+    again. Zeros without expert parallelism."""
+    m, t, mesh = plan.model, plan.training, plan.mesh
+    if mesh.ep == 1 or kind != "block" or m.moe is None:
+        return 0.0, 0.0
+    from planner.plan import DTYPES
+    rows = t.micro_batch / mesh.cp * t.seq_len * m.moe.experts_per_token
+    one = cluster.collective_time("all_to_all", DTYPES[t.dtype] * rows * m.hidden,
+                                  mesh.expert_group(**mesh.coords(tp_ranks[0])))
+    return 2 * one, 2 * one * (2 if recompute == "full" else 1)
 
 
 def largest_ffn_param(m, tp: int) -> float:

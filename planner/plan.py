@@ -60,7 +60,7 @@ ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr", "attention_dropout", "document_mask",
                               "eod_mask_loss", "reset_position_ids", "moe_aux_loss"),
-                 "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp")}
+                 "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp", "ep")}
 
 
 def _default(cls, name: str):

@@ -107,6 +107,14 @@ def check(plan) -> None:
     _need(mesh.dp % r == 0 and (r == 1 or mesh.dp // r * mesh.cp >= 2), "mesh.dp_replicate",
           f"{r} must divide dp={mesh.dp} and leave a shard group of at least 2 (dp / dp_replicate x cp); "
           "pick a divisor of dp below it, or 1")
+    ep = mesh.ep
+    _need(_is_int(ep) and ep > 0, "mesh.ep", f"{ep!r} must be a positive integer (1: no expert parallelism)")
+    if ep > 1:
+        _need(m.moe is not None, "mesh.ep", f"{ep}: expert parallelism needs a mixture-of-experts model; set it to 1")
+        _need(m.moe.experts % ep == 0, "mesh.ep", f"{ep} does not divide model.moe.experts={m.moe.experts}; "
+              "pick a divisor of it")
+        _need(mesh.dp_shard % ep == 0, "mesh.ep", f"{ep} must divide the data-parallel shard group (dp / "
+              f"dp_replicate = {mesh.dp_shard}), over which the experts are spread; pick a divisor of it")
     _need(mesh.world_size == c.world_size, "mesh",
           f"pp*dp*{'cp*' if mesh.cp > 1 else ''}tp = {mesh.pp}*{mesh.dp}*{f'{mesh.cp}*' if mesh.cp > 1 else ''}"
           f"{mesh.tp} = {mesh.world_size} but the cluster has "

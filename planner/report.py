@@ -34,7 +34,8 @@ def describe_plan(plan: Plan) -> str:
     active = f", {m.active_parameters() / 1e9:,.2f} B active" if m.moe is not None else ""
     return (f"{m.name} ({m.num_parameters() / 1e9:,.2f} B params{active}) on {plan.cluster.nodes} x "
             f"{plan.cluster.devices_per_node} {plan.cluster.device} ({plan.cluster.name})\n"
-            f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp}{f' cp={mesh.cp}' if mesh.cp > 1 else ''} tp={mesh.tp} (order {'-'.join(mesh.order)}), "
+            f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp}{f' cp={mesh.cp}' if mesh.cp > 1 else ''} tp={mesh.tp}"
+            f"{f' ep={mesh.ep}' if mesh.ep > 1 else ''} (order {'-'.join(mesh.order)}), "
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}{_dropout(t)}"
             f"{', documents masked' if t.document_mask else ''}{', positions reset' if t.reset_position_ids else ''}"
@@ -69,6 +70,7 @@ def estimate_table(est: Estimate) -> str:
         ("  compute", f"{tb['compute_s']:.4g} s"),
         ("  TP communication", f"{tb['tp_comm_s']:.4g} s"),
         *([("  CP communication (K/V gathers)", f"{tb['cp_comm_s']:.4g} s")] if "cp_comm_s" in tb else []),
+        *([("  EP communication (all-to-all)", f"{tb['ep_comm_s']:.4g} s")] if "ep_comm_s" in tb else []),
         ("  DP/FSDP communication (exposed)", f"{tb['dp_comm_exposed_s']:.4g} s"),
         ("  FSDP buffer copies", f"{tb.get('fsdp_copy_s', 0.0):.4g} s"),
         ("  pipeline bubble", f"{tb['pipeline_bubble_s']:.4g} s"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.values import ConfigError, is_int, is_real, strict
+from planner.values import ConfigError, checked, is_int, is_real
 
 ROPE_SCALINGS = ("linear", "llama3")
 
@@ -38,9 +38,4 @@ class RopeScaling:
 
     @classmethod
     def from_dict(cls, d, where: str = "model.rope_scaling") -> "RopeScaling":
-        if not isinstance(d, dict):
-            raise ConfigError(f"{where}: is {d!r}; expected null or an object with type and factor")
-        strict(cls, d, where)
-        scaling = cls(**d)
-        scaling.check(where)
-        return scaling
+        return checked(cls, d, where, "type and factor")

@@ -10,6 +10,7 @@ from planner import sizing
 from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, training_settings, sized
 from planner.cluster import load_cluster
 from planner.cost import estimate
+from planner.expert_parallel import with_ep
 from planner.hsdp import HSDP_POOL, with_hsdp
 from planner.model import ConfigError
 from planner.model_files import load_model
@@ -22,7 +23,8 @@ def _search_row(i, found) -> dict:
     m, mesh, p = plan.model, plan.mesh, plan.pipeline
     blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
     rec = ",".join(f"{mode}:{blocks.count(mode)}" for mode in ("none", "selective", "full") if blocks.count(mode))
-    dp = f"{mesh.dp_replicate}x{mesh.dp_shard}" if mesh.dp_replicate > 1 else mesh.dp  # HSDP: replicas x shards
+    dp = f"{mesh.dp_replicate}x{mesh.dp_shard}" if mesh.dp_replicate > 1 else str(mesh.dp)  # HSDP: replicas x shards
+    dp += f" ep{mesh.ep}" if mesh.ep > 1 else ""  # experts spread over ep of the dp ranks (planner.moe)
     return {"#": i, "tp": mesh.tp, "pp": mesh.pp, "dp": dp, "cp": mesh.cp, "order": "-".join(mesh.order),
             "schedule": p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
             "micro-batch": f"{plan.training.micro_batch}x{p.micro_batches}",
@@ -64,7 +66,7 @@ def _search_space(args):
 def _constraints_given(args) -> str:
     """The search constraints on the command line, as typed."""
     parts = []
-    for arg in ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "schedule", "virtual_stages", "zero",
+    for arg in ("tp", "pp", "dp", "cp", "dp_replicate", "ep", "micro_batch", "schedule", "virtual_stages", "zero",
                 "recompute", "sequence_parallel"):
         v = getattr(args, arg)
         if v is not None:
@@ -96,6 +98,8 @@ def cmd_search(args) -> int:
     else:
         args.gpus, args.nodes, sizes = args.gpus and sizes[0], args.nodes and sizes[0], None
     model = load_model(args.model)
+    if args.ep is not None and model.moe is None and args.ep != [1]:
+        raise ConfigError(f"--ep: expert parallelism is for mixture-of-experts models; {model.name} has no experts")
     cluster = _cluster_for(args) if sizes is None else None
     limit = args.memory_limit * GiB if args.memory_limit else None
     t0, shown, tty = time.perf_counter(), [0.0], sys.stderr.isatty()
@@ -124,7 +128,8 @@ def cmd_search(args) -> int:
                else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
         t = time.perf_counter()
         allowed = None if args.dp_replicate in (None, "all") else args.dp_replicate
-        res.results = with_hsdp(res.results, cluster, limit, mp, allowed)[:top]  # planner.hsdp
+        res.results = with_hsdp(res.results, cluster, limit, mp, allowed)  # planner.hsdp
+        res.results = with_ep(res.results, cluster, limit, args.ep)[:top]  # MoE models (planner.expert_parallel)
         res.elapsed_s += time.perf_counter() - t
         if shown[0]:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
@@ -155,7 +160,7 @@ def cmd_search(args) -> int:
         out = best.estimate.to_dict()
         out["alternatives"] = [{"degrees": {"tp": f.plan.mesh.tp, "pp": f.plan.mesh.pp, "dp": f.plan.mesh.dp,
                                             "cp": f.plan.mesh.cp,
-                                            "dp_replicate": f.plan.mesh.dp_replicate,
+                                            "dp_replicate": f.plan.mesh.dp_replicate, "ep": f.plan.mesh.ep,
                                             "order": f.plan.mesh.order, "schedule": f.plan.pipeline.schedule,
                                             "virtual_stages": f.plan.pipeline.virtual_stages,
                                             "micro_batch": f.plan.training.micro_batch,
