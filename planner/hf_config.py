@@ -72,7 +72,8 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                   qkv_bias=flag("attention_bias", False) or mt in ("qwen2", "qwen2_moe"),  # Qwen2 always has them
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
                   rope_theta=rope_theta(cfg, where), rope_scaling=rope_scaling(cfg, where))
-        kw.update(moe_fields(cfg, mt, where, pos_int) if mt in MOE_KEYS else {"ffn_hidden": pos_int("intermediate_size")})
+        kw.update(moe_fields(cfg, mt, where, pos_int) if mt in MOE_KEYS
+                  else {"ffn_hidden": pos_int("intermediate_size")})
     elif mt == "gpt2":
         h, heads = pos_int("n_embd"), pos_int("n_head")
         kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
@@ -92,8 +93,11 @@ def moe_fields(cfg: dict, mt: str, where: str, pos_int) -> dict:
     if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
         raise ConfigError(f"{where}: decoder_sparse_step / mlp_only_layers: dense blocks between the MoE blocks are "
                           "not modeled; trident prices a model whose blocks are all MoE blocks")
+    norm = cfg.get("norm_topk_prob", False)  # Qwen's configs; Mixtral's routing always renormalizes
+    if not isinstance(norm, bool):
+        raise ConfigError(f"{where}: norm_topk_prob: is {norm!r}; it must be true or false")
     moe = {"experts": pos_int(*experts), "experts_per_token": pos_int(*k),
-           "shared_ffn_hidden": pos_int(*shared) if shared else 0}
+           "shared_ffn_hidden": pos_int(*shared) if shared else 0, "normalize_top_k": mt == "mixtral" or norm}
     return {"ffn_hidden": pos_int(*width), "moe": moe}
 
 
@@ -146,7 +150,11 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, at
                 "activation_function": "gelu_new" if cfg.gelu_approximate == "tanh" else "gelu",
                 "embd_pdrop": dropout, "attn_pdrop": attention_dropout, **common}
     mt = "qwen2" if cfg.qkv_bias else "llama"
-    out = {"architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"], "model_type": mt,
+    if cfg.moe is not None:
+        mt = moe_type(cfg)
+    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM"}[mt]
+    out = {"architectures": [arch], "model_type": mt,
            "num_hidden_layers": cfg.layers, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden,
            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head,
            "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
@@ -160,9 +168,34 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, at
         out["rope_parameters"].update(out["rope_scaling"])
     if mt == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    else:
+    elif mt != "mixtral":
         out.update(use_sliding_window=False)
+    if cfg.moe is not None:  # planner.moe; the router's auxiliary loss off there (trident's is the run's)
+        m = cfg.moe
+        out.update(num_experts_per_tok=m.experts_per_token, output_router_logits=False)
+        if mt == "mixtral":
+            out.update(num_local_experts=m.experts, sliding_window=None, router_jitter_noise=0.0)
+        else:
+            out.update(num_experts=m.experts, moe_intermediate_size=cfg.ffn_hidden, norm_topk_prob=m.normalize_top_k,
+                       shared_expert_intermediate_size=m.shared_ffn_hidden, decoder_sparse_step=1, mlp_only_layers=[])
     return out
+
+
+def moe_type(cfg: ModelConfig) -> str:
+    """The transformers model type of an MoE model (runtime.hf_weights names its tensors so): Qwen2-MoE
+    (a shared expert with its gate, q/k/v biases, the top k renormalized or not), or Mixtral (neither,
+    always renormalized). ConfigError for a model neither computes."""
+    m = cfg.moe
+    if m.shared_ffn_hidden or cfg.qkv_bias:
+        if not (m.shared_ffn_hidden and cfg.qkv_bias):
+            has, lacks = ("a shared expert", "q/k/v biases")[::1 if m.shared_ffn_hidden else -1]
+            raise ConfigError(f"{cfg.name}: {has} without {lacks}: no transformers MoE model computes that "
+                              "(Qwen2-MoE has both, Mixtral neither)")
+        return "qwen2_moe"
+    if not m.normalize_top_k:
+        raise ConfigError(f"{cfg.name}: moe.normalize_top_k false without a shared expert: no transformers MoE "
+                          "model computes that (Mixtral renormalizes)")
+    return "mixtral"
 
 
 # the dropout probabilities Hugging Face configs train with: hidden states (GPT-2's resid_pdrop and

@@ -26,9 +26,10 @@ How the planner prices one (this module, used by planner.model and planner.point
   data-parallel ranks so) each rank of an EP group (ep consecutive dp coordinates) holds experts /
   ep of them, ZeRO shards those over the ranks holding the same ones (dp / ep x cp: the expert
   shard group) and their gradients reduce over that group alone; each block sends every routed
-  row to its expert's rank and back, two all-to-alls forward and two backward (four more where
-  recomputed) of tokens x k rows each, every TP rank its own (it computes whole rows); the
-  experts' products are priced as before (a rank runs experts / ep experts of ep times the rows).
+  row to its expert's rank and back, two all-to-alls forward and two backward (two more, the
+  replayed forward's, under full recomputation) of tokens x k rows each, every TP rank its own
+  (it computes whole rows); the experts' products are priced as before (a rank runs experts / ep
+  experts of ep times the rows).
   Prediction only: the runtime refuses mesh.ep > 1 until it dispatches tokens across ranks;
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each
@@ -47,6 +48,9 @@ class MoESpec:
     experts: int  # routed experts in each block
     experts_per_token: int  # k: the experts each token goes through
     shared_ffn_hidden: int = 0  # width of the shared expert's SwiGLU MLP; 0: none
+    # the top k probabilities renormalized to sum to 1 (Mixtral; Hugging Face's norm_topk_prob),
+    # else weighted as they are (Qwen1.5-MoE, Qwen2-MoE)
+    normalize_top_k: bool = True
 
     def check(self, where: str = "model.moe") -> None:
         def need(cond, fld, msg):
@@ -60,6 +64,8 @@ class MoESpec:
         v = self.shared_ffn_hidden
         need(is_int(v) and 0 <= v <= 10_000_000, "shared_ffn_hidden",
              f"is {v!r}; it must be a non-negative integer (0: no shared expert)")
+        need(isinstance(self.normalize_top_k, bool), "normalize_top_k", f"is {self.normalize_top_k!r}; it must be "
+             "true or false")
 
     @classmethod
     def from_dict(cls, d, where: str = "model.moe") -> "MoESpec":
@@ -110,13 +116,15 @@ def activation_parts(m, e: int) -> tuple[float, float]:
     ways). A dense block's SwiGLU keeps 4 ffn_hidden (gate output, its silu, up output, their
     product: sharded); an MoE block keeps that for each of its k rows and for the shared expert,
     and: the router's float32 probabilities (its softmax's output), the top-k indices (int64) and
-    probabilities and their sum (float32: the renormalization's division), the rows' token and
-    expert order (int64), the gathered rows the experts read, the experts' outputs and their
+    probabilities and their sum (float32: the renormalization's division, where renormalized), the
+    rows' token and expert order (int64), the gathered rows the experts read, the experts' outputs and their
     weights (the product's backward reads both), the weighted outputs (index_add's backward keeps
     its source), and with a shared expert its output and its gate's (the product's).
     Traced with saved-tensor hooks in tests/test_moe.py."""
     k, h = m.moe.experts_per_token, m.hidden
-    whole = 4.0 * m.moe.experts + (8 + 4) * k + 4 + 2 * 8 * k + e * k + 3.0 * e * k * h
+    whole = 4.0 * m.moe.experts + 8 * k + 2 * 8 * k + e * k + 3.0 * e * k * h
+    if m.moe.normalize_top_k:  # the division keeps the top k and their sum
+        whole += 4 * k + 4
     if m.moe.shared_ffn_hidden:
         whole += e * h + e
     return whole, 4.0 * e * ffn_width(m)
@@ -137,9 +145,11 @@ def routing_bytes(m, e: int) -> tuple[float, float]:
     outputs, forward and backward. Traced op by op on the runtime's block (tests/test_moe.py)."""
     n, k, h = m.moe.experts, m.moe.experts_per_token, m.hidden
     cast = 0 if e == 4 else e + 4
-    fwd = 12 * n + cast * (n + k) + 80 * k + 8 + 3 * e * k + 7 * e * k * h + 3 * e * h
-    bwd = 20 * n + cast * (n + k) + 100 * k + 12 + 6 * e * k + 14 * e * k * h + 3 * e * h
-    bwd += 4 * k + 4 if k > 1 else 0  # the renormalizing sum's backward (none over one row)
+    fwd = 12 * n + cast * (n + k) + 68 * k + 3 * e * k + 7 * e * k * h + 3 * e * h
+    bwd = 20 * n + cast * (n + k) + 44 * k + 6 * e * k + 14 * e * k * h + 3 * e * h
+    if m.moe.normalize_top_k:  # the sum and the division, their backward (the sum's none over one row)
+        fwd += 12 * k + 8
+        bwd += 56 * k + 12 + (4 * k + 4 if k > 1 else 0)
     if m.moe.shared_ffn_hidden:
         fwd += 5 * e * h + 3 * e
         bwd += 15 * e * h + 5 * e  # the product's two and the gate's sum, three more gradient adds

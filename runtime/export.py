@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from planner.args import OneLineParser
-from planner.hf_config import HF_DTYPES, to_hf_config
+from planner.hf_config import HF_DTYPES, moe_type, to_hf_config
 from planner.model import ConfigError, ModelConfig
 from runtime.checkpoint import META, checkpoints
 from runtime.hf_weights import parameter_names, to_hf
@@ -79,9 +79,6 @@ def read_run(ckpt: Path) -> tuple[ModelConfig, dict, int]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{ckpt / META}: unreadable or corrupt ({type(exc).__name__}: {exc}); export another "
                           "checkpoint") from None
-    if cfg.moe is not None:
-        raise ConfigError(f"{ckpt / META}: a mixture-of-experts model; export writes dense llama and gpt models "
-                          "only (no MoE layout of transformers is mapped yet)")
     return cfg, run.get("training") or {}, step
 
 
@@ -111,6 +108,8 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     tok_files, token_ids = tokenizer_files(tokenizer) if tokenizer is not None else ([], {})
     ckpt = step_dir(src)
     cfg, training, step = read_run(ckpt)
+    if cfg.moe is not None:
+        moe_type(cfg)  # a mixture of experts that transformers computes (Mixtral, Qwen2-MoE), else one line
     reader = dcp.FileSystemReader(str(ckpt))
     saved = reader.read_metadata().state_dict_metadata
     names = [n for n in dict.fromkeys(parameter_names(cfg))

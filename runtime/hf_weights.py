@@ -23,12 +23,13 @@ from typing import Callable
 
 import torch
 
-from planner.hf_config import EXACT_GELUS, from_hf_config, rope_parameters
+from planner.hf_config import EXACT_GELUS, from_hf_config, moe_type, rope_parameters
 from planner.model import ConfigError, ModelConfig
 from planner.rope import ROPE_SCALINGS
 from runtime.tied import head_weight
 
-WEIGHT_TYPES = ("llama", "mistral", "qwen2", "gpt2")  # whose blocks trident's runtime computes exactly
+# whose blocks trident's runtime computes exactly (mixtral and qwen2_moe: runtime.moe)
+WEIGHT_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe")
 # GPT-2's activation_function values the runtime computes (transformers' activations.py: gelu and
 # gelu_python exact, the others the tanh approximation written in several ways): planner.hf_config
 GELUS = EXACT_GELUS + ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
@@ -65,6 +66,19 @@ _GPT_BLOCK = {  # trident's name -> (transformers' transformer.h.{j}.<this>, tra
     "feed_forward.w2.weight": ("mlp.c_proj.weight", True), "feed_forward.w2.bias": ("mlp.c_proj.bias", False),
 }
 _GPT_QKV = ("attention.wq.", "attention.wk.", "attention.wv.")
+# an MoE block's feed-forward (runtime.moe): trident's name after "feed_forward." -> transformers'
+# (its files' layout, one tensor an expert, which transformers 5 fuses when it loads them) in a
+# Mixtral block and in a Qwen2-MoE one
+_MOE = {"mixtral": ("block_sparse_moe.", {"router": "gate", "w1": "w1", "w3": "w3", "w2": "w2"}),
+        "qwen2_moe": ("mlp.", {"router": "gate", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+                               "shared": "shared_expert", "shared_gate": "shared_expert_gate"})}
+
+
+def _moe_name(cfg: ModelConfig, rest: str) -> str:
+    """transformers' name of an MoE block's feed-forward tensor `rest` (feed_forward.experts.3.w1.weight)."""
+    prefix, names = _MOE[moe_type(cfg)]
+    parts = rest.split(".")[1:]  # without "feed_forward"
+    return prefix + ".".join(names.get(p, p) for p in parts)
 
 
 def _outer_names(cfg: ModelConfig) -> dict[str, str]:
@@ -135,7 +149,8 @@ def source(cfg: ModelConfig, name: str) -> tuple[str, Layout]:
                     Layout(transposed=kind == "weight", row0=part * cfg.hidden, rows=cfg.hidden))
         hf, transposed = _GPT_BLOCK[rest]
         return f"transformer.h.{i - 1}.{hf}", Layout(transposed=transposed)
-    hf = f"model.layers.{i - 1}.{_LLAMA_BLOCK[rest]}"
+    moe = cfg.moe is not None and rest.startswith("feed_forward.")
+    hf = f"model.layers.{i - 1}.{_moe_name(cfg, rest) if moe else _LLAMA_BLOCK[rest]}"
     if rest.startswith(("attention.wq.", "attention.wk.")):
         return hf, Layout(head=cfg.dim_per_head)
     return hf, Layout()
@@ -244,7 +259,7 @@ class ModelDir:
             key = "activation_function" if mt == "gpt2" else "hidden_act"
             raise ConfigError(f"{where}: {key}: {act!r}; the runtime computes "
                               f"{'GELU, exact or tanh (' + ', '.join(GELUS) + ')' if mt == 'gpt2' else 'SwiGLU (silu)'} only")
-        sliding = mt == "mistral" or hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
+        sliding = mt in ("mistral", "mixtral") or hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
         window = hf.get("sliding_window") if sliding else None
         if window is not None and window < seq_len:
             raise ConfigError(f"{where}: sliding_window: {window} is below the plan's seq_len {seq_len}; the runtime "

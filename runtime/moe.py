@@ -3,10 +3,11 @@ parallelism.
 
 MoEFeedForward: the router, a linear layer hidden -> experts, gives each token a float32 softmax
 over the experts; the token's rows go to its experts_per_token most probable, whose outputs are
-summed weighted by those probabilities renormalized over the k (Mixtral's routing, Jiang et al.
-2024, section 2.1). The token rows are sorted by expert and each expert, a SwiGLU MLP of its own
-parameters (as Hugging Face's Mixtral holds them), multiplies its contiguous run: a loop over the
-experts, torch having no grouped product on CPU. (Weights stacked [experts, ...] for a grouped
+summed weighted by those probabilities, renormalized over the k (Mixtral's routing, Jiang et al.
+2024, section 2.1) or as they are (model.moe.normalize_top_k false: Qwen2-MoE's). The token rows
+are sorted by expert and each expert, a SwiGLU MLP of its own parameters (as Hugging Face's
+Mixtral holds them), multiplies its contiguous run: a loop over the experts, torch having no
+grouped product on CPU. (Weights stacked [experts, ...] for a grouped
 product would, in a loop, make the backward hold every expert's gradient twice while it stacks
 them.) With a shared expert (Qwen2-MoE) every token also goes through one SwiGLU MLP scaled by a
 sigmoid gate. Routing is dropless: an expert takes every row sent to it.
@@ -79,33 +80,30 @@ class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         n, f, h, fs = cfg.moe.experts, cfg.ffn_hidden, cfg.hidden, cfg.moe.shared_ffn_hidden
-        self.k = cfg.moe.experts_per_token
+        self.k, self.normalize = cfg.moe.experts_per_token, cfg.moe.normalize_top_k
         self.router = nn.Linear(h, n, bias=False)
         self.experts = nn.ModuleList(_swiglu_mlp(h, f) for _ in range(n))
         self.shared = _swiglu_mlp(h, fs) if fs else None
         self.shared_gate = nn.Linear(h, 1, bias=False) if fs else None
         self.aux_scale = None  # () -> the load-balancing loss's gradient scale (attach_aux_loss), else None
-        self.aux = None  # its value in the last forward (detached), for the run's record
 
     def forward(self, x):
         b, s, h = x.shape
         flat = x.reshape(-1, h)
         probs = F.linear(flat, _local(self.router.weight, partial=True)).float().softmax(dim=-1)
         top, experts = probs.topk(self.k, dim=-1)
-        weights = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype).flatten()
+        weights = (top / top.sum(dim=-1, keepdim=True) if self.normalize else top).to(x.dtype).flatten()
         order = experts.flatten().argsort(stable=True)  # the rows by expert
-        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+        counts = torch.bincount(experts.flatten(), minlength=len(self.experts))
         token = order // self.k
         rows = flat[token]
-        out = torch.cat([swiglu(r, *_weights(mlp)) for mlp, r in zip(self.experts, rows.split(counts))])
+        out = torch.cat([swiglu(r, *_weights(mlp)) for mlp, r in zip(self.experts, rows.split(counts.tolist()))])
         out = torch.zeros_like(flat).index_add_(0, token, out * weights[order].unsqueeze(-1))
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(flat, _local(self.shared_gate.weight, partial=True)))
             out = out + gate * swiglu(flat, *_weights(self.shared))
         if self.aux_scale is not None and torch.is_grad_enabled():
-            share = torch.bincount(experts.flatten(), minlength=len(self.experts)).float() / flat.shape[0]
-            aux = len(self.experts) / self.k * (share * probs.mean(dim=0)).sum()
-            self.aux = aux.detach()
+            aux = len(self.experts) / self.k * (counts.float() / flat.shape[0] * probs.mean(dim=0)).sum()
             out = AuxLoss.apply(out, aux, self.aux_scale())
         return out.view(b, s, h)
 

@@ -18,6 +18,7 @@ from tokenizers.models import WordLevel
 
 from planner.hf_config import from_hf_config, to_hf_config
 from planner.model import ZOO, ConfigError, ModelConfig
+from planner.moe import MoESpec
 from planner.rope import RopeScaling
 from planner.plan import Plan
 from runtime.data import make_source
@@ -37,6 +38,11 @@ CONFIGS = {  # grouped-query llama; Qwen2's q/k/v biases, tied, another rope the
                                rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)),
     "gpt-tied": ModelConfig("t", "gpt", 2, 64, 256, 4, 4, 128, 32, tie_embeddings=True, gelu_approximate="tanh"),
     "gpt": ModelConfig("t", "gpt", 2, 64, 200, 4, 4, 128, 32),
+    # mixtures of experts (runtime.moe): Mixtral's (renormalized top k), Qwen2-MoE's (a gated shared
+    # expert, q/k/v biases, the top k as they are)
+    "mixtral": ModelConfig("t", "llama", 2, 64, 96, 8, 2, 128, 32, moe=MoESpec(4, 2)),
+    "qwen2-moe": ModelConfig("t", "llama", 2, 64, 48, 4, 4, 128, 32, qkv_bias=True,
+                             moe=MoESpec(4, 2, 64, normalize_top_k=False)),
 }
 
 
@@ -91,14 +97,22 @@ def test_transformers_computes_the_same_logits_both_ways(name, tmp_path):
     cfg = CONFIGS[name]
     ids = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     ours = _trident_model(cfg)
-    hf = _hf_model(cfg)
-    missing, unexpected = hf.load_state_dict(to_hf(cfg, dict(ours.named_parameters())), strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if cfg.moe is None:
+        hf = _hf_model(cfg)
+        missing, unexpected = hf.load_state_dict(to_hf(cfg, dict(ours.named_parameters())), strict=False)
+        assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    else:  # transformers 5 fuses the experts' tensors as it loads a directory of them (as export writes it)
+        from safetensors.torch import save_file
+        (tmp_path / "ours").mkdir()
+        save_file({k: v.contiguous() for k, v in to_hf(cfg, dict(ours.named_parameters())).items()},
+                  tmp_path / "ours" / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / "ours" / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
 
     theirs = _hf_model(cfg)
-    theirs.save_pretrained(tmp_path / "safetensors")
+    theirs.save_pretrained(tmp_path / "safetensors")  # transformers 5: an MoE's experts a tensor each again
     # transformers 4's sharded pytorch_model.bin (5 writes safetensors alone): two files and their index
     (tmp_path / "bin").mkdir()
     shutil.copy(tmp_path / "safetensors" / "config.json", tmp_path / "bin")
@@ -109,7 +123,7 @@ def test_transformers_computes_the_same_logits_both_ways(name, tmp_path):
         torch.save({k: state[k] for k in names if weight_map[k] == f}, tmp_path / "bin" / f)
     (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     plan = type("P", (), {"model": cfg, "training": type("T", (), {"seq_len": cfg.seq_len})})
-    for saved in ("safetensors", "bin"):
+    for saved in ("safetensors", "bin") if cfg.moe is None else ("safetensors",):  # state_dict: fused experts
         args = type("A", (), {"init_from": str(tmp_path / saved), "resume": False, "checkpoint_dir": None})
         loaded = Transformer(cfg)
         init_weights(loaded, 0, initial_weights(args, plan))

@@ -28,12 +28,12 @@ QWEN15_MOE_HF = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_s
                  "num_key_value_heads": 16, "num_hidden_layers": 24, "vocab_size": 151936,
                  "max_position_embeddings": 8192, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                  "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-                 "num_experts_per_tok": 4, "num_experts": 60}
+                 "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False}
 QWEN3_MOE_HF = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48,
                 "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
                 "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "decoder_sparse_step": 1,
-                "mlp_only_layers": []}
+                "mlp_only_layers": [], "norm_topk_prob": True}
 
 
 def test_parameter_counts_match_the_released_models():
@@ -62,7 +62,7 @@ def test_hugging_face_moe_configs_map_to_the_zoo():
     assert from_hf_config(MIXTRAL_HF, name="mixtral-8x7b") == ZOO["mixtral-8x7b"]
     assert from_hf_config(QWEN3_MOE_HF, name="qwen3-30b-a3b") == ZOO["qwen3-30b-a3b"]
     qwen15 = from_hf_config(QWEN15_MOE_HF)
-    assert qwen15.moe == MoESpec(60, 4, 5632) and qwen15.ffn_hidden == 1408 and qwen15.qkv_bias
+    assert qwen15.moe == MoESpec(60, 4, 5632, normalize_top_k=False) and qwen15.ffn_hidden == 1408 and qwen15.qkv_bias
     for key, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [0, 1])):
         with pytest.raises(ConfigError, match=key):
             from_hf_config({**QWEN3_MOE_HF, key: value})
@@ -133,7 +133,8 @@ def test_moe_plans_round_trip_and_dense_ones_read_as_before(tmp_path):
                       global_batch=16, micro_batch=1, seq_len=4096, tp=2, pp=2, zero=1)
     a = tmp_path / "a.json"
     plan.write(a)
-    assert json.loads(a.read_text())["model"]["moe"] == {"experts": 128, "experts_per_token": 8, "shared_ffn_hidden": 0}
+    assert json.loads(a.read_text())["model"]["moe"] == {"experts": 128, "experts_per_token": 8, "shared_ffn_hidden": 0,
+                                                         "normalize_top_k": True}
     back = Plan.read(a)
     assert back.model == m
     back.write(tmp_path / "b.json")
@@ -167,7 +168,7 @@ def test_tp_must_divide_the_shared_expert_too():
 TINY_MOE = dataclasses.replace(ZOO["tiny"], name="tiny-moe", moe=MoESpec(4, 2, 64))
 
 
-@pytest.mark.parametrize("moe", [MoESpec(8, 2), MoESpec(16, 4), MoESpec(4, 1, 256)])
+@pytest.mark.parametrize("moe", [MoESpec(8, 2), MoESpec(16, 4), MoESpec(4, 1, 256), MoESpec(8, 2, 256, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_runtime_moe_block_keeps_and_moves_what_the_planner_counts(moe, dtype):
     """What runtime.moe's block saves for its backward (saved-tensor hooks, by storage) and the
@@ -271,10 +272,10 @@ def test_the_balancing_loss_gradient_is_that_of_the_loss_it_adds(monkeypatch):
 
 
 def test_what_the_runtime_cannot_do_with_moe_models_is_one_line(tmp_path):
-    """`trident profile model` does not measure MoE blocks, `trident export` writes no MoE layout:
-    each says so in one line, before any process group."""
+    """`trident profile model` does not measure MoE blocks; `trident export` writes Mixtral and
+    Qwen2-MoE models, not one neither computes: each says so in one line."""
     from runtime.checkpoint import META
-    from runtime.export import read_run
+    from runtime.export import export
     from runtime.profile import parse_args
     from runtime.profile_model import check_args
     (tmp_path / "moe.model.json").write_text(json.dumps(TINY_MOE.to_dict()))
@@ -284,8 +285,8 @@ def test_what_the_runtime_cannot_do_with_moe_models_is_one_line(tmp_path):
     step = tmp_path / "ckpt" / "step-1"
     step.mkdir(parents=True)
     (step / META).write_text(json.dumps({"step": 1, "run": {"model": TINY_MOE.to_dict(), "training": {}}}))
-    with pytest.raises(ConfigError, match="a mixture-of-experts model; export writes dense") as err:
-        read_run(step)
+    with pytest.raises(ConfigError, match="tiny-moe: a shared expert without q/k/v biases: no transformers MoE") as err:
+        export(step, tmp_path / "out", "fp32", 1e9, False, None)
     assert "\n" not in str(err.value)
 
 
@@ -307,7 +308,7 @@ def test_expert_parallel_groups_are_ep_dp_ranks_and_their_shards_the_rest():
 
 def test_expert_parallelism_is_checked_and_left_out_of_plan_files_at_one(tmp_path):
     for kw, says in ((dict(ep=3), "does not divide model.moe.experts=8"),
-                     (dict(ep=8, dp_replicate=2), r"must divide the data-parallel shard group \(dp / dp_replicate = 4\)"),
+                     (dict(ep=8, dp_replicate=2), r"must divide the data-parallel shard group \(dp / dp_replicate = 4"),
                      (dict(ep=0), "must be a positive integer")):
         with pytest.raises(ConfigError, match=rf"mesh\.ep: .*{says}"):
             _mixtral_plan(**kw)
