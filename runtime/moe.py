@@ -53,14 +53,20 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
-def _swiglu_mlp(h: int, f: int) -> nn.ModuleDict:
-    """An expert: gate (w1), up (w3) and down (w2) projections, named as runtime.model.FeedForward's."""
-    return nn.ModuleDict({"w1": nn.Linear(h, f, bias=False), "w3": nn.Linear(h, f, bias=False),
-                          "w2": nn.Linear(f, h, bias=False)})
+class Expert(nn.Module):
+    """A SwiGLU expert: gate (w1), up (w3) and down (w2) projections, named as runtime.model.
+    FeedForward's; a module with a forward, so that FSDP2 can gather it as a group of its own
+    (expert parallelism: runtime.parallelize.apply_data_parallel)."""
 
+    def __init__(self, h: int, f: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+        self.w2 = nn.Linear(f, h, bias=False)
 
-def _weights(mlp: nn.ModuleDict) -> list[torch.Tensor]:
-    return [_local(mlp[n].weight) for n in ("w1", "w3", "w2")]
+    def forward(self, x, grad_scale: float | None = None):
+        """`grad_scale`: the weights' gradients scaled so (expert parallelism's 1 / ep)."""
+        ws = [_local(lin.weight) for lin in (self.w1, self.w3, self.w2)]
+        return swiglu(x, *(ws if grad_scale is None else (_GradScale.apply(w, grad_scale) for w in ws)))
 
 
 class AuxLoss(torch.autograd.Function):
@@ -76,14 +82,30 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
+class _GradScale(torch.autograd.Function):
+    """The tensor unchanged; its gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx, t, scale: float):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         n, f, h, fs = cfg.moe.experts, cfg.ffn_hidden, cfg.hidden, cfg.moe.shared_ffn_hidden
         self.k, self.normalize = cfg.moe.experts_per_token, cfg.moe.normalize_top_k
         self.router = nn.Linear(h, n, bias=False)
-        self.experts = nn.ModuleList(_swiglu_mlp(h, f) for _ in range(n))
-        self.shared = _swiglu_mlp(h, fs) if fs else None
+        # by global index: under expert parallelism a rank keeps its own (apply_expert_parallel)
+        self.experts = nn.ModuleDict({str(j): Expert(h, f) for j in range(n)})
+        self.n = n
+        self.ep = None  # (group, size, first expert) under expert parallelism, else None
+        self.shared = Expert(h, fs) if fs else None
         self.shared_gate = nn.Linear(h, 1, bias=False) if fs else None
         self.aux_scale = None  # () -> the load-balancing loss's gradient scale (attach_aux_loss), else None
 
@@ -94,18 +116,64 @@ class MoEFeedForward(nn.Module):
         top, experts = probs.topk(self.k, dim=-1)
         weights = (top / top.sum(dim=-1, keepdim=True) if self.normalize else top).to(x.dtype).flatten()
         order = experts.flatten().argsort(stable=True)  # the rows by expert
-        counts = torch.bincount(experts.flatten(), minlength=len(self.experts))
+        counts = torch.bincount(experts.flatten(), minlength=self.n)
         token = order // self.k
         rows = flat[token]
-        out = torch.cat([swiglu(r, *_weights(mlp)) for mlp, r in zip(self.experts, rows.split(counts.tolist()))])
+        if self.ep is None:
+            runs = rows.split(counts.tolist())
+            out = torch.cat([expert(r) for expert, r in zip(self.experts.values(), runs)])
+        else:
+            out = self._expert_parallel(rows, counts)
         out = torch.zeros_like(flat).index_add_(0, token, out * weights[order].unsqueeze(-1))
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(flat, _local(self.shared_gate.weight, partial=True)))
-            out = out + gate * swiglu(flat, *_weights(self.shared))
+            out = out + gate * self.shared(flat)
         if self.aux_scale is not None and torch.is_grad_enabled():
-            aux = len(self.experts) / self.k * (counts.float() / flat.shape[0] * probs.mean(dim=0)).sum()
+            aux = self.n / self.k * (counts.float() / flat.shape[0] * probs.mean(dim=0)).sum()
             out = AuxLoss.apply(out, aux, self.aux_scale())
         return out.view(b, s, h)
+
+
+    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs of `rows` (sorted by expert, `counts` a expert) where the experts are
+        spread over the EP group: each rank's rows to its experts' rank and back by all-to-all
+        (torch.distributed.nn's, whose backward is the reverse exchange), the rows received run
+        expert by expert. The experts' weight gradients are scaled by 1 / ep: a rank's experts
+        compute the rows of all ep ranks, and FSDP2 averages them over the dp / ep ranks holding
+        the same experts only."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+        group, ep, first = self.ep
+        send = counts.view(ep, -1)  # rows for each rank's experts
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source rank, expert of mine]
+        send_n, recv_n = send.sum(1).tolist(), recv.sum(1).tolist()
+        got = all_to_all_single(rows.new_empty(sum(recv_n), rows.shape[1]), rows.contiguous(), recv_n, send_n, group)
+        mine = torch.arange(recv.shape[1], device=rows.device).repeat(ep).repeat_interleave(recv.flatten())
+        order = mine.argsort(stable=True)  # the rows received by my expert
+        outs = [self.experts[str(first + j)](r, 1.0 / ep) for j, r in enumerate(got[order].split(recv.sum(0).tolist()))]
+        back = torch.cat(outs)[order.argsort()]
+        return all_to_all_single(rows.new_empty(rows.shape), back.contiguous(), send_n, recv_n, group)
+
+
+def apply_expert_parallel(chunk, mesh, plan_mesh):
+    """Under expert parallelism (plan_mesh.ep > 1; runtime.parallelize.build_mesh's "ep" and "edp"
+    dimensions) keep in each MoE block of `chunk` (on meta, before TP and FSDP) the experts of
+    this rank of the EP group: experts / ep consecutive ones, by their global index (their names
+    and initial values stay those of a run without it). Returns the mesh FSDP2 shards the experts
+    over (the dp / ep ranks holding the same ones), None without expert parallelism."""
+    if plan_mesh.ep == 1:
+        return None
+    ep_mesh = mesh["ep"]
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for module in chunk.modules():
+        if isinstance(module, MoEFeedForward):
+            per = module.n // ep
+            for j in list(module.experts.keys()):
+                if not rank * per <= int(j) < (rank + 1) * per:
+                    del module.experts[j]
+            module.ep = (ep_mesh.get_group(), ep, rank * per)
+    return mesh["edp"]
 
 
 class MoETensorParallel(ParallelStyle):

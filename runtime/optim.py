@@ -32,7 +32,7 @@ def reset_weight_decay(optimizers, weight_decay: float) -> None:
 
 @torch.no_grad()
 def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device, timing: dict | None = None,
-                   reduce: bool = True, uncounted=None, inv_scale: float = 1.0) -> float:
+                   reduce: bool = True, uncounted=None, inv_scale: float = 1.0, ep=None) -> float:
     """Clip to a total norm over every parameter of the model, however it is split. The squares of
     the local shards are summed per (mesh, sharded mesh dims) and each sum is all-reduced over its
     sharded dims once (not one collective per DTensor); replicated dims hold copies and are not
@@ -45,7 +45,9 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
     gradient is clipped but not counted (a tied matrix's copy, counted with the embedding: runtime.tied).
     `inv_scale`: the gradients are of a loss scaled by 1 / inv_scale (runtime.loss_scale): the norm
     returned is the unscaled one, and the gradients are unscaled with the clipping; an inf or NaN
-    norm (an fp16 overflow) leaves them as they are."""
+    norm (an fp16 overflow) leaves them as they are. `ep`: the EP mesh under expert parallelism
+    (runtime.moe), whose ranks hold other experts: the sums over the experts' meshes (their "edp"
+    dimension) are summed over it too."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -67,6 +69,8 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
     for mesh, dims, part in sums.values():  # the same order on every rank: parameter order
         for d in dims if reduce else ():
             dist.all_reduce(part, group=mesh.get_group(d))
+        if ep is not None and reduce and "edp" in (mesh.mesh_dim_names or ()):
+            dist.all_reduce(part, group=ep.get_group())
         sq += part
     if timing is not None:
         timing["norm_s"] = time.perf_counter() - t0

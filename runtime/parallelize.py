@@ -189,7 +189,7 @@ def apply_recompute(chunk: Transformer, modes: dict[int, str], split_backward: b
 
 
 def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
-                        param_dtype: torch.dtype | None = None) -> None:
+                        param_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None) -> None:
     """ZeRO 3: FSDP2 per block, parameters resharded after forward; the embedding and the head
     (final norm and output projection) in groups of their own, as torchtitan wraps them, the
     head's kept gathered from its forward to its backward, which follows at once; then the chunk
@@ -201,7 +201,9 @@ def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
     weights and their gradients each.
     ZeRO 1 and 2: the same groups without resharding after forward (FSDP2 always shards gradients
     and optimizer state, so they hold less than a ZeRO-1/2 plan counts, never more). ZeRO 0:
-    `replicate` (all-reduced gradients, everything replicated). Nothing to do when dp == 1."""
+    `replicate` (all-reduced gradients, everything replicated). Nothing to do when dp == 1. Under
+    expert parallelism (`expert_mesh`: runtime.moe.apply_expert_parallel) each MoE block's experts
+    are a group of their own over that mesh, inside their block's."""
     if dp_mesh.size() == 1:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -213,6 +215,9 @@ def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
     reshard = zero == 3
     tied = holds_tied_pair(chunk)
     for layer in chunk.layers.values():
+        if expert_mesh is not None and isinstance(layer, Block) and isinstance(layer.feed_forward, MoEFeedForward):
+            fully_shard(list(layer.feed_forward.experts.values()), mesh=expert_mesh, reshard_after_forward=reshard,
+                        mp_policy=mp)
         if isinstance(layer, Block) or (isinstance(layer, Embedding) and not tied):
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         elif isinstance(layer, Head) and not tied:
@@ -224,11 +229,14 @@ def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
     """The world's DeviceMesh in the plan's order, and the mesh data parallelism runs over. Under
     HSDP (mesh.dp_replicate > 1) dp is two dimensions, dp_replicate outside dp_shard, as
     planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards)."""
-    dims = [d for dim in m.order for d in (("dp_replicate", "dp_shard") if dim == "dp" and m.dp_replicate > 1
-                                           else (dim,))]
-    sizes = {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard}
+    split = ("dp_replicate", "dp_shard") if m.dp_replicate > 1 else ("edp", "ep") if m.ep > 1 else ("dp",)
+    dims = [d for dim in m.order for d in (split if dim == "dp" else (dim,))]
+    sizes = {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard,
+             "edp": m.dp // m.ep, "ep": m.ep}
     mesh = DeviceMesh(device_type, torch.arange(m.world_size).reshape([sizes[d] for d in dims]),
                       mesh_dim_names=tuple(dims))
+    if m.ep > 1:  # expert parallelism (runtime.moe): the ep dp ranks inside, the dp / ep holding the same outside
+        return mesh, mesh["edp", "ep"]._flatten("dp")
     # context parallelism: the CP ranks hold the same parameters, so ZeRO shards over dp (HSDP's
     # shard group) x cp and gradients add up over them too (torchtitan's dp_shard_cp)
     if m.cp == 1:

@@ -39,7 +39,7 @@ from runtime.launch import free_port
 from runtime.metrics import MetricsLog, PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
-from runtime.moe import attach_aux_loss
+from runtime.moe import apply_expert_parallel, attach_aux_loss
 from runtime.optim import clip_grad_norm, lr_at, param_groups, reduce_partial_grads
 from runtime.loss_scale import LossScale
 from runtime.tied import TiedMatrix
@@ -96,11 +96,12 @@ class Trainer:
         st, cfg, m = self.plan.pipeline.stages[sid], self.plan.model, self.plan.mesh
         with torch.device("meta"):
             chunk = Transformer(cfg, st.start, st.end)
+        experts = apply_expert_parallel(chunk, self.mesh, m)  # runtime.moe: their FSDP2 mesh, or None
         if m.tp > 1:
             apply_tp(chunk, self.mesh["tp"], st.sequence_parallel, self.plan.training.sp_saved_inputs == "shard")
         apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)},
                         split_backward=split_backward(self.plan.pipeline.schedule, m.pp))
-        apply_data_parallel(chunk, self.dp_mesh, st.zero, AUTOCAST_DTYPES.get(self.dtype))
+        apply_data_parallel(chunk, self.dp_mesh, st.zero, AUTOCAST_DTYPES.get(self.dtype), experts)
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies
         init_weights(chunk, self.plan.training.seed, self.full_of)
@@ -157,7 +158,7 @@ class Trainer:
         self.tied.sync(timing)
         self.grad_norm = clip_grad_norm(params, plan.training.grad_clip, self.mesh["pp"].get_group() if plan.mesh.pp > 1
                                         else None, self.device, timing, uncounted=self.tied.copy,
-                                        inv_scale=1.0 / self.scaler.scale)
+                                        inv_scale=1.0 / self.scaler.scale, ep=self.mesh["ep"] if plan.mesh.ep > 1 else None)
         self.lr = lr_at(plan.training, step)
         stepping = self.scaler.update(self.grad_norm)  # every rank alike: the norm is the world's
         for opt in self.optimizers:
