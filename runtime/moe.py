@@ -133,9 +133,8 @@ class MoEFeedForward(nn.Module):
             out = AuxLoss.apply(out, aux, self.aux_scale())
         return out.view(b, s, h)
 
-
     def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The experts' outputs of `rows` (sorted by expert, `counts` a expert) where the experts are
+        """The experts' outputs of `rows` (sorted by expert, `counts` of each) where the experts are
         spread over the EP group: each rank's rows to its experts' rank and back by all-to-all
         (torch.distributed.nn's, whose backward is the reverse exchange), the rows received run
         expert by expert. The experts' weight gradients are scaled by 1 / ep: a rank's experts
