@@ -1,7 +1,8 @@
 """Expert parallelism for the search's plans of mixture-of-experts models: each plan found is
 priced again with its experts spread over every expert-parallel degree the plan admits (mesh.ep:
-a divisor of the experts and of the data-parallel shard group, planner.moe), and replaced by the
-fastest that fits where that beats it (`trident search --ep` narrows the degrees).
+a divisor of the experts and of the data-parallel shard group, planner.moe) and the runtime runs
+(runtime.moe: ZeRO 1-3, without context parallelism or HSDP), and replaced by the fastest that
+fits where that beats it (`trident search --ep` narrows the degrees).
 
 A pass over the plans found, as HSDP's (planner.hsdp), not a dimension of the partition search:
 expert parallelism changes no layer's compute, only the experts' memory (experts / ep of them
@@ -15,11 +16,13 @@ import dataclasses
 from planner.cost import estimate
 
 
-def ep_degrees(model, mesh) -> list[int]:
-    """The values of mesh.ep a plan admits besides 1 (planner.plan_checks)."""
-    if model.moe is None:
+def ep_degrees(plan) -> list[int]:
+    """The values of mesh.ep besides 1 that a plan admits (planner.plan_checks) and the runtime runs
+    (runtime.run_checks: ZeRO 1-3 on every stage, no context parallelism, no HSDP)."""
+    m, mesh = plan.model, plan.mesh
+    if m.moe is None or mesh.cp > 1 or mesh.dp_replicate > 1 or min(st.zero for st in plan.pipeline.stages) == 0:
         return []
-    return [d for d in range(2, mesh.dp_shard + 1) if mesh.dp_shard % d == 0 and model.moe.experts % d == 0]
+    return [d for d in range(2, mesh.dp + 1) if mesh.dp % d == 0 and m.moe.experts % d == 0]
 
 
 def with_ep(results: list, cluster, memory_limit_bytes=None, allowed=None) -> list:
@@ -33,7 +36,7 @@ def with_ep(results: list, cluster, memory_limit_bytes=None, allowed=None) -> li
             out.append(f)
             continue
         best = f if allowed is None or plan.mesh.ep in allowed else None
-        for ep in [1] + ep_degrees(plan.model, plan.mesh):
+        for ep in [1] + ep_degrees(plan):
             if (allowed is not None and ep not in allowed) or ep == plan.mesh.ep:
                 continue
             p = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, ep=ep)).validate()

@@ -355,6 +355,15 @@ def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
     assert est.breakdown["time"]["ep_comm_s"] == pytest.approx(4 * one * blocks[r] * plan.pipeline.micro_batches)
 
 
+def test_the_search_spreads_experts_only_where_the_runtime_can():
+    from planner.expert_parallel import ep_degrees
+    assert ep_degrees(_mixtral_plan()) == [2, 4, 8]  # dp 8, 8 experts
+    for kw in (dict(zero=0), dict(dp_replicate=2), dict(cp=2, tp=1, order=["pp", "dp", "cp", "tp"])):
+        assert ep_degrees(_mixtral_plan(**kw)) == [], kw
+    assert ep_degrees(build_plan(ZOO["llama3-8b"], cluster_name=H100.name, device=H100.device.name, nodes=1,
+                                 devices_per_node=8, global_batch=16, micro_batch=1, zero=1)) == []
+
+
 def test_the_search_spreads_experts_where_that_is_faster(capsys):
     """Mixtral 8x7B on 8 DGX H100 nodes: the plans found are priced again with every expert-parallel
     degree (planner.expert_parallel); the best spreads the experts over the 4 dp ranks of a node."""
