@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from planner.build import build_plan  # noqa: E402
-from planner.model import ZOO  # noqa: E402
+from planner.zoo import ZOO  # noqa: E402
 
 MODES = {"none": [], "sync": ["--checkpoint-every", "1"], "async": ["--checkpoint-every", "1", "--async-checkpoint"]}
 

@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.prediction_accuracy import torchrun  # noqa: E402
-from benchmarks.zero_memory import UNDER, benchmark_args, rank_peaks  # noqa: E402
+from benchmarks.zero_memory import UNDER, benchmark_args, extra_mib, twin_rows, worst_ratio  # noqa: E402
 from planner.build import build_plan  # noqa: E402
-from planner.model import ZOO  # noqa: E402
+from planner.zoo import ZOO  # noqa: E402
 
 MiB = 2**20
 EOS = 7
@@ -60,22 +60,16 @@ def main(argv=None) -> int:
             by_world.setdefault(world, []).append(path)
     for world, paths in by_world.items():
         torchrun(world, "runtime.train", "--plan", *paths, "--steps", 3, "--data", data, "--out", work / "runs")
-    rows = []
-    for name in PLANS:
-        (pp_, mp), (pm, mm) = (rank_peaks(work / f"{name}-{kind}.json", work / "runs") for kind in ("plain", "masked"))
-        rows.append(dict(plan=name, ratio_plain=list(mp / pp_), ratio_masked=list(mm / pm),
-                         predicted_extra_mib=list((pm - pp_) / MiB), measured_extra_mib=list((mm - mp) / MiB)))
+    rows = twin_rows(work, PLANS, {"plain": "plain", "masked": "masked"})
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{MODEL.name}, 256 tokens, micro-batches of 2 (the mask: {2 * 256 ** 2 * 4 / MiB:.2f} MiB a "
               "micro-batch in float32)")
         for r in rows:
-            extra = ", ".join(f"{m:+.2f} ({p:+.2f})" for m, p in zip(r["measured_extra_mib"], r["predicted_extra_mib"]))
             print(f"{r['plan']:10s} measured/predicted: plain {max(r['ratio_plain']):.3f}, masked "
-                  f"{max(r['ratio_masked']):.3f}; the mask's extra MiB per rank, measured (predicted): {extra}")
-    worst = max(max(r["ratio_plain"] + r["ratio_masked"]) for r in rows)
-    return 1 if worst > UNDER else 0
+                  f"{max(r['ratio_masked']):.3f}; the mask's extra MiB per rank, measured (predicted): {extra_mib(r)}")
+    return 1 if worst_ratio(rows) > UNDER else 0
 
 
 if __name__ == "__main__":

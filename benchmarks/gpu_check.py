@@ -253,8 +253,9 @@ def main(argv=None) -> int:
     from planner.cluster import load_cluster
     from planner.compare import compare
     from planner.cost import estimate
-    from planner.model import ModelConfig, ZOO
+    from planner.model import ModelConfig
     from planner.model_profile import load_model_profile
+    from planner.zoo import ZOO
 
     out = Path(args.out or os.environ.get("OUT") or REPO / "out" / "gpu_check")
     out.mkdir(parents=True, exist_ok=True)

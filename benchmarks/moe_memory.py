@@ -23,12 +23,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.prediction_accuracy import torchrun  # noqa: E402
-from benchmarks.zero_memory import UNDER, benchmark_args, rank_peaks  # noqa: E402
+from benchmarks.zero_memory import UNDER, benchmark_args, extra_mib, twin_rows, worst_ratio  # noqa: E402
 from planner.build import build_plan  # noqa: E402
-from planner.model import ZOO  # noqa: E402
 from planner.moe import MoESpec  # noqa: E402
+from planner.zoo import ZOO  # noqa: E402
 
-MiB = 2**20
 DENSE = dataclasses.replace(ZOO["tiny"], name="tiny-dense", seq_len=128)
 MOE = dataclasses.replace(DENSE, name="tiny-moe", moe=MoESpec(8, 2, 128))
 # name: (world, build_plan keywords); global batch 8, micro-batches of 2, float32
@@ -49,23 +48,17 @@ def main(argv=None) -> int:
             by_world.setdefault(world, []).append(path)
     for world, paths in by_world.items():
         torchrun(world, "runtime.train", "--plan", *paths, "--steps", 4, "--out", work / "runs")
-    rows = []
-    for name in PLANS:
-        (pd, md), (pm, mm) = (rank_peaks(work / f"{name}-{m.name}.json", work / "runs") for m in (DENSE, MOE))
-        rows.append(dict(plan=name, ratio_dense=list(md / pd), ratio_moe=list(mm / pm),
-                         predicted_extra_mib=list((pm - pd) / MiB), measured_extra_mib=list((mm - md) / MiB)))
+    rows = twin_rows(work, PLANS, {"dense": DENSE.name, "moe": MOE.name})
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{MOE.name}: {MOE.num_parameters() / 1e6:.2f} M parameters ({MOE.active_parameters() / 1e6:.2f} M "
               f"active), its dense twin {DENSE.num_parameters() / 1e6:.2f} M; 128 tokens, micro-batches of 2, fp32")
         for r in rows:
-            extra = ", ".join(f"{m:+.2f} ({p:+.2f})" for m, p in zip(r["measured_extra_mib"], r["predicted_extra_mib"]))
             print(f"{r['plan']:15s} measured/predicted: dense {max(r['ratio_dense']):.3f}, MoE "
                   f"{min(r['ratio_moe']):.3f}-{max(r['ratio_moe']):.3f}; the experts' extra MiB per rank, "
-                  f"measured (predicted): {extra}")
-    worst = max(max(r["ratio_dense"] + r["ratio_moe"]) for r in rows)
-    return 1 if worst > UNDER else 0
+                  f"measured (predicted): {extra_mib(r)}")
+    return 1 if worst_ratio(rows) > UNDER else 0
 
 
 if __name__ == "__main__":

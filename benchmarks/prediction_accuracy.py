@@ -42,10 +42,10 @@ sys.path.insert(0, str(REPO))
 from planner.cluster import load_cluster  # noqa: E402
 from planner.compare import SLOTS_DRIFT, compare  # noqa: E402
 from planner.cost import estimate  # noqa: E402
-from planner.model import ZOO  # noqa: E402
 from planner.model_profile import load_model_profile  # noqa: E402
 from planner.build import build_plan  # noqa: E402
 from planner.search import search_profiled  # noqa: E402
+from planner.zoo import ZOO  # noqa: E402
 from runtime.host_share import busy_cores  # noqa: E402
 
 # model: (sequence length, global batch, micro-batch sizes profiled, profile repeats)

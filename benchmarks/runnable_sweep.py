@@ -21,8 +21,9 @@ import torch  # noqa: E402
 
 from planner.cluster import load_cluster  # noqa: E402
 from planner.hf_config import from_hf_config  # noqa: E402
-from planner.model import ZOO, ConfigError  # noqa: E402
+from planner.model import ConfigError  # noqa: E402
 from planner.search import search  # noqa: E402
+from planner.zoo import ZOO  # noqa: E402
 from runtime.model import Transformer  # noqa: E402
 from runtime.run_checks import check_plan  # noqa: E402
 from runtime.train import parse_args  # noqa: E402

@@ -162,8 +162,8 @@ def tp_spans_nodes(plan, cluster) -> list[bool]:
 
 def search_plan(profile_path: Path):
     from planner.cluster import load_cluster
-    from planner.model import ZOO
     from planner.search import search
+    from planner.zoo import ZOO
     cluster = load_cluster(str(profile_path))
     t0 = time.monotonic()
     res = search(ZOO["tiny"], cluster, global_batch=GLOBAL_BATCH, dtype="fp32", top=20)
@@ -209,7 +209,7 @@ def tp2_plans(res, cluster) -> list:
     with defaults where the search kept none), the one with the search's pp and dp first, then a
     default tp2 x pp2 GPipe plan with one micro-batch of the whole batch (TP messages of 8 x 64
     tokens x 128 x 4 B = 256 KB: the most TP traffic per message)."""
-    from planner.model import ZOO
+    from planner.zoo import ZOO
     from planner.build import build_plan
 
     def default(pp, mb=1, schedule="1f1b"):

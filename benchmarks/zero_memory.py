@@ -31,8 +31,8 @@ from benchmarks.prediction_accuracy import torchrun  # noqa: E402
 from planner.build import build_plan  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
 from planner.cost import estimate  # noqa: E402
-from planner.model import ZOO  # noqa: E402
 from planner.plan import Plan  # noqa: E402
+from planner.zoo import ZOO  # noqa: E402
 
 MiB = 2**20
 UNDER = 1.03  # the CPU heap's run-to-run spread
@@ -72,6 +72,29 @@ def rank_peaks(plan_path: Path, runs: Path) -> tuple:
     measured = json.loads((runs / plan_path.name).read_text())["peak_memory_bytes_per_rank"]
     return (np.array([per_pp[plan.mesh.coords(r)["pp"]] for r in range(world)], dtype=float),
             np.array(measured, dtype=float))
+
+
+def twin_rows(work: Path, plans, kinds: dict) -> list[dict]:
+    """Per plan name, its two twins' rows (documents masked or not, dense or MoE): `kinds` maps the
+    two keys (base first) to the suffix of their plan files (work/NAME-SUFFIX.json, run records in
+    work/runs); each rank's measured / predicted peak under ratio_KEY, and the second twin's extra
+    memory, predicted and measured, in MiB."""
+    (a, sa), (b, sb) = kinds.items()
+    rows = []
+    for name in plans:
+        (pa, ma), (pb, mb) = (rank_peaks(work / f"{name}-{s}.json", work / "runs") for s in (sa, sb))
+        rows.append({"plan": name, f"ratio_{a}": list(ma / pa), f"ratio_{b}": list(mb / pb),
+                     "predicted_extra_mib": list((pb - pa) / MiB), "measured_extra_mib": list((mb - ma) / MiB)})
+    return rows
+
+
+def extra_mib(row: dict) -> str:
+    """A twin_rows row's extra MiB per rank, measured (predicted)."""
+    return ", ".join(f"{m:+.2f} ({p:+.2f})" for m, p in zip(row["measured_extra_mib"], row["predicted_extra_mib"]))
+
+
+def worst_ratio(rows: list[dict]) -> float:
+    return max(max(v) for r in rows for k, v in r.items() if k.startswith("ratio_"))
 
 
 def benchmark_args(argv, doc: str, prefix: str) -> tuple:

@@ -12,7 +12,7 @@ from planner.cluster import load_cluster
 from planner.args import (MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, non_negative_int, non_negative_number,
                           nonempty, number_in, positive_int, probability, replica_list)
 from planner.cost import estimate
-from planner.model import ATTENTION_KERNELS, ZOO, ConfigError
+from planner.model import ATTENTION_KERNELS, ConfigError
 from planner.model_files import load_model
 from planner.plan import LR_DECAYS, SCHEDULES, SP_SAVED_INPUTS, Plan, Training, priced_on
 from planner.plan_checks import check_optimizer
@@ -20,6 +20,7 @@ from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.report import describe_plan, estimate_table
 from planner.sp_modes import EITHER
+from planner.zoo import ZOO
 
 GiB = 2**30
 
@@ -221,9 +222,8 @@ def training_settings(args) -> dict:
         raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
     if note := dropout_note(args):
         print(f"trident: note: {note}", file=sys.stderr)
-    return dict(kw, dropout=args.dropout, attention_dropout=args.attention_dropout, document_mask=args.document_mask,
-                eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
-                moe_aux_loss=args.moe_aux_loss)
+    return dict(kw, **{k: getattr(args, k) for k in ("dropout", "attention_dropout", "document_mask", "eod_mask_loss",
+                                                      "reset_position_ids", "moe_aux_loss")})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,8 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context parallelism: each sequence split over this many ranks (1: none)")
     p.add_argument("--dp-replicate", type=positive_int, default=1,
                    help="HSDP: ZeRO shards over dp / this many ranks and all-reduces across the copies (1: none)")
-    p.add_argument("--ep", type=positive_int, default=1,
-                   help="expert parallelism (MoE models): each block's experts spread over this many dp ranks (1: none)")
+    p.add_argument("--ep", type=positive_int, default=1, help="MoE: experts spread over this many dp ranks (1: none)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (1: none)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")

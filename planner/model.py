@@ -1,4 +1,4 @@
-"""Model specification: ModelConfig, the zoo, loaders, and per-layer analytic costs.
+"""Model specification: ModelConfig and its per-layer analytic costs (planner.zoo: the models by name).
 
 Layers are numbered the way the plan file numbers them: layer 0 is the embedding, layers
 1..L are the transformer blocks, layer L+1 is the final norm plus the output head.
@@ -96,19 +96,18 @@ class ModelConfig:
         if self.head_dim is None:
             need(self.hidden % self.heads == 0, "heads",
                  f"{self.heads} does not divide hidden={self.hidden}; set head_dim or change heads")
-        for fld, kind in (("rope_scaling", RopeScaling), ("moe", moe_parts.MoESpec)):  # as a plan file holds them
-            if isinstance(getattr(self, fld), dict):
-                object.__setattr__(self, fld, kind.from_dict(getattr(self, fld), where=f"model.{fld}"))
-        need(self.moe is None or isinstance(self.moe, moe_parts.MoESpec), "moe", f"is {self.moe!r}; expected null or an "
-             "object with experts and experts_per_token")
-        if self.moe is not None:
-            self.moe.check()
-            need(self.arch == "llama", "moe", "experts are SwiGLU MLPs of llama-family blocks; use arch llama")
-        if self.rope_scaling is not None:
-            need(isinstance(self.rope_scaling, RopeScaling), "rope_scaling", f"is {self.rope_scaling!r}; expected "
-                 "null or an object with type and factor")
-            self.rope_scaling.check()
-            need(self.arch == "llama", "rope_scaling", "gpt models have learned positions, no rotary embeddings")
+        # the fields that hold an object (a dict in a plan file), for llama blocks alone
+        for fld, kind, why in (
+                ("rope_scaling", RopeScaling, "gpt models have learned positions, no rotary embeddings"),
+                ("moe", moe_parts.MoESpec, "experts are SwiGLU MLPs of llama-family blocks; use arch llama")):
+            v = getattr(self, fld)
+            if isinstance(v, dict):
+                v = kind.from_dict(v, where=f"model.{fld}")
+                object.__setattr__(self, fld, v)
+            if v is not None:
+                need(isinstance(v, kind), fld, f"is {v!r}; expected null or an object with {kind.OBJECT}")
+                v.check()
+                need(self.arch == "llama", fld, why)
         need(self.gelu_approximate in GELU_APPROXIMATIONS, "gelu_approximate",
              f"is {self.gelu_approximate!r}; use one of {', '.join(GELU_APPROXIMATIONS)}")
         need(self.gelu_approximate == "none" or self.arch == "gpt", "gelu_approximate",
@@ -355,52 +354,3 @@ class ModelConfig:
                 core = 4.0 * a * s * b  # float32 log-sum-exp
             sharded += core
         return replicated / rep + sharded / t
-
-
-# -------------------------------------------------------------------- zoo
-def _gpt(name, layers, hidden, heads, vocab=51200, seq_len=2048, ffn=None, tie=True):
-    return ModelConfig(name=name, arch="gpt", layers=layers, hidden=hidden, ffn_hidden=ffn or 4 * hidden,
-                       heads=heads, kv_heads=heads, vocab=vocab, seq_len=seq_len, tie_embeddings=tie)
-
-
-def _llama(name, layers, hidden, ffn, heads, kv_heads, vocab, seq_len, theta=10000.0, eps=1e-5, **kw):
-    return ModelConfig(name=name, arch="llama", layers=layers, hidden=hidden, ffn_hidden=ffn, heads=heads,
-                       kv_heads=kv_heads, vocab=vocab, seq_len=seq_len, tie_embeddings=False,
-                       norm_eps=eps, rope_theta=theta, **kw)
-
-
-ZOO: dict[str, ModelConfig] = {m.name: m for m in [
-    # CPU-sized models: a training step well under a second on one core; heads, kv_heads and
-    # ffn_hidden divisible by 4 so that TP up to 4 runs.
-    _llama("tiny", layers=4, hidden=128, ffn=384, heads=8, kv_heads=4, vocab=512, seq_len=64),
-    _gpt("tiny-gpt", layers=4, hidden=128, heads=8, vocab=512, seq_len=64, tie=False),
-    _llama("small", layers=8, hidden=512, ffn=1536, heads=8, kv_heads=4, vocab=4096, seq_len=256),
-    # GPT rows of shared/reference/published_runs.csv (Megatron SC'21 Table 1, MT-NLG).
-    _gpt("gpt-1.7b", 24, 2304, 24),
-    _gpt("gpt-3.6b", 30, 3072, 32),
-    _gpt("gpt-7.5b", 36, 4096, 32),
-    _gpt("gpt-18.4b", 40, 6144, 48),
-    _gpt("gpt-39.1b", 48, 8192, 64),
-    _gpt("gpt-76.1b", 60, 10240, 80),
-    _gpt("gpt-145.6b", 80, 12288, 96),
-    _gpt("gpt-310.1b", 96, 16384, 128),
-    _gpt("gpt-529.6b", 105, 20480, 128),
-    _gpt("gpt-1008b", 128, 25600, 160),
-    _gpt("mt-nlg-530b", 105, 20480, 128),
-    # Brown et al. 2020 (GPT-3), Table 2.1; vocabulary of GPT-2's BPE.
-    _gpt("gpt3-175b", 96, 12288, 96, vocab=50257),
-    # Touvron et al. 2023 (Llama 2), and the released config.json files.
-    _llama("llama2-7b", 32, 4096, 11008, 32, 32, 32000, 4096),
-    _llama("llama2-13b", 40, 5120, 13824, 40, 40, 32000, 4096),
-    _llama("llama2-70b", 80, 8192, 28672, 64, 8, 32000, 4096),
-    # "The Llama 3 Herd of Models", 2024, Table 3, and the released config.json files.
-    _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, theta=500000.0),
-    _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192, theta=500000.0),
-    _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192, theta=500000.0),
-    # mixture of experts (planner.moe), the released config.json files: Jiang et al. 2024 (Mixtral),
-    # Qwen3 (Qwen3-30B-A3B; its per-head q and k norms left out, as planner.hf_config does)
-    _llama("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, 32768, theta=1e6, moe=moe_parts.MoESpec(8, 2)),
-    _llama("mixtral-8x22b", 56, 6144, 16384, 48, 8, 32768, 65536, theta=1e6, moe=moe_parts.MoESpec(8, 2)),
-    _llama("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, 40960, theta=1e6, eps=1e-6, head_dim=128,
-           moe=moe_parts.MoESpec(128, 8)),
-]}

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.model import ZOO, ConfigError, ModelConfig
+from planner.model import ConfigError, ModelConfig
 from planner.values import is_one_line
+from planner.zoo import ZOO
 
 
 def load_model(spec: str) -> ModelConfig:

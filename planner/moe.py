@@ -52,6 +52,7 @@ class MoESpec:
     # the top k probabilities renormalized to sum to 1 (Mixtral; Hugging Face's norm_topk_prob),
     # else weighted as they are (Qwen1.5-MoE, Qwen2-MoE)
     normalize_top_k: bool = True
+    OBJECT = "experts and experts_per_token"  # what a plan file's object of it holds at least (planner.values.checked)
 
     def check(self, where: str = "model.moe") -> None:
         def need(cond, fld, msg):
@@ -70,7 +71,7 @@ class MoESpec:
 
     @classmethod
     def from_dict(cls, d, where: str = "model.moe") -> "MoESpec":
-        return checked(cls, d, where, "experts and experts_per_token")
+        return checked(cls, d, where)
 
 
 def ffn_params(m) -> tuple[int, int]:

@@ -22,6 +22,7 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    OBJECT = "type and factor"  # what a plan file's object of it holds at least (planner.values.checked)
 
     def check(self, where: str = "model.rope_scaling") -> None:
         def need(cond, fld, msg):
@@ -38,4 +39,4 @@ class RopeScaling:
 
     @classmethod
     def from_dict(cls, d, where: str = "model.rope_scaling") -> "RopeScaling":
-        return checked(cls, d, where, "type and factor")
+        return checked(cls, d, where)

@@ -28,11 +28,11 @@ def is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def checked(cls, d, where: str, fields: str):
+def checked(cls, d, where: str):
     """A model field's object (planner.rope.RopeScaling, planner.moe.MoESpec) from dict `d`: strict
-    fields, then its own check(where); `fields` says what the object holds where `d` is no object."""
+    fields, then its own check(where); cls.OBJECT says what the object holds where `d` is no object."""
     if not isinstance(d, dict):
-        raise ConfigError(f"{where}: is {d!r}; expected null or an object with {fields}")
+        raise ConfigError(f"{where}: is {d!r}; expected null or an object with {cls.OBJECT}")
     spec = cls(**strict(cls, d, where))
     spec.check(where)
     return spec

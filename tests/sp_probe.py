@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from planner.model import ZOO
+from planner.zoo import ZOO
 from runtime.loss import cross_entropy
 from runtime.metrics import HEAP_READER
 from runtime.model import Transformer, init_weights

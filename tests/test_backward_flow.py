@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from planner.memory import backward_flow_bytes, largest_param_on_device
-from planner.model import ZOO
+from planner.zoo import ZOO
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-gpt"])

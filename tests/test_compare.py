@@ -13,8 +13,8 @@ from planner.build import build_plan
 from planner.cluster import load_cluster
 from planner.compare_cli import main as compare_main
 from planner.cost import estimate
-from planner.model import ZOO
 from planner.plan import Stage
+from planner.zoo import ZOO
 
 CLUSTER = load_cluster("dgx-a100-80gb")
 

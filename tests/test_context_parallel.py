@@ -15,9 +15,10 @@ from planner.comm import cp_comm
 from planner.cost import estimate
 from planner.layers import layer_cost
 from planner.mesh import Mesh
-from planner.model import ConfigError, ZOO
+from planner.model import ConfigError
 from planner.model_profile import load_model_profile, model_profile_from_dict
 from planner.plan import Plan
+from planner.zoo import ZOO
 from runtime.context_parallel import rank_positions
 from torchrun_helpers import assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train, write_plan
 

@@ -4,8 +4,8 @@ import pytest
 
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.model import ZOO
 from planner.build import build_plan
+from planner.zoo import ZOO
 
 A100 = load_cluster("dgx-a100-80gb")
 

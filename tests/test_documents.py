@@ -14,9 +14,10 @@ from planner.cluster import load_cluster
 from planner.configs import cp_degrees
 from planner.cost import estimate
 from planner.layers import attention_core_hw_flops
-from planner.model import ZOO, ConfigError
+from planner.model import ConfigError
 from planner.plan import Plan
 from planner.search import search
+from planner.zoo import ZOO
 from runtime.documents import DocumentMask, attach_documents, document_ids, end_of_text, synthetic_note
 from planner.cli import main as cli_main
 from runtime.model import Transformer, init_weights

@@ -14,9 +14,10 @@ import torch
 from planner.build import build_plan
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.model import ZOO, ConfigError
+from planner.model import ConfigError
 from planner.plan import Plan
 from planner.precision import CPU_MATH_DROPOUT_BYTES
+from planner.zoo import ZOO
 from runtime.context_parallel import rank_positions
 from runtime.dropout import EMBEDDING, MLP_OUT, Dropout, local_positions
 from torchrun_helpers import REPO, assert_ok, assert_same_losses, losses_of, train, write_plan

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from planner.model import ZOO
+from planner.zoo import ZOO
 from torchrun_helpers import assert_ok, assert_same_losses, train, write_plan
 
 FLAGS = ("--steps", 4, "--eval-every", 2, "--eval-batches", 2)

@@ -9,8 +9,8 @@ import pytest
 
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.model import ZOO
 from planner.plan import Plan
+from planner.zoo import ZOO
 from test_cost import A100, plan_for
 from torchrun_helpers import SEQ_LEN, assert_ok, train, write_plan
 from test_search import GiB, SearchSpace, check_same, layer_level, shrunk

@@ -8,7 +8,7 @@ from planner.build import build_plan
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.fsdp_memory import fsdp_extra_parts, fsdp_groups
-from planner.model import ZOO
+from planner.zoo import ZOO
 
 H100 = load_cluster("dgx-h100-80gb")
 

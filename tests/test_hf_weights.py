@@ -17,10 +17,11 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from planner.hf_config import from_hf_config, to_hf_config
-from planner.model import ZOO, ConfigError, ModelConfig
+from planner.model import ConfigError, ModelConfig
 from planner.moe import MoESpec
 from planner.rope import RopeScaling
 from planner.plan import Plan
+from planner.zoo import ZOO
 from runtime.data import make_source
 from runtime.export import export
 from runtime.hf_weights import ModelDir, from_hf, initial_weights, source, to_hf

@@ -12,10 +12,11 @@ import pytest
 from planner.cli import main
 from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
 from planner.cost import estimate
-from planner.model import ConfigError, ZOO
+from planner.model import ConfigError
 from planner.plan import Mesh, Plan
 from planner.build import build_plan
 from planner.hsdp import replica_counts
+from planner.zoo import ZOO
 from torchrun_helpers import assert_ok, assert_same_losses, losses_of, ranks, train, write_plan
 
 A100 = load_cluster("dgx-a100-80gb")

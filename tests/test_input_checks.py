@@ -10,9 +10,10 @@ import pytest
 
 from planner.cluster import PROFILE_DIR, cluster_from_dict, load_cluster
 from planner.hf_config import from_hf_config
-from planner.model import ZOO, ConfigError, ModelConfig
+from planner.model import ConfigError, ModelConfig
 from planner.model_files import load_model
 from planner.rope import RopeScaling
+from planner.zoo import ZOO
 
 NAN, INF = float("nan"), float("inf")
 A100 = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.model import LOSS_CHUNKS, ZOO
+from planner.model import LOSS_CHUNKS
 from planner.plan import Plan
+from planner.zoo import ZOO
 from runtime.loss import IGNORE, cross_entropy
 from runtime.metrics import LiveTensorBytes
 

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from planner.build import build_plan
-from planner.model import ZOO, ConfigError
+from planner.model import ConfigError
 from planner.plan import Plan
+from planner.zoo import ZOO
 from runtime.optim import lr_at
 from torchrun_helpers import assert_ok, losses_of, train, write_plan
 

@@ -9,9 +9,9 @@ from planner import cost
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.memory import OTHER_PARTS, memory_by_rank
-from planner.model import ZOO
 from planner.build import build_plan
 from planner.report import OTHER_LABELS, estimate_table
+from planner.zoo import ZOO
 
 A100 = load_cluster("dgx-a100-80gb")
 

@@ -4,8 +4,9 @@ import json
 import pytest
 
 from planner.hf_config import from_hf_config
-from planner.model import ZOO, ConfigError, ModelConfig
+from planner.model import ConfigError, ModelConfig
 from planner.model_files import load_model
+from planner.zoo import ZOO
 
 
 @pytest.mark.parametrize("name,published", [

@@ -13,11 +13,12 @@ from planner.build import build_plan
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.hf_config import from_hf_config
-from planner.model import ZOO, ConfigError, ModelConfig
+from planner.model import ConfigError, ModelConfig
 from planner.moe import MoESpec, routing_bytes
 from planner.plan import Plan
 from planner.pointwise import eager_bytes
 from planner.precision import model_state_bytes
+from planner.zoo import ZOO
 
 H100 = load_cluster("dgx-h100-80gb")
 MIXTRAL_HF = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,

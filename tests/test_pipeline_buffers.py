@@ -9,8 +9,8 @@ import json
 import pytest
 
 from planner.cost import estimate
-from planner.model import ZOO
 from planner.plan import Plan
+from planner.zoo import ZOO
 from test_cost import A100, plan_for  # llama2-7b plans on one DGX A100 node
 from torchrun_helpers import assert_ok, losses_of, train, write_plan
 

@@ -3,9 +3,10 @@ import json
 
 import pytest
 
-from planner.model import ZOO, ConfigError
+from planner.model import ConfigError
 from planner.plan import FORMAT_VERSION, Plan
 from planner.build import build_plan, even_stages
+from planner.zoo import ZOO
 
 
 def make(**kw):

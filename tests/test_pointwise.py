@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner.model import ZOO
 from planner.pointwise import eager_bytes, fused_bytes
+from planner.zoo import ZOO
 from runtime.model import Block, Head, rope_tables
 from runtime.loss import cross_entropy
 

@@ -14,9 +14,10 @@ import pytest
 
 from planner.cluster import cluster_from_dict, load_cluster
 from planner.cost import estimate
-from planner.model import ZOO, ConfigError
+from planner.model import ConfigError
 from planner.model_profile import fit_alpha_beta, fit_linear, fit_segments, load_model_profile, model_profile_from_dict
 from planner.build import build_plan
+from planner.zoo import ZOO
 from tests.torchrun_helpers import REPO, profile_ranks
 
 # ------------------------------------------------------------------ fits

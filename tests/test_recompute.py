@@ -11,7 +11,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.utils.checkpoint import checkpoint
 
 from planner.memory import held_i_to_w_bytes
-from planner.model import ZOO
+from planner.zoo import ZOO
 from runtime import model as M
 from runtime.metrics import HEAP_READER
 from runtime.recompute import replay_once

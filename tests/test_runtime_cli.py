@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from planner.model import ZOO
+from planner.zoo import ZOO
 from runtime.launch import free_port
 from torchrun_helpers import REPO, assert_ok, env, losses_of, train, write_plan
 

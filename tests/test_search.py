@@ -7,11 +7,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.model import ZOO
 from planner.plan import Stage
 from planner.build import build_plan
 from planner.search import SearchSpace, search
 from planner.stages import MIXED_MODES, distinct_orders
+from planner.zoo import ZOO
 
 GiB = 2**30
 A100 = load_cluster("dgx-a100-80gb")

@@ -14,11 +14,11 @@ from planner.build import build_plan
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.layers import layer_cost
-from planner.model import ZOO
 from planner.plan import Plan, Training
 from planner.precision import runtime_held_bytes, sp_gathered_bytes
 from planner.search import search
 from planner.sp_modes import search_either
+from planner.zoo import ZOO
 from runtime.metrics import HEAP_READER
 from runtime.launch import free_port
 from torchrun_helpers import REPO, env

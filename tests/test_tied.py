@@ -12,9 +12,9 @@ from planner.build import build_plan
 from planner.cluster import load_cluster
 from planner.comm import tied_grad_comm
 from planner.cost import estimate
-from planner.model import ZOO
 from planner.plan import Stage
 from planner.precision import grad_bytes
+from planner.zoo import ZOO
 from torchrun_helpers import assert_ok, assert_same_losses, losses_of, train, write_plan
 
 TIED = dataclasses.replace(ZOO["tiny-gpt"], name="tiny-gpt-tied", tie_embeddings=True)

@@ -15,8 +15,8 @@ import textwrap
 import pytest
 
 from cluster.netns import REPO, available, remove_stale, torchrun_two_nodes, two_nodes
-from planner.model import ZOO
 from planner.build import build_plan
+from planner.zoo import ZOO
 from torchrun_helpers import assert_ok, assert_same_losses, losses_of, train
 
 OK, WHY = available()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.model import ZOO
+from planner.zoo import ZOO
 from torchrun_helpers import assert_ok, assert_same_losses, losses_of, train, write_plan
 
 ODD = dataclasses.replace(ZOO["tiny"], name="tiny-vocab-511", vocab=511)

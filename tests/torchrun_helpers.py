@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from planner.build import build_plan
-from planner.model import ZOO
+from planner.zoo import ZOO
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ_LEN = 32
