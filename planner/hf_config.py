@@ -28,8 +28,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
     required keys. Qwen3 and Phi-3 are Llama blocks (RMSNorm, SwiGLU, RoPE, grouped-query
     attention) with what their configs say: Qwen3's head_dim (128 where hidden / heads may be 64)
     and no QKV bias, Phi-3's fused QKV and gate/up projections (the same parameters and FLOPs as
-    separate ones). Qwen3's RMSNorm of each query and key head (2 x head_dim weights a block,
-    under 0.01% of the model) is left out. Gemma and Gemma 2 are Llama blocks too, their embedding
+    separate ones). Qwen3's RMSNorm of each query and key head is the model's qk_norm. Gemma and Gemma 2 are Llama blocks too, their embedding
     and head tied by default (transformers' configuration_gemma*.py), their head_dim (256) apart
     from hidden / heads; their gated GELU MLP has SwiGLU's parameters and FLOPs and is priced and
     trained as SwiGLU. Gemma 2's two extra norms a block (2 x hidden weights, under 0.01%) are left
@@ -70,6 +69,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
                   vocab=pos_int("vocab_size"), seq_len=pos_int("max_position_embeddings", MAX_POSITIONS[mt]),
                   tie_embeddings=flag("tie_word_embeddings", mt in ("gemma", "gemma2")),
                   qkv_bias=flag("attention_bias", False) or mt in ("qwen2", "qwen2_moe"),  # Qwen2 always has them
+                  qk_norm=mt in ("qwen3", "qwen3_moe"),
                   head_dim=head_dim if head_dim != hidden // heads else None, norm_eps=eps("rms_norm_eps"),
                   rope_theta=rope_theta(cfg, where), rope_scaling=rope_scaling(cfg, where))
         kw.update(moe_fields(cfg, mt, where, pos_int) if mt in MOE_KEYS
@@ -96,6 +96,8 @@ def moe_fields(cfg: dict, mt: str, where: str, pos_int) -> dict:
     norm = cfg.get("norm_topk_prob", False)  # Qwen's configs; Mixtral's routing always renormalizes
     if not isinstance(norm, bool):
         raise ConfigError(f"{where}: norm_topk_prob: is {norm!r}; it must be true or false")
+    if cfg.get(experts[0]) is None and cfg.get("num_local_experts") is not None:
+        experts = ("num_local_experts", None)  # transformers 5 saves Qwen3-MoE's num_experts by this name
     moe = {"experts": pos_int(*experts), "experts_per_token": pos_int(*k),
            "shared_ffn_hidden": pos_int(*shared) if shared else 0, "normalize_top_k": mt == "mixtral" or norm}
     return {"ffn_hidden": pos_int(*width), "moe": moe}
@@ -139,8 +141,9 @@ HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, attention_dropout: float = 0.0) -> dict:
     """The config.json of a transformers model computing what trident's runtime computes for
     `cfg` (`trident export`): gpt as GPT2LMHeadModel (gelu, or gelu_new: tanh), llama as LlamaForCausalLM,
-    or Qwen2ForCausalLM where the q, k, v projections have biases (a Llama config's
-    attention_bias adds one to the output projection too, which trident's blocks lack). The
+    Qwen2ForCausalLM where the q, k, v projections have biases (a Llama config's
+    attention_bias adds one to the output projection too, which trident's blocks lack), or
+    Qwen3ForCausalLM where each q and k head is normalized; an MoE model as moe_type says. The
     dropouts are the run's, for training on in transformers."""
     common = {"vocab_size": cfg.vocab, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": HF_DTYPES[dtype]}
     if cfg.arch == "gpt":
@@ -149,11 +152,9 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, at
                 "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": dropout,
                 "activation_function": "gelu_new" if cfg.gelu_approximate == "tanh" else "gelu",
                 "embd_pdrop": dropout, "attn_pdrop": attention_dropout, **common}
-    mt = "qwen2" if cfg.qkv_bias else "llama"
-    if cfg.moe is not None:
-        mt = moe_type(cfg)
-    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM"}[mt]
+    mt = moe_type(cfg) if cfg.moe is not None else dense_type(cfg)
+    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[mt]
     out = {"architectures": [arch], "model_type": mt,
            "num_hidden_layers": cfg.layers, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden,
            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head,
@@ -166,7 +167,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, at
             scaling = {"factor": cfg.rope_scaling.factor}
         out["rope_scaling"] = {"rope_type": cfg.rope_scaling.type, **scaling}
         out["rope_parameters"].update(out["rope_scaling"])
-    if mt == "llama":
+    if mt in ("llama", "qwen3", "qwen3_moe"):
         out.update(attention_bias=False, mlp_bias=False)
     elif mt != "mixtral":
         out.update(use_sliding_window=False)
@@ -177,15 +178,32 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "fp32", dropout: float = 0.0, at
             out.update(num_local_experts=m.experts, sliding_window=None, router_jitter_noise=0.0)
         else:
             out.update(num_experts=m.experts, moe_intermediate_size=cfg.ffn_hidden, norm_topk_prob=m.normalize_top_k,
-                       shared_expert_intermediate_size=m.shared_ffn_hidden, decoder_sparse_step=1, mlp_only_layers=[])
+                       decoder_sparse_step=1, mlp_only_layers=[])
+            if mt == "qwen2_moe":
+                out.update(shared_expert_intermediate_size=m.shared_ffn_hidden)
     return out
 
 
+def dense_type(cfg: ModelConfig) -> str:
+    """The transformers model type of a dense llama-family model: Qwen3 (each q and k head normalized,
+    no biases), Qwen2 (q/k/v biases) or Llama. ConfigError for both."""
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ConfigError(f"{cfg.name}: q/k norms with q/k/v biases: no transformers model computes that "
+                          "(Qwen3 has the norms, Qwen2 the biases)")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
 def moe_type(cfg: ModelConfig) -> str:
-    """The transformers model type of an MoE model (runtime.hf_weights names its tensors so): Qwen2-MoE
-    (a shared expert with its gate, q/k/v biases, the top k renormalized or not), or Mixtral (neither,
-    always renormalized). ConfigError for a model neither computes."""
+    """The transformers model type of an MoE model (runtime.hf_weights names its tensors so): Qwen3-MoE
+    (q/k norms; neither a shared expert nor biases), Qwen2-MoE (a shared expert with its gate, q/k/v
+    biases, the top k renormalized or not), or Mixtral (neither, always renormalized). ConfigError
+    for a model none computes."""
     m = cfg.moe
+    if cfg.qk_norm:
+        if m.shared_ffn_hidden or cfg.qkv_bias:
+            raise ConfigError(f"{cfg.name}: q/k norms with {'a shared expert' if m.shared_ffn_hidden else 'q/k/v biases'}: "
+                              "no transformers MoE model computes that (Qwen3-MoE has neither)")
+        return "qwen3_moe"
     if m.shared_ffn_hidden or cfg.qkv_bias:
         if not (m.shared_ffn_hidden and cfg.qkv_bias):
             has, lacks = ("a shared expert", "q/k/v biases")[::1 if m.shared_ffn_hidden else -1]

@@ -177,12 +177,20 @@ def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: st
 
 
 def replicated_params(model: ModelConfig, kind: str, matrices: bool = True) -> int:
-    """Parameters of a layer every TP rank holds whole: norms, row-parallel biases, GPT's positions
-    and, with `matrices`, an MoE block's router and shared expert's gate (planner.moe)."""
+    """Parameters of a layer every TP rank holds whole: norms (Qwen3's per-head q and k norms too),
+    row-parallel biases, GPT's positions and, with `matrices`, an MoE block's router and shared
+    expert's gate (planner.moe)."""
     h, gpt = model.hidden, model.arch == "gpt"
     moe = ffn_params(model)[1] if kind == "block" and model.moe is not None and matrices else 0
     return {"embedding": model.seq_len * h if gpt else 0, "head": 2 * h if gpt else h,
-            "block": (6 * h if gpt else 2 * h) + moe}[kind]
+            "block": (6 * h if gpt else 2 * h) + qk_norm_params(model) + moe}[kind]
+
+
+def qk_norm_params(model: ModelConfig) -> int:
+    """A block's per-head query and key norm weights (Qwen3): held whole on every TP rank, their
+    gradients partial sums over the TP group (each rank normalized its own heads), with or
+    without sequence parallelism."""
+    return 2 * model.dim_per_head if model.qk_norm else 0
 
 
 def sp_partial_params(model: ModelConfig, kind: str) -> int:
@@ -196,12 +204,14 @@ def sp_partial_params(model: ModelConfig, kind: str) -> int:
 def partial_grad_params(plan: Plan, pp_rank: int) -> int:
     """Parameters of pipeline rank `pp_rank` whose partial gradients the runtime makes whole before
     its optimizer step (runtime.optim.reduce_partial_grads): the norms of its sequence-parallel
-    stages, where no data parallelism (FSDP2, over dp x cp) reduces them."""
+    stages and the per-head q and k norms of its blocks, where no data parallelism (FSDP2, over
+    dp x cp) reduces them."""
     m, mesh, stages = plan.model, plan.mesh, plan.pipeline.stages
     if mesh.tp == 1 or mesh.grad_ranks > 1:
         return 0
-    return sum(sp_partial_params(m, m.layer_kind(i)) for k in plan.stages_of_rank(pp_rank)
-               if stages[k].sequence_parallel for i in range(*stages[k].layers))
+    return sum((sp_partial_params(m, kind) if stages[k].sequence_parallel else 0)
+               + (qk_norm_params(m) if kind == "block" else 0)
+               for k in plan.stages_of_rank(pp_rank) for kind in map(m.layer_kind, range(*stages[k].layers)))
 
 
 def layer_params_on_device(model: ModelConfig, index: int, tp: int) -> float:

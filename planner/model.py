@@ -70,6 +70,9 @@ class ModelConfig:
     # torch's F.gelu `approximate` argument; omitted from the plan file where "none"
     gelu_approximate: str = "none"
     moe: moe_parts.MoESpec | None = None  # mixture-of-experts blocks (planner.moe); omitted from the plan file where None
+    # Qwen3's RMSNorm of each query and key head (head_dim weights each, shared by the heads) before
+    # the rotary embedding; omitted from the plan file where false
+    qk_norm: bool = False
 
     def __post_init__(self):
         def need(cond, fld, msg):
@@ -84,7 +87,7 @@ class ModelConfig:
             v = getattr(self, f)
             need(is_int(v) and v > 0, f, f"is {v!r}; it must be a positive integer")
             need(v <= MAX_SIZE[f], f, f"is {v}; at most {MAX_SIZE[f]}, far above any real model; check the value")
-        for f in ("tie_embeddings", "qkv_bias"):
+        for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
             v = getattr(self, f)
             need(isinstance(v, bool), f, f"is {v!r}; it must be true or false")
         need(is_real(self.norm_eps) and 0 < self.norm_eps < 1, "norm_eps",
@@ -115,6 +118,7 @@ class ModelConfig:
         if self.arch == "gpt":
             need(self.kv_heads == self.heads, "kv_heads", "a gpt model has kv_heads == heads (no grouped-query attention)")
             need(not self.qkv_bias, "qkv_bias", "gpt blocks always have biases; qkv_bias is for llama-family models")
+            need(not self.qk_norm, "qk_norm", "per-head query and key norms are for llama-family models (Qwen3)")
 
     # ---------------------------------------------------------------- shapes
     @property
@@ -153,7 +157,8 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         # fields added since plans and checkpoints were first written: left out at their defaults,
         # so that those read (and hash) the same
-        for field, default in (("rope_scaling", None), ("gelu_approximate", "none"), ("moe", None)):
+        for field, default in (("rope_scaling", None), ("gelu_approximate", "none"), ("moe", None),
+                               ("qk_norm", False)):
             if d[field] == default:
                 del d[field]
         return d
@@ -184,7 +189,7 @@ class ModelConfig:
             if self.qkv_bias:
                 attn += self.q_dim + 2 * self.kv_dim
             mlp = moe_parts.ffn_params(self)[0] if self.moe is not None else 3 * h * f
-            norms = 2 * h
+            norms = 2 * h + (2 * self.dim_per_head if self.qk_norm else 0)
         return attn + mlp + norms
 
     def embedding_params(self) -> int:
@@ -300,7 +305,8 @@ class ModelConfig:
         column, whole = (2 if self.arch == "llama" else 1) * self.ffn_hidden, h
         if self.moe is not None:
             column, whole = moe_parts.weight_grad_outputs(self)
-        return (self.q_dim + 2 * self.kv_dim + column) / tp + h + whole + 2 * norm
+        qk = self.q_dim + self.kv_dim if self.qk_norm else 0  # the q and k norms' outputs
+        return (self.q_dim + 2 * self.kv_dim + column + qk) / tp + h + whole + 2 * norm
 
     def activation_bytes(self, index: int, micro_batch: int, seq_len: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
@@ -340,6 +346,8 @@ class ModelConfig:
             sharded += 2 * e * s * b * f  # GeLU input, second linear input
         else:
             sharded = e * s * b * (self.q_dim + 2 * self.kv_dim)  # Q, K (after RoPE), V
+            if self.qk_norm:  # the q and k norms' inputs and float32 1 / rms of each head
+                sharded += s * b * (e * (self.q_dim + self.kv_dim) + 4 * (self.heads + self.kv_heads))
             sharded += e * s * b * self.q_dim
             sharded += 4 * e * s * b * f  # gate out, silu(gate), up out, their product (eager SwiGLU)
             if self.moe is not None:  # k rows' SwiGLUs and the routing's (planner.moe)

@@ -53,7 +53,8 @@ def fused_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
         if model.arch == "gpt":
             sharded = 2 * e * s * b * model.ffn_hidden  # bias + GeLU
         else:
-            sharded = 2 * e * s * b * (model.q_dim + model.kv_dim)  # RoPE on q and k
+            # RoPE on q and k (and Qwen3's norm of each q and k head)
+            sharded = (4 if model.qk_norm else 2) * e * s * b * (model.q_dim + model.kv_dim)
             sharded += 3 * e * s * b * ffn_width(model)  # silu(gate) * up (an MoE block's k rows a token)
             if model.moe is not None:  # the router's softmax and top-k; each row moved to its expert and back
                 k, h = model.moe.experts_per_token, model.hidden
@@ -137,6 +138,8 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
         # bytes per element), cast back; the backward the same three kernels
         rope_f = rope_b = (2 * _cast(e) + 8) * (q + kv)
         bias = e * (q + 2 * kv) if model.qkv_bias else 0.0
+        if model.qk_norm:  # Qwen3's norm of each q and k head, before the rotary embedding
+            rope_f, rope_b = rope_f + norm_f * (q + kv), rope_b + norm_b * (q + kv)
     soft = _softmax_bytes(model, b, s, e, dropout if attention_dropout is None else attention_dropout, attention) / tp
     route_f, route_b = routing_bytes(model, e) if model.moe is not None else (0.0, 0.0)  # whole on each TP rank
     fwd = tokens * (stream_f * h / rep + ffn_f + rope_f + route_f) + soft

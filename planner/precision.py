@@ -210,14 +210,16 @@ def decomposed_norm_bytes(model, t, dp: int, index: int, recompute: str, b: int,
     runs as its composite and keeps x in float32 (a float32 copy where the stream is 16-bit) and
     the float32 x * rstd for the weight's gradient; traced with saved-tensor hooks: fp32 x, rstd,
     x * rstd; bf16 x, float32 x, rstd, x * rstd. Two norms a block (none kept under full
-    recomputation, which keeps the block's input alone), the final norm in the head."""
+    recomputation, which keeps the block's input alone), the final norm in the head; Qwen3's norms
+    of each q and k head alike, on the projections' outputs (16-bit under autocast too)."""
     kind = model.layer_kind(index)
     if model.arch != "llama" or t.elementwise_kernels != "eager" or kind == "embedding" \
             or (kind == "block" and recompute == "full"):
         return 0.0
     e = 4 if casts_weights(t, dp) else DTYPES[t.dtype]  # the stream's bytes (autocast: float32, counted there)
     stream = s * b * model.hidden / (tp if sp else 1)
-    return (2 if kind == "block" else 1) * (4 + 4 - e) * stream
+    qk = s * b * (model.q_dim + model.kv_dim) / tp * (8 - DTYPES[t.dtype]) if kind == "block" and model.qk_norm else 0
+    return (2 if kind == "block" else 1) * (4 + 4 - e) * stream + qk
 
 
 # Host bytes torch's autograd keeps per layer and micro-batch beside the tensors it saves: its
@@ -234,6 +236,9 @@ CPU_GRAPH_BYTES = {("block", "none"): 72 * 1024, ("block", "selective"): 76 * 10
 # checkpoint keeps the nodes), a shared expert 14-16 KiB; rounded up
 CPU_GRAPH_EXPERT_BYTES = {"none": 11 * 1024, "selective": 11 * 1024, "full": 7 * 1024}
 CPU_GRAPH_SHARED_BYTES = 16 * 1024
+# Qwen3's per-head q and k norms (decomposed on CPU, decomposed_norm_bytes), measured alike on tiny:
+# 7.5-8.0 KiB more a block without recomputation, 14.2-15.5 selective, 8.0-8.1 full; rounded up
+CPU_GRAPH_QK_NORM_BYTES = {"none": 9 * 1024, "selective": 16 * 1024, "full": 9 * 1024}
 
 
 # Attention-probability dropout on CPU: scaled_dot_product_attention has no fused kernel with
@@ -252,6 +257,8 @@ def cpu_held_bytes(model, t, dp: int, index: int, recompute: str, b: int, s: int
     if kind == "block" and model.moe is not None:
         graph += (CPU_GRAPH_EXPERT_BYTES[recompute] * model.moe.experts
                   + (CPU_GRAPH_SHARED_BYTES if model.moe.shared_ffn_hidden else 0))
+    if kind == "block" and model.qk_norm:
+        graph += CPU_GRAPH_QK_NORM_BYTES[recompute]
     math = 0.0
     if kind == "block" and recompute == "none" and t.attention_dropout_p > 0 and t.attention != "unfused":
         math = CPU_MATH_DROPOUT_BYTES * model.heads / tp * s * s * b

@@ -44,10 +44,13 @@ ZOO: dict[str, ModelConfig] = {m.name: m for m in [
     _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, theta=500000.0),
     _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192, theta=500000.0),
     _llama("llama3-405b", 126, 16384, 53248, 128, 8, 128256, 8192, theta=500000.0),
+    # Qwen3 (Yang et al. 2025, "Qwen3 Technical Report"), the released config.json files
+    _llama("qwen3-8b", 36, 4096, 12288, 32, 8, 151936, 40960, theta=1e6, eps=1e-6, qk_norm=True),
+    _llama("qwen3-32b", 64, 5120, 25600, 64, 8, 151936, 40960, theta=1e6, eps=1e-6, head_dim=128, qk_norm=True),
     # mixture of experts (planner.moe), the released config.json files: Jiang et al. 2024 (Mixtral),
-    # Qwen3 (Qwen3-30B-A3B; its per-head q and k norms left out, as planner.hf_config does)
+    # Qwen3 (Qwen3-30B-A3B)
     _llama("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, 32768, theta=1e6, moe=moe_parts.MoESpec(8, 2)),
     _llama("mixtral-8x22b", 56, 6144, 16384, 48, 8, 32768, 65536, theta=1e6, moe=moe_parts.MoESpec(8, 2)),
     _llama("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, 40960, theta=1e6, eps=1e-6, head_dim=128,
-           moe=moe_parts.MoESpec(128, 8)),
+           qk_norm=True, moe=moe_parts.MoESpec(128, 8)),
 ]}

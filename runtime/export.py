@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from planner.args import OneLineParser
-from planner.hf_config import HF_DTYPES, moe_type, to_hf_config
+from planner.hf_config import HF_DTYPES, dense_type, moe_type, to_hf_config
 from planner.model import ConfigError, ModelConfig
 from runtime.checkpoint import META, checkpoints
 from runtime.hf_weights import parameter_names, to_hf
@@ -108,8 +108,8 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     tok_files, token_ids = tokenizer_files(tokenizer) if tokenizer is not None else ([], {})
     ckpt = step_dir(src)
     cfg, training, step = read_run(ckpt)
-    if cfg.moe is not None:
-        moe_type(cfg)  # a mixture of experts that transformers computes (Mixtral, Qwen2-MoE), else one line
+    if cfg.arch == "llama":  # a model transformers computes (Llama, Qwen2, Qwen3 and their MoE kin), else one line
+        moe_type(cfg) if cfg.moe is not None else dense_type(cfg)
     reader = dcp.FileSystemReader(str(ckpt))
     saved = reader.read_metadata().state_dict_metadata
     names = [n for n in dict.fromkeys(parameter_names(cfg))

@@ -8,7 +8,8 @@ Name and layout differences (transformers' modeling_llama.py, modeling_qwen2.py,
 - llama family: the blocks are 0-based (trident's layer i is model.layers.{i-1}); rotary
   embeddings rotate the halves of a head (x[j], x[j + d/2]) where trident rotates adjacent pairs
   (x[2j], x[2j+1]) (Meta's original layout), so the rows of each head's q and k projections
-  (weights and biases) are reordered on the way: the same attention scores, the same model;
+  (weights and biases) and Qwen3's q and k norm weights (one head's) are reordered on the way:
+  the same attention scores, the same model;
 - gpt2: Conv1D layers keep weights as [in, out] (trident's nn.Linear: [out, in]) and q, k, v are
   one projection (c_attn, q then k then v);
 - a tied head has no tensor of its own there (lm_head is the embedding).
@@ -28,8 +29,8 @@ from planner.model import ConfigError, ModelConfig
 from planner.rope import ROPE_SCALINGS
 from runtime.tied import head_weight
 
-# whose blocks trident's runtime computes exactly (mixtral and qwen2_moe: runtime.moe)
-WEIGHT_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe")
+# whose blocks trident's runtime computes exactly (mixtral, qwen2_moe and qwen3_moe: runtime.moe)
+WEIGHT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 # GPT-2's activation_function values the runtime computes (transformers' activations.py: gelu and
 # gelu_python exact, the others the tanh approximation written in several ways): planner.hf_config
 GELUS = EXACT_GELUS + ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
@@ -57,6 +58,7 @@ _LLAMA_BLOCK = {  # trident's name in a block -> transformers', model.layers.{j}
     "attention.wv.weight": "self_attn.v_proj.weight", "attention.wv.bias": "self_attn.v_proj.bias",
     "attention.wo.weight": "self_attn.o_proj.weight", "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 _GPT_BLOCK = {  # trident's name -> (transformers' transformer.h.{j}.<this>, transposed)
     "attention_norm.weight": ("ln_1.weight", False), "attention_norm.bias": ("ln_1.bias", False),
@@ -68,10 +70,11 @@ _GPT_BLOCK = {  # trident's name -> (transformers' transformer.h.{j}.<this>, tra
 _GPT_QKV = ("attention.wq.", "attention.wk.", "attention.wv.")
 # an MoE block's feed-forward (runtime.moe): trident's name after "feed_forward." -> transformers'
 # (its files' layout, one tensor an expert, which transformers 5 fuses when it loads them) in a
-# Mixtral block and in a Qwen2-MoE one
+# Mixtral block and in a Qwen2-MoE or Qwen3-MoE one
+_QWEN_EXPERTS = {"router": "gate", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MOE = {"mixtral": ("block_sparse_moe.", {"router": "gate", "w1": "w1", "w3": "w3", "w2": "w2"}),
-        "qwen2_moe": ("mlp.", {"router": "gate", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
-                               "shared": "shared_expert", "shared_gate": "shared_expert_gate"})}
+        "qwen2_moe": ("mlp.", {**_QWEN_EXPERTS, "shared": "shared_expert", "shared_gate": "shared_expert_gate"}),
+        "qwen3_moe": ("mlp.", _QWEN_EXPERTS)}
 
 
 def _moe_name(cfg: ModelConfig, rest: str) -> str:
@@ -151,7 +154,7 @@ def source(cfg: ModelConfig, name: str) -> tuple[str, Layout]:
         return f"transformer.h.{i - 1}.{hf}", Layout(transposed=transposed)
     moe = cfg.moe is not None and rest.startswith("feed_forward.")
     hf = f"model.layers.{i - 1}.{_moe_name(cfg, rest) if moe else _LLAMA_BLOCK[rest]}"
-    if rest.startswith(("attention.wq.", "attention.wk.")):
+    if rest.startswith(("attention.wq.", "attention.wk.", "attention.q_norm.", "attention.k_norm.")):
         return hf, Layout(head=cfg.dim_per_head)
     return hf, Layout()
 

@@ -33,8 +33,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # one fused kernel on CUDA (aten::_fused_rms_norm, float32 inside); decomposed on CPU
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # one fused kernel on CUDA (aten::_fused_rms_norm, float32 inside), which needs the weight
+        # in the input's dtype (Qwen3's q and k norms read bf16 projections under autocast, their
+        # weights float32: cast, head_dim elements); decomposed on CPU
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, w.shape, w, self.eps)
 
 
 def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +92,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_dim, bias=bias_qkv)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_dim, bias=bias_qkv)
         self.wo = nn.Linear(cfg.q_dim, cfg.hidden, bias=cfg.arch == "gpt")
+        if cfg.qk_norm:  # Qwen3: each q and k head normalized before the rotation (by name: TP shards its input)
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
         self.selective_recompute = False  # checkpoint only the attention core (SDPA)
         self.context = None  # context parallelism: runtime.context_parallel.ContextParallel
         self.dropout = None  # training.dropout: runtime.dropout.Dropout
@@ -100,6 +105,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

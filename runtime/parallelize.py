@@ -44,6 +44,7 @@ class ReplicateParallel(ParallelStyle):
     """Parameters held whole on every TP rank, but as Replicate DTensors so that a chunk never
     mixes DTensor and plain parameters (foreach AdamW and norm clipping need one kind). Input and
     output stay local tensors; the input is the same on every rank of the TP group."""
+    input_placement: Placement = Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name, mod, mesh):
@@ -51,13 +52,21 @@ class ReplicateParallel(ParallelStyle):
                 mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
 
         def to_dtensor(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return tuple(DTensor.from_local(x, mesh, [self.input_placement], run_check=False)
                          if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
         def to_local(mod, out, mesh):
             return out.to_local() if isinstance(out, DTensor) else out
 
         return distribute_module(module, device_mesh, partition, to_dtensor, to_local)
+
+
+class HeadShardedNorm(ReplicateParallel):
+    """A norm of each attention head (Qwen3's q and k norms): its weight held whole as a Replicate
+    DTensor, its input this rank's heads [b, s, heads / tp, head_dim] declared Shard(2), so that
+    DTensor makes the weight's gradient a partial sum over the TP group (made whole by FSDP2 or
+    runtime.optim.reduce_partial_grads, as sequence parallelism's norms); the output local."""
+    input_placement = Shard(2)
 
 
 class _RowShardedEmbedding(nn.Embedding):
@@ -103,10 +112,11 @@ class RowShardedEmbedding(ParallelStyle):
         return module
 
 
-def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    return {
+    heads = {"attention.q_norm": HeadShardedNorm(), "attention.k_norm": HeadShardedNorm()} if qk_norm else {}
+    return {**heads,
         "attention_norm": norm,
         "attention": PrepareModuleInput(input_layouts=(seq, None, None),
                                         desired_input_layouts=(Replicate(), None, None)),
@@ -143,7 +153,7 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, k
                                           output_layouts=Shard(-1), use_local_output=True),
             }
         else:
-            plan = _block_plan(sequence_parallel)
+            plan = _block_plan(sequence_parallel, chunk.cfg.qk_norm)
             if isinstance(layer.feed_forward, MoEFeedForward):  # runtime.moe: experts split alike
                 plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
                 plan["feed_forward"] = MoETensorParallel(sequence_parallel)

@@ -8,9 +8,10 @@ float32 weights (the runtime's mixed precision without data parallelism), whethe
 give the same loss and gradients bit for bit, and how many all-gathers of kept shards a split
 backward (zbv's I, then W: torch.distributed.pipelining's stage_backward_input and _weight) of
 two blocks runs in each part and the C heap each of three such passes leaves behind, and how runtime.optim.reduce_partial_grads makes the norms' partial
-gradients whole: how many, in how many all-reduces, and whether they equal DTensor's own
-reduction of each."""
+gradients whole (with Qwen3's q and k norms): how many, in how many all-reduces, whether they
+equal DTensor's own reduction of each, and how far every gradient is from one process's."""
 import contextlib
+import dataclasses
 import gc
 import json
 
@@ -29,8 +30,7 @@ from runtime.sp_shard import _Gathered
 MICRO_BATCH, SEQ = 4, 64
 
 
-def build(keep: bool, mesh, layers=None):
-    cfg = ZOO["tiny"]
+def build(keep: bool, mesh, layers=None, cfg=ZOO["tiny"]):
     with torch.device("meta"):
         chunk = Transformer(cfg, *(layers or ()))
     apply_tp(chunk, mesh, True, keep_shards=keep)
@@ -110,10 +110,17 @@ def split_gathers(mesh) -> dict:
 
 
 def partial_grads(mesh) -> dict:
+    """On tiny with Qwen3's per-head q and k norms (their gradients partial sums too, with or
+    without SP), in float32: the partial gradients made whole, and every gradient against one
+    process's."""
     from runtime.optim import reduce_partial_grads
-    chunk = build(True, mesh)
-    ids = torch.randint(0, ZOO["tiny"].vocab, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    step(chunk, ids, mesh.get_group(), mesh.get_local_rank())
+    cfg = dataclasses.replace(ZOO["tiny"], qk_norm=True)
+    chunk = build(True, mesh, cfg=cfg)
+    ids = torch.randint(0, cfg.vocab, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    cross_entropy(chunk(ids[:, :-1]), ids[:, 1:], mesh.get_group(), mesh.get_local_rank()).backward()
+    one = Transformer(cfg)
+    init_weights(one, 0)
+    cross_entropy(one(ids[:, :-1]), ids[:, 1:]).backward()
     params = list(chunk.parameters())
     partial = [p for p in params if any(pl.is_partial() for pl in p.grad.placements)]
     whole = [p for p in params if not any(pl.is_partial() for pl in p.grad.placements)]
@@ -131,8 +138,10 @@ def partial_grads(mesh) -> dict:
         dist.all_reduce = all_reduce
     same = all(torch.allclose(p.grad.to_local(), e, rtol=1e-6, atol=0) for p, e in zip(partial, expected)) and all(
         torch.equal(p.grad.to_local(), o) for p, o in zip(whole, others))
+    worst = max(((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()).item()
+                for p, q in zip(params, one.parameters()))
     return {"partial": len(partial), "numel": sum(p.numel() for p in partial), "all_reduces": calls[0], "whole": same,
-            "left": sum(any(pl.is_partial() for pl in p.grad.placements) for p in params)}
+            "left": sum(any(pl.is_partial() for pl in p.grad.placements) for p in params), "vs_one": worst}
 
 
 def main():

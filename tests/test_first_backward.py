@@ -86,24 +86,27 @@ def test_a_first_backward_creates_gradients_as_it_frees_activations(tmp_path):
             assert 0.85 * pred <= measured <= noise * pred, (path.stem, stage, measured / pred)
 
 
-def test_the_cpu_autograd_graph_holds_what_the_planner_counts():
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_the_cpu_autograd_graph_holds_what_the_planner_counts(qk_norm):
     """On CPU a layer's autograd graph (its nodes and saved-variable records) is device memory
     too: a forward allocates that much beyond the tensors it saves and its output, whatever the
     layer's size (planner.precision.CPU_GRAPH_BYTES, the largest of both architectures, rounded
-    up). Measured again here for each kind of layer of tiny: at most the figure, and a block at
-    least half of it."""
+    up; CPU_GRAPH_QK_NORM_BYTES more for Qwen3's q and k norms). Measured again here for each kind
+    of layer of tiny: at most the figure, and a block at least half of it."""
     import gc
 
     import torch
-    from planner.precision import CPU_GRAPH_BYTES
+    from planner.precision import CPU_GRAPH_BYTES, CPU_GRAPH_QK_NORM_BYTES
     from runtime.metrics import HEAP_READER
     from runtime.model import Block, Embedding, Head, rope_tables
     if HEAP_READER is None:
         pytest.skip("the C library does not report its heap here")
-    cfg = ZOO["tiny"]
+    cfg = dataclasses.replace(ZOO["tiny"], qk_norm=qk_norm)  # Qwen3's q and k norms: a block's graph grows
     cos, sin = rope_tables(cfg)
     keep = []
     for (kind, mode), counted in CPU_GRAPH_BYTES.items():
+        if qk_norm and kind != "block":
+            continue
         layer = {"block": Block, "embedding": Embedding, "head": Head}[kind](cfg)
         if kind == "block":
             layer.full_recompute, layer.attention.selective_recompute = mode == "full", mode == "selective"
@@ -129,5 +132,6 @@ def test_the_cpu_autograd_graph_holds_what_the_planner_counts():
                 gc.enable()
             keep.append((x, y))  # the graph stays alive, as it does until the backward
         graph = sorted(grown)[1]  # the median of three
+        counted += CPU_GRAPH_QK_NORM_BYTES[mode] if qk_norm else 0
         assert graph <= counted, (kind, mode, graph / 1024)
         assert graph >= 0.5 * counted or kind != "block", (kind, mode, graph / 1024)  # the ends': 1-14 KiB

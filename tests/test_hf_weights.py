@@ -44,6 +44,10 @@ CONFIGS = {  # grouped-query llama; Qwen2's q/k/v biases, tied, another rope the
     "mixtral": ModelConfig("t", "llama", 2, 64, 96, 8, 2, 128, 32, moe=MoESpec(4, 2)),
     "qwen2-moe": ModelConfig("t", "llama", 2, 64, 48, 4, 4, 128, 32, qkv_bias=True,
                              moe=MoESpec(4, 2, 64, normalize_top_k=False)),
+    # Qwen3: each q and k head normalized (its weights reordered as the heads' rows), head_dim
+    # apart from hidden / heads; Qwen3-MoE's experts, renormalized top k
+    "qwen3": ModelConfig("t", "llama", 2, 64, 96, 4, 2, 128, 32, head_dim=32, qk_norm=True, norm_eps=1e-6, rope_theta=1e6),
+    "qwen3-moe": ModelConfig("t", "llama", 2, 64, 32, 4, 2, 128, 32, qk_norm=True, moe=MoESpec(8, 2)),
 }
 
 

@@ -1,4 +1,5 @@
 """Model specification: parameter counts, FLOPs and activation formulas against their sources."""
+import dataclasses
 import json
 
 import pytest
@@ -93,7 +94,9 @@ def test_hf_config_mapping(tmp_path):
              "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
              "attention_bias": False, "tie_word_embeddings": False}
     q8 = from_hf_config(qwen3)
-    assert abs(q8.num_parameters() / 8.19e9 - 1) < 0.01 and not q8.qkv_bias
+    # 8,190,735,360 in transformers' Qwen3ForCausalLM of that config: the per-head q and k norms counted
+    assert q8.num_parameters() == 8_190_735_360 and q8.qk_norm and not q8.qkv_bias
+    assert q8 == dataclasses.replace(ZOO["qwen3-8b"], name=q8.name)
     assert abs(q8.layers * q8.block_params() / 6.95e9 - 1) < 0.01
     q06 = from_hf_config(dict(qwen3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                               num_attention_heads=16, tie_word_embeddings=True))
@@ -145,3 +148,29 @@ def test_model_json_file_and_bad_fields(tmp_path):
         ModelConfig(name="x", arch="llama", layers=2, hidden=64, ffn_hidden=128, heads=8, kv_heads=3, vocab=10, seq_len=8)
     with pytest.raises(ConfigError, match="--model"):
         load_model("no-such-model")
+
+
+def test_qk_norm_is_a_llama_field_left_out_of_plans_without_it():
+    """qk_norm (Qwen3's norm of each q and k head): 2 x head_dim weights a block, which every TP
+    rank holds whole; true or false, llama blocks only (one line naming the field); absent from
+    the dict of a model without it, so plans and their hashes read as before."""
+    from planner.layers import layer_params_on_device
+    tiny = ZOO["tiny"]
+    qwen3 = dataclasses.replace(tiny, qk_norm=True)
+    assert qwen3.block_params() - tiny.block_params() == 2 * tiny.dim_per_head
+    assert layer_params_on_device(qwen3, 1, 4) - layer_params_on_device(tiny, 1, 4) == 2 * tiny.dim_per_head
+    assert "qk_norm" not in tiny.to_dict() and qwen3.to_dict()["qk_norm"] is True
+    assert ModelConfig.from_dict(qwen3.to_dict()) == qwen3
+    with pytest.raises(ConfigError, match=r"^model.qk_norm: is 1; it must be true or false$"):
+        dataclasses.replace(tiny, qk_norm=1)
+    with pytest.raises(ConfigError, match=r"^model.qk_norm: per-head query and key norms are for llama"):
+        dataclasses.replace(ZOO["tiny-gpt"], qk_norm=True)
+    # exported (trident export) as Qwen3 or Qwen3-MoE: what neither computes is one line
+    from planner.hf_config import to_hf_config
+    from planner.moe import MoESpec
+    assert to_hf_config(qwen3)["model_type"] == "qwen3"
+    assert to_hf_config(dataclasses.replace(qwen3, moe=MoESpec(4, 2)))["architectures"] == ["Qwen3MoeForCausalLM"]
+    with pytest.raises(ConfigError, match="q/k norms with q/k/v biases: no transformers model computes that"):
+        to_hf_config(dataclasses.replace(qwen3, qkv_bias=True))
+    with pytest.raises(ConfigError, match="q/k norms with a shared expert: no transformers MoE model"):
+        to_hf_config(dataclasses.replace(qwen3, moe=MoESpec(4, 2, 64)))

@@ -46,10 +46,10 @@ def test_parameter_counts_match_the_released_models():
     # Mixtral 8x22B: 141B, 39B active (Mistral AI's announcement)
     assert ZOO["mixtral-8x22b"].num_parameters() == pytest.approx(141e9, rel=0.01)
     assert ZOO["mixtral-8x22b"].active_parameters() == pytest.approx(39e9, rel=0.01)
-    # Qwen3-30B-A3B: 30.5B, 3.3B activated (its model card); 30,532,122,624 with the q and k
-    # norms left out here (48 blocks x 2 x 128)
+    # Qwen3-30B-A3B: 30.5B, 3.3B activated (its model card); 30,532,122,624 in transformers'
+    # Qwen3MoeForCausalLM of its config, the per-head q and k norms (qk_norm) included
     qwen3 = ZOO["qwen3-30b-a3b"]
-    assert qwen3.num_parameters() == 30_532_122_624 - 48 * 2 * 128
+    assert qwen3.num_parameters() == 30_532_122_624 and qwen3.qk_norm
     assert qwen3.active_parameters() == pytest.approx(3.3e9, rel=0.02)
     # Qwen1.5-MoE-A2.7B: 14.3B, 2.7B activated (its model card), a shared expert with its gate
     qwen15 = from_hf_config(QWEN15_MOE_HF, name="qwen1.5-moe-a2.7b")
@@ -176,7 +176,7 @@ def test_the_runtime_moe_block_keeps_and_moves_what_the_planner_counts(moe, dtyp
     bytes its memory-bound operations move (tests/test_pointwise.py's counter) against
     ModelConfig.activation_bytes and planner.pointwise.eager_bytes: within what a dense block
     of the same shape differs by (the rotary tables' and the norms' few bytes a token)."""
-    from test_pointwise import _gpu_norms, _small, _traced
+    from test_pointwise import _gpu_norms, _kept_bytes, _small, _traced
     from runtime.model import Block, rope_tables
     b, s, e = 8, 32, torch.tensor([], dtype=dtype).element_size()
     gaps = []
@@ -184,15 +184,7 @@ def test_the_runtime_moe_block_keeps_and_moves_what_the_planner_counts(moe, dtyp
         block = _gpu_norms(Block(cfg).to(dtype), cfg, dtype)
         cos, sin = rope_tables(cfg)
         x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
-        kept = {}
-
-        def pack(t):
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block(x, cos, sin)
-        shared = {t.untyped_storage().data_ptr() for t in [*block.parameters(), cos, sin]}
-        saved = sum(v for k, v in kept.items() if k not in shared)
+        saved = _kept_bytes(block, x, cos, sin)
         fwd, bwd = _traced(lambda t: block(t, cos, sin), x)
         pf, pb = eager_bytes(cfg, 1, b, s, 1, False, e, False, "flash")
         gaps.append((saved - cfg.activation_bytes(1, b, s, bytes_per_element=e, attention="flash"), fwd - pf, bwd - pb))
@@ -203,7 +195,8 @@ def test_the_runtime_moe_block_keeps_and_moves_what_the_planner_counts(moe, dtyp
 
 
 def test_moe_plans_train_like_one_process_and_fit_their_prediction(tmp_path):
-    """Tiny with 4 experts (2 a token), a shared expert and the load-balancing loss: tensor
+    """Tiny with 4 experts (2 a token), a shared expert, Qwen3's per-head q and k norms (their
+    weights' gradients partial sums over the TP group too) and the load-balancing loss: tensor
     parallelism with sequence parallelism (the experts split by columns, the routing weights'
     gradients partial sums), ZeRO 3 with full recomputation, 1F1B, ZB-V and interleaved pipelines,
     FSDP2 over TP DTensors and expert parallelism (the experts over 2 dp ranks: alone under ZeRO 3,
@@ -215,18 +208,18 @@ def test_moe_plans_train_like_one_process_and_fit_their_prediction(tmp_path):
     from planner.plan import Plan
     from torchrun_helpers import assert_ok, assert_same_losses, train, write_plan
     from benchmarks.zero_memory import UNDER
-    kw = dict(moe_aux_loss=0.1)
-    refs = [write_plan(tmp_path, "ref", TINY_MOE, **kw), write_plan(tmp_path, "ref-no-aux", TINY_MOE)]
-    two = [write_plan(tmp_path, "tp2-sp", TINY_MOE, world=2, tp=2, sequence_parallel=True, recompute="selective", **kw),
-           write_plan(tmp_path, "dp2-zero3-full", TINY_MOE, world=2, zero=3, recompute="full", **kw),
-           write_plan(tmp_path, "pp2-1f1b", TINY_MOE, world=2, pp=2, schedule="1f1b", **kw),
-           write_plan(tmp_path, "pp2-zbv", TINY_MOE, world=2, pp=2, schedule="zbv", recompute="selective", **kw),
-           write_plan(tmp_path, "pp2-interleaved", TINY_MOE, world=2, pp=2, schedule="interleaved-1f1b",
+    kw, qwen3 = dict(moe_aux_loss=0.1), dataclasses.replace(TINY_MOE, qk_norm=True)
+    refs = [write_plan(tmp_path, "ref", qwen3, **kw), write_plan(tmp_path, "ref-no-aux", qwen3)]
+    two = [write_plan(tmp_path, "tp2-sp", qwen3, world=2, tp=2, sequence_parallel=True, recompute="selective", **kw),
+           write_plan(tmp_path, "dp2-zero3-full", qwen3, world=2, zero=3, recompute="full", **kw),
+           write_plan(tmp_path, "pp2-1f1b", qwen3, world=2, pp=2, schedule="1f1b", **kw),
+           write_plan(tmp_path, "pp2-zbv", qwen3, world=2, pp=2, schedule="zbv", recompute="selective", **kw),
+           write_plan(tmp_path, "pp2-interleaved", qwen3, world=2, pp=2, schedule="interleaved-1f1b",
                       virtual_stages=2, **kw)]
-    two.append(write_plan(tmp_path, "dp2-ep2-zero3-full", TINY_MOE, world=2, zero=3, recompute="full", ep=2, **kw))
-    four = [write_plan(tmp_path, "dp2-tp2-sp", TINY_MOE, world=4, tp=2, zero=1, sequence_parallel=True, **kw),
-            write_plan(tmp_path, "dp2-tp2-ep2-sp", TINY_MOE, world=4, tp=2, zero=1, ep=2, sequence_parallel=True, **kw),
-            write_plan(tmp_path, "pp2-dp2-ep2-zero2", TINY_MOE, world=4, pp=2, zero=2, ep=2, **kw)]
+    two.append(write_plan(tmp_path, "dp2-ep2-zero3-full", qwen3, world=2, zero=3, recompute="full", ep=2, **kw))
+    four = [write_plan(tmp_path, "dp2-tp2-sp", qwen3, world=4, tp=2, zero=1, sequence_parallel=True, **kw),
+            write_plan(tmp_path, "dp2-tp2-ep2-sp", qwen3, world=4, tp=2, zero=1, ep=2, sequence_parallel=True, **kw),
+            write_plan(tmp_path, "pp2-dp2-ep2-zero2", qwen3, world=4, pp=2, zero=2, ep=2, **kw)]
     out = tmp_path / "runs"
     assert_ok(train(1, "--plan", *refs, "--steps", 4, "--out", out))
     assert_ok(train(2, "--plan", *two, "--steps", 4, "--out", out))
