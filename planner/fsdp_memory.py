@@ -13,12 +13,14 @@ def grads_sharded(zero: int, micro_batches: int) -> bool:
 
 
 def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: float, ob: float,
-                     spb: float) -> tuple[float, float, float]:
+                     spb: float, fsdp: bool = False) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes per parameter a device holds at a ZeRO level:
     the ZeRO paper's partitioning of optimizer states (1+), gradients (grads_sharded) and
-    parameters (3: FSDP2's shard, spb bytes each; planner.precision)."""
+    parameters (3: FSDP2's shard, spb bytes each; planner.precision). `fsdp`: FSDP2 shards them
+    even over one rank (an expert-parallel group holding all the dp ranks: runtime.moe), keeping
+    its shard and gathering the working copy for the layer alone, as over several."""
     shard = dp if dp > 1 else 1
-    return (spb / shard if zero == 3 and shard > 1 else pb,
+    return (spb / shard if zero == 3 and (shard > 1 or fsdp) else pb,
             gb / (shard if grads_sharded(zero, micro_batches) else 1),
             ob / (shard if zero >= 1 else 1))
 

@@ -286,7 +286,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             ends = {k: c.params for c, k in zip(si["costs"], kinds) if k != "block"}
             root_params, own = fsdp_groups(m.tie_embeddings, ends.get("embedding"), ends.get("head"))
             ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
-            xs = zero_state_bytes(st.zero, dpx, mbs, pb, gb, ob, spb)
+            xs = zero_state_bytes(st.zero, dpx, mbs, pb, gb, ob, spb, fsdp=True)
             p_bytes, g_bytes = p_bytes + (P - X) * ps + X * xs[0], g_bytes + (P - X) * gs + X * xs[1]
             o_bytes += (P - X) * os_ + X * xs[2]
             grads_of[i] = (P - X) * gs + X * xs[1]
@@ -295,7 +295,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             if st.zero == 3 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
                 master = ob - ADAM_STATE_BYTES
-                moved = (P - X) * master / shard * (shard > 1) + X * master / dpx * (dpx > 1)
+                moved = (P - X) * master / shard * (shard > 1) + X * master / dpx  # X: FSDP2's, dpx >= 1
                 p_bytes, o_bytes = p_bytes + moved, o_bytes - moved
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
                                                two, rs_temp, own, head_held=v > 1,

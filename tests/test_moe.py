@@ -323,8 +323,9 @@ def test_expert_parallelism_is_checked_and_left_out_of_plan_files_at_one(tmp_pat
 
 def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
     """Each rank holds experts / ep of them: under ZeRO 1 its parameters and gradients shrink,
-    under ZeRO 3 its model states stay what they were (experts / ep over dp / ep ranks); every
-    block sends its rows and gets them back, twice forward and twice backward."""
+    under ZeRO 3 its model states stay what they were (experts / ep over dp / ep ranks, FSDP2's
+    float32 shard and no 16-bit copy even where dp / ep is 1); every block sends its rows and gets
+    them back, twice forward and twice backward."""
     m = ZOO["mixtral-8x7b"]
     experts = 3 * m.hidden * m.ffn_hidden * m.moe.experts * m.layers / 2 / 4  # a rank's: tp 2, pp 4
     pb, gb, _ = model_state_bytes(_mixtral_plan().training, 8)
@@ -338,6 +339,8 @@ def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
             assert [a - b for a, b in zip(flat, spread)] == pytest.approx(want, abs=1.0)
         else:
             assert spread == pytest.approx(flat, rel=1e-9)
+            alone = [estimate(_mixtral_plan(zero=3, ep=8), H100).breakdown["memory"][k] for k in kinds]
+            assert alone == pytest.approx(flat, rel=1e-9)  # the 8 dp ranks one EP group
     assert "ep_comm_s" not in estimate(_mixtral_plan(), H100).breakdown["time"]
     plan = _mixtral_plan(ep=4, recompute="none")
     t = plan.training
