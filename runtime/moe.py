@@ -31,7 +31,10 @@ the input gradient are declared Partial and DTensor sums them with the experts' 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -69,17 +72,35 @@ class Expert(nn.Module):
         return swiglu(x, *(ws if grad_scale is None else (_GradScale.apply(w, grad_scale) for w in ws)))
 
 
+_UNCOUNTED = [False]  # a forward run to learn shapes (uncounted), not to train
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Forwards whose balancing loss neither counts nor enters a gradient: torch.distributed.pipelining's
+    shape inference of a stage's first micro-batch, whose autograd graph its last stage differentiates."""
+    _UNCOUNTED[0] = True
+    try:
+        yield
+    finally:
+        _UNCOUNTED[0] = False
+
+
 class AuxLoss(torch.autograd.Function):
-    """The block's output unchanged; in the backward, `scale` times the gradient of `aux` (a scalar)."""
+    """The block's output unchanged; in the backward, `scale` times the gradient of `aux` (a scalar),
+    and the value of `aux` appended to `seen` (a list): once for each forward differentiated, so not
+    for a pipeline stage's shape inference nor for a recomputation's replay whose graph is not."""
 
     @staticmethod
-    def forward(ctx, out, aux, scale: float):
-        ctx.scale = scale
+    def forward(ctx, out, aux, scale: float, seen: list):
+        ctx.scale, ctx.aux, ctx.seen = scale, aux.detach(), seen
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        if ctx.seen is not None:
+            ctx.seen.append(ctx.aux)
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None, None
 
 
 class _GradScale(torch.autograd.Function):
@@ -108,6 +129,7 @@ class MoEFeedForward(nn.Module):
         self.shared = Expert(h, fs) if fs else None
         self.shared_gate = nn.Linear(h, 1, bias=False) if fs else None
         self.aux_scale = None  # () -> the load-balancing loss's gradient scale (attach_aux_loss), else None
+        self.aux_seen: list = []  # the balancing losses of this step's micro-batches (AuxLoss, BalanceMeter)
 
     def forward(self, x):
         b, s, h = x.shape
@@ -130,7 +152,8 @@ class MoEFeedForward(nn.Module):
             out = out + gate * self.shared(flat)
         if self.aux_scale is not None and torch.is_grad_enabled():
             aux = self.n / self.k * (counts.float() / flat.shape[0] * probs.mean(dim=0)).sum()
-            out = AuxLoss.apply(out, aux, self.aux_scale())
+            # neither counted nor differentiated in a pipeline stage's shape inference (runtime.pipeline)
+            out = AuxLoss.apply(out, aux, *((0.0, None) if _UNCOUNTED[0] else (self.aux_scale(), self.aux_seen)))
         return out.view(b, s, h)
 
     def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -140,7 +163,6 @@ class MoEFeedForward(nn.Module):
         expert by expert. The experts' weight gradients are scaled by 1 / ep: a rank's experts
         compute the rows of all ep ranks, and FSDP2 averages them over the dp / ep ranks holding
         the same experts only."""
-        import torch.distributed as dist
         from torch.distributed.nn.functional import all_to_all_single
         group, ep, first = self.ep
         send = counts.view(ep, -1)  # rows for each rank's experts
@@ -203,15 +225,39 @@ class MoETensorParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, gather, reduce)
 
 
-def attach_aux_loss(chunks, plan, scaler) -> None:
+def attach_aux_loss(chunks, plan, scaler, tp_rank: int, device) -> "BalanceMeter | None":
     """Each MoE block of the chunks adds training.moe_aux_loss times its load-balancing loss (module
     doc), scaled as the main loss: by `scaler`'s loss scale (runtime.loss_scale), 1 / micro-batches
-    without a pipeline schedule (runtime.train._accumulate divides the loss), 1 / tp."""
+    without a pipeline schedule (runtime.train._accumulate divides the loss), 1 / tp. Returns the
+    meter of its value (None without the loss)."""
     alpha = plan.training.moe_aux_loss
     if not alpha:
-        return
+        return None
     per = alpha / plan.mesh.tp / (1 if plan.mesh.pp > 1 else plan.pipeline.micro_batches)
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, MoEFeedForward):
-                module.aux_scale = lambda: per * scaler.scale
+    modules = [module for chunk in chunks for module in chunk.modules() if isinstance(module, MoEFeedForward)]
+    for module in modules:
+        module.aux_scale = lambda: per * scaler.scale
+    return BalanceMeter(modules, plan, tp_rank, device)
+
+
+class BalanceMeter:
+    """A step's load-balancing loss as a figure (run.json's moe_balance; Megatron-LM logs it as
+    load_balancing_loss): (n / k) sum_i f_i P_i, not times alpha, averaged over the model's MoE
+    blocks, the micro-batches and the data-parallel (and CP) ranks, each TP group counted once;
+    1 where the routing is uniform, n / k where every token goes to the same experts."""
+
+    def __init__(self, modules: list, plan, tp_rank: int, device):
+        self.modules, self.owner, self.device = modules, tp_rank == 0, device
+        self.count = plan.model.layers * plan.pipeline.micro_batches * plan.mesh.grad_ranks
+
+    def read(self) -> float:
+        """The step's value (an all-reduce over the world: every rank calls it), the forwards' records cleared."""
+        seen = [a for m in self.modules for a in m.aux_seen]
+        print("SEEN", dist.get_rank(), len(seen), [round(float(a), 4) for a in seen], flush=True)
+        for m in self.modules:
+            m.aux_seen.clear()
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if seen and self.owner:
+            total += torch.stack(seen).double().sum()
+        dist.all_reduce(total)
+        return float(total) / self.count

@@ -25,6 +25,7 @@ from torch.distributed.pipelining.stage import to_local_if_dtensor
 from planner.plan import Plan
 from planner.sends import delivery_proofs
 from runtime.documents import set_micro
+from runtime.moe import uncounted
 
 
 class _Stage(PipelineStage):
@@ -73,6 +74,10 @@ class _Stage(PipelineStage):
         if self.sends is not None:
             self.sends.reached(("F", self.stage_index, fwd_chunk_id))
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with uncounted():  # an MoE block's balancing loss of this forward is not the step's (runtime.moe)
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     # pipeline.recv_buffers "in-flight": a receive buffer is allocated when its transfer is posted
     # and dropped once its micro-batch's backward is done (what autograd still needs keeps its own

@@ -77,13 +77,12 @@ class Trainer:
         self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
-        attach_aux_loss(self.chunks, plan, self.scaler)  # training.moe_aux_loss (runtime.moe)
+        self.balance, self.balances = attach_aux_loss(self.chunks, plan, self.scaler, self.tp_rank, device), []  # MoE
         self.eos = end_of_text(plan, args, source_meta(args.data))  # document masks' and eod_mask_loss's
         self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None,
                                           plan.training.reset_position_ids)
         t = plan.training
-        # foreach on every device, so that CPU runs allocate what GPU runs do (the planner counts
-        # its temporaries: planner.precision.optimizer_temp_bytes)
+        # foreach on every device, as CPU runs allocate (its temporaries: planner.precision.optimizer_temp_bytes)
         self.optimizers = [torch.optim.AdamW(param_groups(c, t.weight_decay), lr=t.lr, betas=BETAS, foreach=True)
                            for c in self.chunks]
         self.tied = TiedMatrix(plan, self.mesh["pp"].get_group(), self.chunks)  # a pipeline's tied embedding
@@ -173,6 +172,7 @@ class Trainer:
         # (they wait for the other ranks' backwards; the planner prices them outside its step)
         self.optimizer_s = time.perf_counter() - t_opt - sum(timing.values())
         self.pipeline_wait_s = timing.get("pp_wait_s", 0.0)  # for the other pipeline ranks' backward
+        self.balances += [self.balance.read()] if self.balance else []
         return self.mean_loss(float(local_loss))
 
     def local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,9 +216,8 @@ class Trainer:
             # the name would keep this micro-batch's autograd graph (the nodes and saved-variable records the backward
             # leaves) alive through the next forward; on CPU device memory: 0.27 MiB on tiny's tp4 plan, 4% of its peak
             del loss
-        # read once a step: reading each micro-batch's loss waited for its backward on a GPU, which
-        # then idled while the host launched the next forward (1.1-1.3 ms a micro-batch in a traced
-        # step of the H200 runs of 2026-11-30, micro-batches of 4 sequences of 2048)
+        # read once a step: reading each micro-batch's loss waited for its backward on a GPU, which then idled while
+        # the host launched the next forward (1.1-1.3 ms a micro-batch, H200 runs of 2026-11-30, 4 x 2048 tokens)
         return float(torch.stack(losses).double().sum())
 
 
@@ -317,6 +316,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "steps": len(losses),
         "losses": losses,
         "grad_norms": [g if math.isfinite(g) else None for g in grad_norms],  # before clipping (null: fp16 skipped)
+        "moe_balance": trainer.balances or None,  # the load-balancing loss (runtime.moe.BalanceMeter), unscaled
         # fp16: the loss scale after each step (runtime.loss_scale), halved where one was skipped
         "loss_scales": scales if trainer.scaler.enabled else None,
         "learning_rates": lrs,

@@ -229,10 +229,16 @@ def test_moe_plans_train_like_one_process_and_fit_their_prediction(tmp_path):
     # the balancing loss is left out of the loss reported; its gradient is in the norm, 10x the tolerance
     assert plain["losses"][0] == want["losses"][0] and plain["losses"][1] != want["losses"][1]
     assert abs(plain["grad_norms"][0] - want["grad_norms"][0]) > 1e-3 * want["grad_norms"][0]
+    # its value, a figure of its own (1: uniform routing, 2: n / k), recorded once a micro-batch's
+    # backward (not for full recomputation's replays nor a pipeline's shape inference), the same
+    # under every plan
+    assert plain["moe_balance"] is None and len(want["moe_balance"]) == 4
+    assert all(1.0 < b < 2.0 for b in want["moe_balance"]), want["moe_balance"]
     for path in [*two, *four]:
         run = json.loads((out / path.name).read_text())
         assert_same_losses(run["losses"], want["losses"], path.stem)
         assert_same_losses(run["grad_norms"], want["grad_norms"], f"{path.stem} gradient norm")
+        assert_same_losses(run["moe_balance"], want["moe_balance"], f"{path.stem} balancing loss")
         plan = Plan.read(path)
         cluster = dataclasses.replace(load_cluster("dgx-a100-80gb").shaped_as(1, plan.mesh.world_size), backend="gloo")
         per_pp = estimate(plan, cluster).breakdown["memory_per_pp_rank"]
@@ -256,7 +262,7 @@ def test_the_balancing_loss_gradient_is_that_of_the_loss_it_adds(monkeypatch):
         init_weights(model, 0)
         caught = []
         if explicit:  # the loss as a loss: AuxLoss hands it over untouched
-            monkeypatch.setattr(moe.AuxLoss, "apply", lambda out, aux, scale: caught.append(aux) or out)
+            monkeypatch.setattr(moe.AuxLoss, "apply", lambda out, aux, scale, seen: caught.append(aux) or out)
         for module in model.modules():
             if isinstance(module, moe.MoEFeedForward):
                 module.aux_scale = lambda: 0.3
