@@ -274,7 +274,7 @@ class Bounds:
         s_rep = ctx.cluster.seconds_per_byte("all_reduce", rep_shape) * ctx.gb / dp if rep_shape else 0.0
         out = []
         for z in self.zeros:
-            state, (copy_f, copy_b, copy_s), _ = self._per_param(z)
+            state, (copy_f, copy_b, copy_s) = self._per_param(z)
             ag = s_ag * e if z == 3 else 0.0
             sync = (s_ar if z == 0 else s_rs) * ctx.gb
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag

@@ -11,8 +11,7 @@ from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_group
 from planner.model import ModelConfig
 from planner.moe import ffn_width, largest_ffn_param
 from planner.plan import DTYPES, Plan, split_backward
-from planner.precision import (ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes,
-                               optimizer_temp_bytes, sharded_param_bytes)
+from planner.precision import ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes, sharded_param_bytes
 from planner.schedule import peak_with_gradients
 from planner.sends import unproven_sends
 
@@ -187,23 +186,6 @@ def backward_flow_bytes(model: ModelConfig, t, tp: int, sp: bool, dp: int, micro
     return flow
 
 
-def step_bytes(t, zero: int, dp: int, params: float) -> tuple:
-    """(parameters, gradients, optimizer state, other) bytes a stage of `params` parameters per
-    device at ZeRO level `zero` holds while the runtime's optimizer steps (training options `t`):
-    FSDP2 has resharded the parameters and reduce-scattered the gradients (ZeRO >= 1: float32
-    shards, the master copy being the parameter), replicate has dropped its compute-dtype copies; the activations and the backward's buffers are gone; AdamW's
-    foreach temporaries are there (planner.precision.optimizer_temp_bytes). FSDP2 releases the
-    reduce-scatter input it keeps between micro-batches (fsdp_extra_parts) at the end of the last
-    backward. Frameworks with a fused optimizer (no temporaries) never peak here: all zero."""
-    temp = optimizer_temp_bytes(t)
-    if temp == 0:
-        return 0.0, 0.0, 0.0, 0.0
-    pb, gb, ob = model_state_bytes(t, dp)
-    shard = dp if (zero >= 1 and dp > 1) else 1
-    weight = ob - ADAM_STATE_BYTES or pb  # what the optimizer updates: the master copy, else the parameter
-    return params * weight / shard, params * gb / shard, params * ADAM_STATE_BYTES / shard, params * temp / shard
-
-
 def held_i_to_w_bytes(model: ModelConfig, index: int, tp: int, tokens: float, e: float, replay_bytes: float,
                       recompute: str, sp: bool) -> float:
     """What layer `index` holds from its I to its W under a split backward (zbv): what its weight
@@ -218,11 +200,11 @@ def held_i_to_w_bytes(model: ModelConfig, index: int, tp: int, tokens: float, e:
 # FSDP2's buffers held through the step and gathered for the layer computing, replicate's
 # compute-dtype gradients, the pipeline's transfers (receive buffers, sends torch holds), a tied
 # matrix's extra gradients, the loss's logits and float32 work, a block's replay, a new
-# accumulated gradient, the activation gradients flowing back, and AdamW's foreach temporaries
-# in the optimizer step.
+# accumulated gradient and the activation gradients flowing back. (The optimizer step, torch's
+# fused AdamW in place, allocates nothing: planner.precision.optimizer_step_bytes.)
 OTHER_PARTS = dict.fromkeys(("fsdp_buffers", "fsdp_gathers", "replicated_gradients", "pipeline_receive_buffers",
                              "tied_embedding_gradients", "loss_logits", "recompute_replay", "gradient_accumulation",
-                             "activation_gradients", "optimizer_temporaries"), 0.0)
+                             "activation_gradients"), 0.0)
 
 
 def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[dict]:
@@ -234,8 +216,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     buffers: the backward's peak, or on the head's rank the loss's forward where that holds more
     (its logits and float32 work beside FSDP2's buffers: the loss computes its gradient in the
     forward, runtime/loss.py, so a backward's replay never meets them). A rank holding a tied
-    embedding and head can peak at the end of the backward instead (tied_matrix_grad_bytes), and
-    any rank in the optimizer step where that holds more (step_bytes). Where a rank peaks in its
+    embedding and head can peak at the end of the backward instead (tied_matrix_grad_bytes); the
+    optimizer step holds less than either (its fused AdamW allocates nothing). Where a rank peaks in its
     stage's first backward (first_backward_binds) its gradients grow as that backward frees the
     micro-batch's activations: the gradients shown are those beside every activation at the worst
     moment (first_backward_bytes), not all of them. A rank of several chunks holds a chunk's
@@ -267,9 +249,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}
         grads_of = dict(zero)  # each stage's gradients, which a rank of several chunks gains chunk by chunk
-        p_bytes = g_bytes = o_bytes = other = fsdp_held = replicated = opt_temp = 0.0
+        p_bytes = g_bytes = o_bytes = other = fsdp_held = replicated = 0.0
         recv = recv_buffer_bytes(plan, ids)
-        step = [0.0, 0.0, 0.0, recv]
         # of the stage computing in its backward, one at a time on a rank: its replay, FSDP2
         # buffers and accumulated gradient
         transient_parts = (0.0, 0.0, 0.0)
@@ -290,8 +271,6 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             p_bytes, g_bytes = p_bytes + (P - X) * ps + X * xs[0], g_bytes + (P - X) * gs + X * xs[1]
             o_bytes += (P - X) * os_ + X * xs[2]
             grads_of[i] = (P - X) * gs + X * xs[1]
-            sb = [a + b for a, b in zip(step_bytes(t, st.zero, dp, P - X), step_bytes(t, st.zero, dpx, X))]
-            step, opt_temp = [a + b for a, b in zip(step, sb)], opt_temp + sb[3]
             if st.zero == 3 and spb == 0 and ob > ADAM_STATE_BYTES:
                 # FSDP2's float32 shard is both the parameters and the master copy: shown as parameters
                 master = ob - ADAM_STATE_BYTES
@@ -352,10 +331,6 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         if tied and g_bytes + end > grads + acts + other:
             peak.update(gradients_bytes=g_bytes, activations_bytes=0.0, other_bytes=end, peak_at="end of backward")
             parts = dict(held_parts, activation_gradients=act_grad, tied_embedding_gradients=tied_end)
-        if sum(step) > p_bytes + peak["gradients_bytes"] + o_bytes + peak["activations_bytes"] + peak["other_bytes"]:
-            peak = dict(parameters_bytes=step[0], gradients_bytes=step[1], optimizer_bytes=step[2],
-                        activations_bytes=0.0, other_bytes=step[3], peak_at="optimizer step")
-            parts = dict(OTHER_PARTS, pipeline_receive_buffers=recv, optimizer_temporaries=opt_temp)
         total = sum(v for k, v in peak.items() if k != "peak_at")
         mem_by_rank.append(dict(pp_rank=rr, **peak, total_bytes=total, other_parts=parts))
     return mem_by_rank

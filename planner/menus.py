@@ -26,7 +26,7 @@ from planner.model import RECOMPUTE_MODES
 # one value per (k, ZeRO level); "transient" is the backward's (FSDP2's buffers and a new accumulated
 # gradient), "fsdp" what FSDP2 holds beside the loss (planner.fsdp_memory.forward_loss_bytes) and
 # "logits" the loss's transient (the head's forward: planner.memory)
-SCALARS = ("f", "sync", "opt", "gather", "fixed", "zero", "transient", "step", "fsdp", "logits")
+SCALARS = ("f", "sync", "opt", "gather", "fixed", "zero", "transient", "end", "fsdp", "logits")
 
 
 class Menus:
@@ -171,7 +171,7 @@ class Menus:
         grads_c, first_c = cols["grads"][by_c], (cols["first"][by_c] if self.fb else cols["first"])
         # each option's row as planner.stages.StageCosts.evaluate reads it (its column names)
         rows_all = np.stack((cols["f"], cols["f"] + cols["b"], cols["opt"] + cols["gather"], cols["sync"], cols["fixed"],
-                             cols["act"], cols["held_iw"], cols["replay"] + cols["transient"], cols["step"],
+                             cols["act"], cols["held_iw"], cols["replay"] + cols["transient"], cols["end"],
                              cols["fsdp"], cols["logits"], cols["grads"], cols["first"]), axis=1)
         row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + 3 * act_c.itemsize + rows_all[0].nbytes
         out = {}
@@ -223,7 +223,7 @@ class Menus:
         # gradient sync, optimizer and gathers do not
         w = ctx.work
         for zi, z in enumerate(self.zeros):
-            state, copies, step_per_param = self._per_param(z)
+            state, copies = self._per_param(z)
             ag = gathered if z == 3 else np.zeros(nk)
             reduced = all_reduced if z == 0 else scattered
             sync = reduced + replicas
@@ -257,12 +257,12 @@ class Menus:
             fixed = P * state + held_b
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed = fixed + P * ctx.pb
-            step = P * step_per_param  # the optimizer step's moment
+            end = np.zeros(nk)  # the end of the backward, where a tied matrix's two gradients meet
             if tied:
-                step = np.maximum(step, fixed + self.act_grad + tied_end)
+                end = fixed + self.act_grad + tied_end
                 fixed = fixed + tied_bytes
             logits = np.full(nk, self.head_logits if head else 0.0)
-            sc[:, zi] = (copy_f, sync, opt, gather, fixed, np.full(nk, z), transient, step, fsdp, logits)
+            sc[:, zi] = (copy_f, sync, opt, gather, fixed, np.full(nk, z), transient, end, fsdp, logits)
         return sc, shift, beside_k, copy_bk, gather_f, w_sync
 
 

@@ -74,31 +74,18 @@ def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int) -> 
     return 0, 0, (gather if zero == 1 else 0) + reduce
 
 
-def optimizer_temp_bytes(t) -> int:
-    """Bytes per parameter a rank updates that the optimizer step allocates for the step: torch's
-    foreach AdamW (the runtime's, `training.elementwise_kernels: eager`) materializes
-    sqrt(exp_avg_sq) for every parameter of the group at once, in the moments' float32
-    (torch/optim/adam.py, _multi_tensor_adam: torch._foreach_sqrt, then in-place div, add and
-    addcdiv); a fused Adam kernel (apex's and DeepSpeed's FusedAdam, Megatron-LM's) allocates
-    nothing."""
-    return 4 if t.elementwise_kernels == "eager" else 0
-
-
 def optimizer_step_bytes(t) -> int:
     """HBM bytes per parameter the optimizer step moves on the parameters a rank updates.
 
-    A fused AdamW kernel (`training.elementwise_kernels: fused`: apex's, DeepSpeed's, Megatron-LM's)
+    A fused AdamW kernel (the runtime's, torch's _fused_adamw_; apex's, DeepSpeed's, Megatron-LM's)
     reads the parameter it updates (the float32 master copy under mixed precision), its gradient
-    and both float32 moments, and writes the parameter and moments back in one pass. The runtime's
-    (`eager`) is torch's foreach AdamW (torch/optim/adam.py, _multi_tensor_adam, decoupled weight
-    decay, not capturable), eight passes: the weight decay scales the parameter (read and write
-    it), lerp_ the first moment towards the gradient (moment twice, gradient once), mul_ and
-    addcmul_ the second moment (moment four times, gradient twice), sqrt of the second moment into
-    a new tensor, div_ and add_ on it (two moment-sized reads and writes each), and addcdiv_ the
-    parameter (parameter twice, first moment and the new tensor once): 4 p + 3 g + 56 bytes, 84 for
-    float32 parameters and gradients. On an H200 (benchmarks/gpu_check.py, 2026-11-30) its
-    kernels and the clipping's took 28.8 ms for 1.24e9 float32 parameters: 96 bytes a parameter
-    at 4.14 TB/s, the copy bandwidth measured there.
+    and both float32 moments, and writes the parameter and moments back in one pass: 2 p + g + 16
+    bytes, 28 for float32 parameters and gradients; in place, it allocates nothing. (torch's
+    foreach AdamW, the runtime's until session 50, runs eight passes, 4 p + 3 g + 56 bytes: on an
+    H200, benchmarks/gpu_check.py of 2026-11-30, its kernels and the clipping's took 28.8 ms for
+    1.24e9 float32 parameters, 96 bytes a parameter at 4.14 TB/s, the copy bandwidth measured
+    there; and it materializes sqrt(exp_avg_sq) for every parameter of a group at once, 4 bytes
+    each: 32 MiB for 8.4 M parameters on CPU, where the fused kernel took none at 0.22-0.27x the time.)
 
     Either way clipping reads the gradients for their norm and scales them in place (3 passes).
     Gradients held in 16 bits under mixed precision are first copied into float32 (2 + 4), fp16
@@ -111,8 +98,7 @@ def optimizer_step_bytes(t) -> int:
     g = 4 if mixed else grad_bytes(t)  # the gradient it reads
     s = ADAM_STATE_BYTES // 2  # one moment
     eager = t.elementwise_kernels == "eager"
-    adam = 4 * p + 3 * g + 14 * s if eager else 2 * p + g + 2 * ADAM_STATE_BYTES
-    n = adam + 3 * g
+    n = 2 * p + g + 4 * s + 3 * g
     if mixed and grad_bytes(t) == 2:
         n += 2 + 4
     if t.dtype == "fp16":

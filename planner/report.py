@@ -89,8 +89,7 @@ def estimate_table(est: Estimate) -> str:
     mb = est.breakdown["memory"]
     rows += [
         (f"peak memory per GPU (pp rank {mb['pp_rank']}"
-         + {"optimizer step": ", in the optimizer step)", "end of backward": ", at the end of the backward)"}.get(
-             mb.get("peak_at"), ")"),
+         + (", at the end of the backward)" if mb.get("peak_at") == "end of backward" else ")"),
          _fmt_bytes(est.peak_memory_bytes)),
         ("  parameters", _fmt_bytes(mb["parameters_bytes"])),
         ("  gradients", _fmt_bytes(mb["gradients_bytes"])),
@@ -111,7 +110,7 @@ OTHER_LABELS = {"fsdp_buffers": "DP/FSDP2, held all step", "fsdp_gathers": "DP/F
                 "replicated_gradients": "DP gradient copies", "pipeline_receive_buffers": "pipeline transfers",
                 "tied_embedding_gradients": "tied embedding gradients", "loss_logits": "loss logits",
                 "recompute_replay": "recompute replay", "gradient_accumulation": "gradient accumulation",
-                "activation_gradients": "activation gradients", "optimizer_temporaries": "optimizer temporaries"}
+                "activation_gradients": "activation gradients"}
 
 TIME_TERMS = (("compute_s", "compute"), ("tp_comm_s", "TP comm"), ("dp_comm_exposed_s", "DP/FSDP comm"),
               ("fsdp_copy_s", "FSDP copies"), ("pipeline_bubble_s", "bubble"), ("p2p_s", "p2p"),

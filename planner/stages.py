@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from planner.fsdp_memory import zero_state_bytes
-from planner.memory import backward_flow_bytes, first_backward_binds, first_backward_peak, stage_recv_bytes, step_bytes
+from planner.memory import backward_flow_bytes, first_backward_binds, first_backward_peak, stage_recv_bytes
 from planner.menus import Menus, _pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
@@ -226,22 +226,21 @@ class StageCosts(Menus, Bounds):
         return zero_state_bytes(z, cfg.shards, cfg.micro_batches, *states, ctx.spb)
 
     def _per_param(self, z):
-        """Per parameter at ZeRO level z: the bytes the ZeRO paper counts (_state), the seconds of
-        FSDP2's buffer copies (forward, backward, step; planner.precision.fsdp_copy_bytes) and the
-        bytes held in the optimizer step (planner.memory.step_bytes, linear in the parameters)."""
+        """Per parameter at ZeRO level z: the bytes the ZeRO paper counts (_state) and the seconds of
+        FSDP2's buffer copies (forward, backward, step; planner.precision.fsdp_copy_bytes)."""
         memo = self.__dict__.setdefault("_per_param_memo", {})
         if z not in memo:
             ctx, cfg = self.ctx, self.cfg
             copies = ((x / ctx.bw for x in fsdp_copy_bytes(z, cfg.shards, cfg.micro_batches, ctx.e, ctx.gb))
                       if ctx.train.fsdp_copies else (0.0, 0.0, 0.0))
-            memo[z] = sum(self._state(z)), tuple(copies), sum(step_bytes(ctx.train, z, cfg.shards, 1.0))
+            memo[z] = sum(self._state(z)), tuple(copies)
         return memo[z]
 
     def flags(self, s):
         return s == 0, s == self.S - 1
 
     # columns of an option's row (Menus._build_menus' "rows"; what evaluate reads)
-    F, FB, TAIL, SYNC, FIXED, ACT, HELD_IW, REPLAY, STEP, FSDP, LOGITS, GRADS, FIRST = range(13)
+    F, FB, TAIL, SYNC, FIXED, ACT, HELD_IW, REPLAY, END, FSDP, LOGITS, GRADS, FIRST = range(13)
 
     def _evaluate_setup(self):
         """What evaluate reads of the configuration, as arrays over pipeline ranks."""
@@ -285,8 +284,8 @@ class StageCosts(Menus, Bounds):
         rep = a[..., self.REPLAY].max(axis=-1) + self.act_grad  # one stage computes at a time
         logits = a[..., self.LOGITS].max(axis=-1)  # the loss's forward, on the head's rank
         rep = np.where(logits > 0, np.maximum(rep, logits + a[..., self.FSDP].max(axis=-1)), rep)
-        step = a[..., self.STEP].sum(axis=-1) + ev.recv
-        fits = (np.maximum(fixed + peak + rep, step) <= self.ctx.lim_eff * (1 + TOL)).all(axis=-1)
+        end = a[..., self.END].sum(axis=-1) + ev.recv  # a tied pair's end of the backward
+        fits = (np.maximum(fixed + peak + rep, end) <= self.ctx.lim_eff * (1 + TOL)).all(axis=-1)
         work = mbs * (a[..., self.FB] + ev.sends).sum(axis=-1)  # m W_r
         # its first stage's sync, and every tail: each rank's tail (its optimizer step) waits for
         # every rank's end (planner.cost: the gradient norm over the pipeline ranks), so the step

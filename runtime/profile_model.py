@@ -327,9 +327,8 @@ def profile_model(args) -> dict | None:
                                 f"included ({_counter_name()}), median of {args.repeats} forwards after a garbage "
                                 "collection, with the collector off",
             "optimizer_s": "measured: runtime.optim.clip_grad_norm (local work: reduce=False) + "
-                           "AdamW(foreach=True).step on the layer's parameters, as the runtime runs them, per copy "
-                           "of them streamed through memory (twice the last-level cache; DTensor copies 8 to a foreach "
-                           "call); the norm's all-reduces "
+                           "AdamW(fused=True).step on the layer's parameters, as the runtime runs them, per copy "
+                           "of them streamed through memory (twice the last-level cache; DTensor copies 8 to a call); the norm's all-reduces "
                            "happen once per step, priced by planner.cost",
             "pipeline": "measured: runtime.profile_pipeline.measure_pipeline (two-rank GPipe, 1F1B and interleaved 1F1B of "
                         "one of the model's blocks per stage at micro-batch 1; the per-operation overhead that makes "

@@ -15,7 +15,7 @@ from runtime.device import current, scalar, sync
 
 MIN_SAMPLE_S = 0.02  # a timed sample spans several scheduler time slices
 STREAM_COPIES_MAX = 64  # copies of a layer's parameters the optimizer's timing streams through at most
-DTENSOR_COPIES_PER_CALL = 8  # of DTensor copies, as many in one foreach call (time_optimizer)
+DTENSOR_COPIES_PER_CALL = 8  # of DTensor copies, as many in one call of AdamW's kernels (time_optimizer)
 
 
 def passes_per_sample(seconds: float) -> int:
@@ -50,7 +50,7 @@ def stream_copies(params) -> tuple[list, int]:
 
 
 def call_groups(params: list, per_copy: int, dtensors: bool) -> list[dict]:
-    """AdamW's parameter groups (one foreach call each) over `params`, copies of `per_copy`
+    """AdamW's parameter groups (one call of its kernels each) over `params`, copies of `per_copy`
     parameters in a row: DTENSOR_COPIES_PER_CALL copies a group when they are DTensors, else one."""
     size = per_copy * DTENSOR_COPIES_PER_CALL if dtensors else len(params)
     return [{"params": params[i:i + size]} for i in range(0, len(params), max(size, 1))]
@@ -58,17 +58,17 @@ def call_groups(params: list, per_copy: int, dtensors: bool) -> list[dict]:
 
 def time_optimizer(params, repeats) -> float:
     """Seconds of the runtime's gradient clipping (its local work) and AdamW step on `params`, per
-    copy of them streamed through memory (stream_copies). DTensor copies go 8 to a foreach call:
-    DTensor's first foreach over a list propagates shardings at ~20 ms a DTensor (64 copies of a
-    block: 13.5 s, then 0.14 s a step), which took 6 of `make demo`'s 8.6 min; groups of 8 time
-    the TP-2 and ZeRO-3 blocks at 0.93-1.27x one list (docs/HISTORY.md, session 37)."""
+    copy of them streamed through memory (stream_copies). DTensor copies go 8 to a call: DTensor's
+    first call over a list propagates shardings at ~20 ms a DTensor (foreach AdamW, session 37: 64
+    copies of a block took 13.5 s, then 0.14 s a step, 6 of `make demo`'s 8.6 min); groups of 8
+    timed the TP-2 and ZeRO-3 blocks at 0.93-1.27x one list (docs/HISTORY.md, session 37)."""
     from torch.distributed.tensor import DTensor
     from runtime.optim import clip_grad_norm, reduce_partial_grads
     reduce_partial_grads(params, reduce=False)  # its all-reduce: once per step, priced by planner.cost
     per_copy, dtensors = len(params), any(isinstance(p, DTensor) for p in params)
     params, n = stream_copies(params)
     groups = call_groups(params, per_copy, dtensors)
-    opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)  # the runtime's
 
     def one():
         sync()

@@ -82,8 +82,8 @@ class Trainer:
         self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None,
                                           plan.training.reset_position_ids)
         t = plan.training
-        # foreach on every device, as CPU runs allocate (its temporaries: planner.precision.optimizer_temp_bytes)
-        self.optimizers = [torch.optim.AdamW(param_groups(c, t.weight_decay), lr=t.lr, betas=BETAS, foreach=True)
+        # torch's fused AdamW (CUDA and CPU kernels): one pass, no temporaries (planner.precision.optimizer_step_bytes)
+        self.optimizers = [torch.optim.AdamW(param_groups(c, t.weight_decay), lr=t.lr, betas=BETAS, fused=True)
                            for c in self.chunks]
         self.tied = TiedMatrix(plan, self.mesh["pp"].get_group(), self.chunks)  # a pipeline's tied embedding
         self.schedule = None
@@ -107,7 +107,7 @@ class Trainer:
         if self.context is not None:
             apply_context_parallel(chunk, self.context)
         kinds = {type(p).__name__ for p in chunk.parameters()}
-        assert len(kinds) == 1, f"stage {sid} mixes parameter kinds {kinds}; foreach AdamW needs one kind"
+        assert len(kinds) == 1, f"stage {sid} mixes parameter kinds {kinds}; AdamW's kernels need one kind"
         return chunk
 
     def _autocast(self):
@@ -310,7 +310,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "world_size": world,
         "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "cp": plan.mesh.cp, "tp": plan.mesh.tp, "order": plan.mesh.order,
                  "dp_replicate": plan.mesh.dp_replicate},
-        "schedule": plan.pipeline.schedule,
+        "schedule": plan.pipeline.schedule, "optimizer": "adamw-fused",  # torch's fused AdamW kernel
         "dtype": trainer.dtype,
         "first_step": start_step, "init_from": trainer.full_of.record() if trainer.full_of else None,
         "steps": len(losses),

@@ -19,12 +19,15 @@ def plan_for(model="llama2-7b", nodes=1, dpn=8, **kw):
 
 def test_70b_model_states_need_about_840_gb():
     # bf16 weights (2 B) + bf16 gradients (2 B) + Adam moments (8 B) = 12 B per parameter
+    from planner.precision import model_state_bytes
     plan = plan_for("llama2-70b", dpn=1, global_batch=1, master_weights=False)
-    mem = estimate(plan, A100).breakdown["memory"]
-    states = mem["parameters_bytes"] + mem["gradients_bytes"] + mem["optimizer_bytes"]
-    assert states == pytest.approx(12 * ZOO["llama2-70b"].num_parameters(), rel=1e-3)
-    assert 820e9 < states < 850e9
-    assert not estimate(plan, A100).fits
+    states = sum(model_state_bytes(plan.training, dp=1)) * ZOO["llama2-70b"].num_parameters()
+    assert sum(model_state_bytes(plan.training, dp=1)) == 12 and 820e9 < states < 850e9
+    est = estimate(plan, A100)
+    assert est.peak_memory_bytes >= states and not est.fits  # all of them at the end of the backward
+    # the peak falls in the backward: every parameter and moment, the gradients of the layers done
+    mem = est.breakdown["memory"]
+    assert mem["parameters_bytes"] + mem["optimizer_bytes"] == pytest.approx(10 / 12 * states, rel=1e-3)
 
 
 def test_zero_levels_shard_what_they_promise():
@@ -50,10 +53,8 @@ def test_recompute_trades_memory_for_time():
     assert acts[0] > acts[1] > 0
     assert none.peak_memory_bytes >= sel.peak_memory_bytes > full.peak_memory_bytes
     assert none.step_time_s < sel.step_time_s < full.step_time_s
-    # with full recompute one micro-batch's activations weigh less than AdamW's temporaries
-    # (4 bytes per parameter): the rank peaks in the optimizer step, activations gone
-    assert full.breakdown["memory"]["peak_at"] == "optimizer step"
-    assert full.breakdown["memory"]["activations_bytes"] == 0
+    # full recomputation keeps a block's input alone (and the head's): 0.16 of selective's here
+    assert full.breakdown["memory"]["activations_bytes"] < 0.2 * acts[1]
 
 
 def test_a_group_spanning_nodes_pays_the_slower_tier():
@@ -266,14 +267,15 @@ def test_async_tp_allreduce_hides_backward_allreduces_behind_weight_gradients():
 
 def test_optimizer_and_gradient_reduction_bytes_follow_the_gradient_dtype():
     from planner.precision import grad_bytes, optimizer_step_bytes
-    # the runtime: bf16 autocast over float32 parameters, float32 gradients, torch's foreach AdamW
-    # (eight passes, tests/test_pointwise.py counts them) and clipping (three), no 16-bit copy to write
+    # the runtime: bf16 autocast over float32 parameters, float32 gradients, torch's fused AdamW
+    # (one pass over parameter, gradient and moments: tests/test_pointwise.py counts it) and clipping
+    # (three), no 16-bit copy to write
     runtime = plan_for().training
-    assert grad_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 84 + 12
+    assert grad_bytes(runtime) == 4 and optimizer_step_bytes(runtime) == 28 + 12
     fp32 = plan_for(dtype="fp32").training
-    assert grad_bytes(fp32) == 4 and optimizer_step_bytes(fp32) == 84 + 12
-    # a fused AdamW kernel: one pass over parameter, gradient and moments; the master copy writes
-    # the 16-bit parameters
+    assert grad_bytes(fp32) == 4 and optimizer_step_bytes(fp32) == 28 + 12
+    # frameworks with fused kernels: the same AdamW pass, then the master copy writes the 16-bit
+    # parameters
     assert optimizer_step_bytes(plan_for(elementwise_kernels="fused").training) == 28 + 12 + 6
     megatron_fp16 = plan_for(dtype="fp16", grad_accumulation="separate-16bit", elementwise_kernels="fused").training
     assert grad_bytes(megatron_fp16) == 2

@@ -54,8 +54,10 @@ class ByteCounter(TorchDispatchMode):
             inputs = list(args) + [v for k, v in (kwargs or {}).items() if k != "out"]  # out= is written
             reads = 0 if name in PARTIAL_READS or name in WRITE_ONLY else _bytes(out) if name in SELECTS \
                 else _bytes(inputs)
-            # in-place foreach operations (the optimizer's) return nothing: they write their first list
-            writes = _bytes(args[0]) if name.startswith("_foreach_") and name.endswith("_") else _bytes(out)
+            # in-place foreach operations (the optimizer's) return nothing: they write their first list;
+            # the fused AdamW kernel its parameters and both moments
+            writes = (_bytes(args[0]) if name.startswith("_foreach_") and name.endswith("_")
+                      else _bytes([args[0], args[2], args[3]]) if name.startswith("_fused_adam") else _bytes(out))
             self.total += reads + writes
         return out
 
@@ -186,23 +188,25 @@ def _traffic_of_step(opt, params, grads_from):
     return counter.total
 
 
-def test_eager_optimizer_step_traffic_is_what_torchs_foreach_adamw_moves():
+def test_eager_optimizer_step_traffic_is_what_torchs_fused_adamw_moves():
     """planner.precision.optimizer_step_bytes for the runtime (eager kernels, bf16 on float32
-    weights): torch's foreach AdamW step and the runtime's clipping, counted op by op, move what it
-    prices; a fused Adam would move less than half of it."""
+    weights): torch's fused AdamW step and the runtime's clipping, counted op by op, move what it
+    prices; torch's foreach AdamW (the runtime's until session 50) moves 2.4x as much."""
     from planner.build import build_plan
     from planner.precision import optimizer_step_bytes
     params = [torch.nn.Parameter(torch.randn(n)) for n in (4096, 70_000, 300_000)]
     grads = [torch.randn_like(p) * 100 for p in params]  # large enough to be clipped
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     moved = _traffic_of_step(opt, params, grads)
+    foreach = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    assert _traffic_of_step(foreach, params, grads) == pytest.approx(96 / 40 * moved, rel=0.01)
     count = sum(p.numel() for p in params)
     kw = dict(cluster_name="x", device="x", nodes=1, devices_per_node=1, global_batch=8, micro_batch=1, seq_len=32,
               dtype="bf16")
     eager = build_plan(ZOO["tiny"], **kw).training
     assert optimizer_step_bytes(eager) * count == pytest.approx(moved, rel=0.01), (optimizer_step_bytes(eager), moved / count)
-    fused = dataclasses.replace(eager, elementwise_kernels="fused")
-    assert optimizer_step_bytes(fused) < 0.5 * optimizer_step_bytes(eager)
+    fused = dataclasses.replace(eager, elementwise_kernels="fused")  # the master copy writes 16-bit parameters
+    assert optimizer_step_bytes(fused) == optimizer_step_bytes(eager) + 6
 
 
 class _NoWeightCasts(ByteCounter):

@@ -322,7 +322,7 @@ def test_menus_built_together_are_those_built_one_block_count_at_a_time():
             for k in ks:
                 alone = Inner(Ctx(model, cluster, train, cluster.device.memory_bytes, SearchSpace()), cfg).setup()
                 one = alone.menu(k, *flags)
-                for name in ("f", "b", "c", "sync", "opt", "gather", "fixed", "zero", "transient", "step", "act",
+                for name in ("f", "b", "c", "sync", "opt", "gather", "fixed", "zero", "transient", "end", "act",
                              "replay", "combo", "held_iw", "cb", "order"):
                     assert np.array_equal(got[k][name], one[name]), (cfg, flags, k, name)
                 assert set(got[k]["zero"]) == set(together.zeros)

@@ -158,11 +158,12 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     assert 0.85 <= (counted["gathered"] - counted["shard"]) / spared <= 1.1
 
 
-@pytest.mark.parametrize("limit", [3.0, 4.0])
+@pytest.mark.parametrize("limit", [3.0, 3.5])
 def test_the_search_prices_either_mode_as_the_estimate_does(limit):
     """`trident search --sp-saved-inputs gathered`: the search, with every plan keeping its gathered
     inputs, returns the fastest such plan that fits (exhaustive enumeration agrees), slower than
-    keeping shards where memory binds (3 GiB) and faster where it does not (4 GiB); `either`
+    keeping shards where memory binds (3 GiB) and faster where it does not (3.5 GiB; 4 until the
+    optimizer's temporaries went, session 50); `either`
     returns the fastest plans of both modes and of no SP."""
     from test_search import A100, GiB, SearchSpace, check_same, plan_level, shrunk
     space = SearchSpace(tp=(2, 4), sequence_parallel=(True,), zero=(0,), zero_per_stage=False,
@@ -172,7 +173,7 @@ def test_the_search_prices_either_mode_as_the_estimate_does(limit):
                                sp_saved_inputs=saved) for saved in ("shard", "gathered")}
     assert all(f.plan.training.sp_saved_inputs == saved for saved, f in found.items())
     faster = found["gathered"].estimate.step_time_s < found["shard"].estimate.step_time_s
-    assert faster == (limit == 4.0)
+    assert faster == (limit == 3.5)
     # --sp-saved-inputs either (planner.sp_modes): the faster of the two, with SP off searched too
     with_off = dataclasses.replace(space, sequence_parallel=(False, True))
     both = search_either(partial(search, model, cluster), space=with_off, top=2, global_batch=8, seq_len=1024,
