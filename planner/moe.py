@@ -30,8 +30,8 @@ How the planner prices one (this module, used by planner.model and planner.point
   replayed forward's, under full recomputation) of tokens x k rows each, every TP rank its own
   (it computes whole rows); the experts' products are priced as before (a rank runs experts / ep
   experts of ep times the rows). The runtime runs it so (runtime.moe), under ZeRO 1-3 without
-  context parallelism or HSDP; its exchange of the row counts before each dispatch (ep integers
-  an expert) is not priced;
+  context parallelism or HSDP; before each dispatch it exchanges the row counts (an all-to-all of
+  the experts' int64 counts, a latency), priced with the forward's two (the replay's too);
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each
   token's rows for its experts and the weighted scatter back) as the runtime's block runs them
@@ -177,17 +177,18 @@ def held_experts(m, kind: str, tp: int, ep: int) -> float:
 
 def expert_parallel_comm(cluster, plan, kind: str, recompute: str, tp_ranks) -> tuple[float, float]:
     """(forward, backward) seconds of a block's expert-parallel all-to-alls on one rank per
-    micro-batch (module doc): dispatch and combine of tokens x k rows of hidden elements over the
-    EP group of the rank leading `tp_ranks`; the backward's two, and a full recomputation's two
-    again. Zeros without expert parallelism."""
+    micro-batch (module doc): the row counts' exchange, then dispatch and combine of tokens x k rows
+    of hidden elements over the EP group of the rank leading `tp_ranks`; the backward's two, and a
+    full recomputation's forward again. Zeros without expert parallelism."""
     m, t, mesh = plan.model, plan.training, plan.mesh
     if mesh.ep == 1 or kind != "block" or m.moe is None:
         return 0.0, 0.0
     from planner.plan import DTYPES
     rows = t.micro_batch / mesh.cp * t.seq_len * m.moe.experts_per_token
-    one = cluster.collective_time("all_to_all", DTYPES[t.dtype] * rows * m.hidden,
-                                  mesh.expert_group(**mesh.coords(tp_ranks[0])))
-    return 2 * one, 2 * one * (2 if recompute == "full" else 1)
+    group = mesh.expert_group(**mesh.coords(tp_ranks[0]))
+    one = cluster.collective_time("all_to_all", DTYPES[t.dtype] * rows * m.hidden, group)
+    forward = 2 * one + cluster.collective_time("all_to_all", 8 * m.moe.experts, group)  # the counts first
+    return forward, 2 * one + (forward if recompute == "full" else 0.0)
 
 
 def largest_ffn_param(m, tp: int) -> float:

@@ -330,8 +330,8 @@ def test_expert_parallelism_is_checked_and_left_out_of_plan_files_at_one(tmp_pat
 def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
     """Each rank holds experts / ep of them: under ZeRO 1 its parameters and gradients shrink,
     under ZeRO 3 its model states stay what they were (experts / ep over dp / ep ranks, FSDP2's
-    float32 shard and no 16-bit copy even where dp / ep is 1); every block sends its rows and gets
-    them back, twice forward and twice backward."""
+    float32 shard and no 16-bit copy even where dp / ep is 1); every block exchanges its row
+    counts, sends its rows and gets them back, twice forward and twice backward."""
     m = ZOO["mixtral-8x7b"]
     experts = 3 * m.hidden * m.ffn_hidden * m.moe.experts * m.layers / 2 / 4  # a rank's: tp 2, pp 4
     pb, gb, _ = model_state_bytes(_mixtral_plan().training, 8)
@@ -350,12 +350,14 @@ def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
     assert "ep_comm_s" not in estimate(_mixtral_plan(), H100).breakdown["time"]
     plan = _mixtral_plan(ep=4, recompute="none")
     t = plan.training
-    one = H100.shaped_as(8, 8).collective_time("all_to_all", 2 * t.seq_len * 2 * m.hidden,
-                                               plan.mesh.expert_group(pp=0, dp=0, tp=0))
+    group = plan.mesh.expert_group(pp=0, dp=0, tp=0)
+    one = H100.shaped_as(8, 8).collective_time("all_to_all", 2 * t.seq_len * 2 * m.hidden, group)
+    counts = H100.shaped_as(8, 8).collective_time("all_to_all", 8 * m.moe.experts, group)  # int64 a expert
     blocks = [st.end - st.start - (st.start == 0) - (st.end == m.num_layers_total) for st in plan.pipeline.stages]
     est = estimate(plan, H100)
     r = est.breakdown["time"]["critical_pp_rank"]
-    assert est.breakdown["time"]["ep_comm_s"] == pytest.approx(4 * one * blocks[r] * plan.pipeline.micro_batches)
+    assert est.breakdown["time"]["ep_comm_s"] == pytest.approx((4 * one + counts) * blocks[r] * plan.pipeline.micro_batches)
+    assert 0 < counts < 0.2 * one  # a latency: 26 us against a dispatch's 162
 
 
 def test_the_search_spreads_experts_only_where_the_runtime_can():
