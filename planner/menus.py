@@ -24,8 +24,10 @@ from planner.memory import (accumulation_bytes, document_mask_bytes, first_backw
 from planner.model import RECOMPUTE_MODES
 
 # one value per (k, ZeRO level); "transient" is the backward's (FSDP2's buffers and a new accumulated
-# gradient), "fsdp" what FSDP2 holds beside the loss (planner.fsdp_memory.forward_loss_bytes) and
-# "logits" the loss's transient (the head's forward: planner.memory)
+# gradient), "end" a stage holding a tied embedding and head at the end of its backward, where the
+# matrix's two gradients meet (planner.memory.tied_matrix_grad_bytes), "fsdp" what FSDP2 holds
+# beside the loss (planner.fsdp_memory.forward_loss_bytes) and "logits" the loss's transient (the
+# head's forward: planner.memory)
 SCALARS = ("f", "sync", "opt", "gather", "fixed", "zero", "transient", "end", "fsdp", "logits")
 
 
