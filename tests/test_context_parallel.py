@@ -16,6 +16,7 @@ from planner.cost import estimate
 from planner.layers import layer_cost
 from planner.mesh import Mesh
 from planner.model import ConfigError
+from planner.moe import MoESpec
 from planner.model_profile import load_model_profile, model_profile_from_dict
 from planner.plan import Plan
 from planner.zoo import ZOO
@@ -149,11 +150,17 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
     """Two gloo processes: CP 2 alone (llama, ZeRO 1), under selective recompute and ZeRO 3 (gpt:
     learned positions), under full recompute with plain data parallelism; four: with TP 2 and
     sequence parallelism (ZeRO 2, micro-batches of 1), under a 1F1B pipeline, and with HSDP (2
-    replicas of dp 1 x cp 2 shards)."""
+    replicas of dp 1 x cp 2 shards). A Qwen3-MoE-like model (4 experts, 2 a token, a shared
+    expert, per-head q and k norms) alone and with TP 2 and SP: its routing, experts and norms
+    on each rank's share of the sequence, without the balancing loss (which a CP rank computes over
+    its own tokens: another loss than one process's)."""
     d = tmp_path / "plans"
     d.mkdir()
-    refs = [write_plan(d, "ref"), write_plan(d, "ref-gpt", "tiny-gpt"), write_plan(d, "ref-gb4", global_batch=4)]
-    two = [write_plan(d, "cp2", world=2, cp=2, zero=1),
+    qwen3_moe = dataclasses.replace(ZOO["tiny"], name="qwen3-moe", qk_norm=True, moe=MoESpec(4, 2, 64))
+    refs = [write_plan(d, "ref"), write_plan(d, "ref-gpt", "tiny-gpt"), write_plan(d, "ref-gb4", global_batch=4),
+            write_plan(d, "ref-qwen3-moe", qwen3_moe, global_batch=4)]
+    two = [write_plan(d, "cp2", world=2, cp=2, zero=1), write_plan(d, "qwen3-moe-cp2", qwen3_moe, world=2, cp=2, zero=1,
+                                                                  global_batch=4),
            write_plan(d, "gpt-cp2-selective", "tiny-gpt", world=2, cp=2, recompute="selective", zero=3),
            write_plan(d, "cp2-full", world=2, cp=2, recompute="full", zero=0)]
     # four micro-batches: with eight this plan measured 1.044 of its prediction, its peak growing by
@@ -161,13 +168,16 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
     four = [write_plan(d, "cp2-tp2-sp", world=4, cp=2, tp=2, sequence_parallel=True, zero=2, micro_batch=1,
                        global_batch=4),
             write_plan(d, "pp2-cp2", world=4, cp=2, pp=2, schedule="1f1b", zero=1),
-            write_plan(d, "hsdp-cp2", world=4, cp=2, dp=2, dp_replicate=2, zero=3)]
+            write_plan(d, "hsdp-cp2", world=4, cp=2, dp=2, dp_replicate=2, zero=3),
+            write_plan(d, "qwen3-moe-cp2-tp2-sp", qwen3_moe, world=4, cp=2, tp=2, sequence_parallel=True, zero=2,
+                       micro_batch=1, global_batch=4)]
     assert_ok(train(1, "--plan", *refs, "--steps", STEPS, "--out", tmp_path))
     assert_ok(train(2, "--plan", *two, "--steps", STEPS, "--out", tmp_path))
     assert_ok(train(4, "--plan", *four, "--steps", STEPS, "--out", tmp_path))
     for p in two + four:
         run = json.loads((tmp_path / f"{p.stem}.json").read_text())
-        ref = "ref-gpt" if "gpt" in p.stem else "ref-gb4" if p.stem == "cp2-tp2-sp" else "ref"
+        ref = ("ref-gpt" if "gpt" in p.stem else "ref-gb4" if p.stem == "cp2-tp2-sp" else "ref-qwen3-moe"
+               if p.stem.startswith("qwen3-moe") else "ref")
         assert_same_losses(run["losses"], losses_of(tmp_path / f"{ref}.json"), p.stem)
         assert run["mesh"]["cp"] == 2
         plan = Plan.read(p)
