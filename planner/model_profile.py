@@ -227,13 +227,17 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     most the whole measured time). The TP term is that measured share plus the difference between
     the cluster profile's prediction at the plan's TP ranks and at the measured ones: the same
     figure as measured for a group on the measured tier, more for a group spanning nodes.
-    Activation and parameter bytes are the measured ones. Under context parallelism (measured
+    Activation and parameter bytes are the measured ones; under expert parallelism (measured
+    without) a rank holds experts / ep of an MoE block's experts (planner.moe.held_experts), its
+    all-to-alls are priced as the analytic model prices them and its data-parallel collectives
+    too (the measured ones moved every expert). Under context parallelism (measured
     without) a rank computes 1 / cp of each sequence: the fits at micro_batch / cp, with the K/V
     collectives and kept bytes of planner.layers.context_parallel_parts. Without `dp_extras` the
     layer's measured data-parallel extras are left out, as the search prices data parallelism itself
     (planner.search.Ctx.layers), and `stage` needs no ZeRO level."""
     from planner.comm import regathers, tp_comm
     from planner.layers import LayerCost, context_parallel_parts, layer_cost
+    from planner.moe import expert_parallel_comm, held_experts
     from planner.plan import DTYPES
     from planner.precision import grad_bytes, optimizer_step_bytes, sp_gathered_bytes
     m, t = plan.model, plan.training
@@ -247,6 +251,8 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     measured_cp = profile.lookup(kind, tp, sp, rec, cp) if cp > 1 else None
     fit, fb = (measured_cp, t.micro_batch) if measured_cp else (profile.lookup(kind, tp, sp, rec), b)
     params = fit.param_bytes / DTYPES[profile.param_dtype]  # the measured parameter bytes, in elements
+    experts = held_experts(m, kind, plan.mesh.tp, plan.mesh.ep)  # the rank's share where spread
+    params -= experts * (plan.mesh.ep - 1)
     msg = e * b * s * m.hidden
     # the profile measured TP on consecutive ranks 0..tp-1 (runtime.profile_model), inside a node
     # where the node is large enough; the plan's TP group may sit elsewhere (across nodes)
@@ -283,7 +289,7 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
         none = none_fit.activations(nb) + gathered[1] - gathered[3] + kv
         replay = max(0.0, none - act)
     dpm = None
-    if dp_extras and plan.mesh.grad_ranks > 1:
+    if dp_extras and plan.mesh.grad_ranks > 1 and not experts:
         base = profile.lookup(kind, plan.mesh.tp, sp, "none")
         dpm = base.dp_overhead(stage.zero)
         if dpm:
@@ -295,7 +301,8 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
             if stage.zero >= 1:  # its optimizer stepped 1 / measured of the parameters: the plan's share
                 more = params * optimizer_step_bytes(t) * (1 / plan.mesh.zero_shards - 1 / measured)
                 dpm = dict(dpm, optimizer_s=max(0.0, dpm["optimizer_s"] + more / cluster.device.memory_bytes_per_s))
-    opt = dpm["optimizer_s"] if dpm else fit.optimizer_s
+    # the measured step of the layer's parameters, of those the rank holds under expert parallelism
+    opt = dpm["optimizer_s"] if dpm else fit.optimizer_s * params / (fit.param_bytes / DTYPES[profile.param_dtype])
     if t.dropout > 0 or t.attention_dropout_p > 0 or t.document_mask:  # measured without: as the analytic model
         fwd, bwd, act, replay = (x + d for x, d in zip((fwd, bwd, act, replay), unmeasured_delta(plan, cluster, index,
                                                                                                     stage, tp_ranks)))
@@ -303,8 +310,9 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     if plan.pipeline.schedule == "zbv":  # the weights' share of the measured backward, as the analytic
         analytic = layer_cost(plan, cluster, index, stage, tp_ranks)  # model splits it (measured whole)
         wshare = analytic.bwd_weight_s / analytic.bwd_compute_s if analytic.bwd_compute_s > 0 else 0.0
+    ep_f, ep_b = expert_parallel_comm(cluster, plan, kind, rec, tp_ranks)
     return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, params, opt, dpm, bwd_weight_s=bwd * wshare,
-                     fwd_cp_s=cp_f, bwd_cp_s=cp_b)
+                     fwd_cp_s=cp_f, bwd_cp_s=cp_b, fwd_ep_s=ep_f, bwd_ep_s=ep_b, expert_params=experts)
 
 
 def unmeasured_delta(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list) -> tuple:

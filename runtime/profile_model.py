@@ -50,9 +50,6 @@ def check_args(args, world: int) -> None:
     """Validate before the process group starts; ConfigError with one line otherwise."""
     from planner.cluster import load_cluster
     model = load_model(args.model)
-    if model.moe is not None:
-        raise ConfigError(f"--model: {model.name} has mixture-of-experts blocks, whose time depends on the "
-                          "routing: trident profile model does not measure them; price its plans without a model profile")
     args.model_config = dataclasses.replace(model, tie_embeddings=False) if model.tie_embeddings else model
     args.mbs = _ints(args.micro_batches, "--micro-batches")
     args.tps = _ints(args.tp, "--tp")

@@ -277,17 +277,41 @@ def test_the_balancing_loss_gradient_is_that_of_the_loss_it_adds(monkeypatch):
     assert router.abs().max() > 0
 
 
+def test_a_model_profile_of_moe_blocks_prices_plans_with_and_without_expert_parallelism(cluster_profile):
+    """`trident profile model` measures MoE blocks as the runtime runs them (its loop over the
+    experts, balanced routing as random weights give it); a plan priced from the profile holds the
+    experts it measured, and under expert parallelism experts / ep of them, with the all-to-alls and
+    the data-parallel collectives priced as the analytic model prices them."""
+    from planner.model_profile import load_model_profile
+    from torchrun_helpers import profile_ranks
+    model, out = cluster_profile.parent / "tiny-moe.model.json", cluster_profile.parent / "tiny-moe.json"
+    model.write_text(json.dumps(TINY_MOE.to_dict()))
+    proc = profile_ranks(1, "model", "--model", model, "--cluster-profile", cluster_profile, "--seq-len", 32,
+                         "--micro-batches", "1,2", "--tp", "1", "--repeats", 3, "-o", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    mp = load_model_profile(str(out))
+    cluster = load_cluster(str(cluster_profile))
+    kw = dict(cluster_name=cluster.name, device=cluster.device.name, nodes=1, global_batch=4, micro_batch=2,
+              seq_len=32, dtype="fp32")
+    one, cl1 = build_plan(TINY_MOE, devices_per_node=1, **kw), cluster.shaped_as(1, 1)
+    measured, analytic = estimate(one, cl1, model_profile=mp), estimate(one, cl1)
+    assert measured.step_time_s > 0 and measured.stages[0]["params"] == pytest.approx(analytic.stages[0]["params"])
+    cl2 = cluster.shaped_as(1, 2)
+    for ep in (1, 2):
+        plan = build_plan(TINY_MOE, devices_per_node=2, zero=1, ep=ep, **kw)
+        est, ana = estimate(plan, cl2, model_profile=mp), estimate(plan, cl2)
+        assert est.stages[0]["params"] == pytest.approx(ana.stages[0]["params"])  # 2 of the 4 experts under ep 2
+        assert (est.breakdown["time"].get("ep_comm_s", 0.0) > 0) == (ep == 2)
+        assert est.breakdown["time"].get("ep_comm_s") == pytest.approx(ana.breakdown["time"].get("ep_comm_s"))
+    experts = 3 * TINY_MOE.hidden * TINY_MOE.ffn_hidden * TINY_MOE.layers  # of one expert, in every block
+    assert est.stages[0]["params"] == pytest.approx(measured.stages[0]["params"] - 2 * experts)
+
+
 def test_what_the_runtime_cannot_do_with_moe_models_is_one_line(tmp_path):
-    """`trident profile model` does not measure MoE blocks; `trident export` writes Mixtral and
-    Qwen2-MoE models, not one neither computes: each says so in one line."""
+    """`trident export` writes Mixtral, Qwen2-MoE and Qwen3-MoE models, not one none computes: it
+    says so in one line."""
     from runtime.checkpoint import META
     from runtime.export import export
-    from runtime.profile import parse_args
-    from runtime.profile_model import check_args
-    (tmp_path / "moe.model.json").write_text(json.dumps(TINY_MOE.to_dict()))
-    with pytest.raises(ConfigError, match="--model: tiny-moe has mixture-of-experts blocks, whose time"):
-        check_args(parse_args(["model", "--model", str(tmp_path / "moe.model.json"), "--cluster-profile",
-                               "dgx-a100-80gb", "--seq-len", "32", "-o", "m.json"]), 1)
     step = tmp_path / "ckpt" / "step-1"
     step.mkdir(parents=True)
     (step / META).write_text(json.dumps({"step": 1, "run": {"model": TINY_MOE.to_dict(), "training": {}}}))
