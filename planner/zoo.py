@@ -53,4 +53,6 @@ ZOO: dict[str, ModelConfig] = {m.name: m for m in [
     _llama("mixtral-8x22b", 56, 6144, 16384, 48, 8, 32768, 65536, theta=1e6, moe=moe_parts.MoESpec(8, 2)),
     _llama("qwen3-30b-a3b", 48, 2048, 768, 32, 4, 151936, 40960, theta=1e6, eps=1e-6, head_dim=128,
            qk_norm=True, moe=moe_parts.MoESpec(128, 8)),
+    _llama("qwen3-235b-a22b", 94, 4096, 1536, 64, 4, 151936, 40960, theta=1e6, eps=1e-6, head_dim=128,
+           qk_norm=True, moe=moe_parts.MoESpec(128, 8)),
 ]}

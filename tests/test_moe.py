@@ -51,6 +51,9 @@ def test_parameter_counts_match_the_released_models():
     qwen3 = ZOO["qwen3-30b-a3b"]
     assert qwen3.num_parameters() == 30_532_122_624 and qwen3.qk_norm
     assert qwen3.active_parameters() == pytest.approx(3.3e9, rel=0.02)
+    # Qwen3-235B-A22B: 235B, 22B activated (its model card); transformers' count of its config
+    assert ZOO["qwen3-235b-a22b"].num_parameters() == 235_093_634_560
+    assert ZOO["qwen3-235b-a22b"].active_parameters() == pytest.approx(22e9, rel=0.01)
     # Qwen1.5-MoE-A2.7B: 14.3B, 2.7B activated (its model card), a shared expert with its gate
     qwen15 = from_hf_config(QWEN15_MOE_HF, name="qwen1.5-moe-a2.7b")
     assert qwen15.num_parameters() == pytest.approx(14.3e9, rel=0.01)
