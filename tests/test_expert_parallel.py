@@ -1,0 +1,114 @@
+"""Expert parallelism (mesh.ep; planner.moe, planner.expert_parallel, runtime.moe): its groups, the
+plan's checks, what it prices (the experts a rank holds, the all-to-alls), the search's pass over
+the degrees the runtime runs, and the plans the runtime refuses in one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.build import build_plan
+from planner.cost import estimate
+from planner.model import ConfigError
+from planner.plan import Plan
+from planner.precision import model_state_bytes
+from planner.zoo import ZOO
+from test_moe import H100, TINY_MOE
+
+
+def _mixtral_plan(**kw):
+    args = dict(cluster_name=H100.name, device=H100.device.name, nodes=8, devices_per_node=8, global_batch=256,
+                micro_batch=1, seq_len=4096, tp=2, pp=4, zero=1, recompute="selective", sequence_parallel=True)
+    return build_plan(ZOO["mixtral-8x7b"], **{**args, **kw})
+
+
+def test_expert_parallel_groups_are_ep_dp_ranks_and_their_shards_the_rest():
+    from planner.mesh import Mesh
+    m = Mesh(pp=2, dp=4, tp=2, ep=2)  # dp ranks of pipeline rank 0, tp 0: 0, 2, 4, 6
+    assert m.expert_group(pp=0, dp=3, tp=0) == [4, 6] and m.expert_group(pp=1, dp=0, tp=1) == [9, 11]
+    assert m.expert_shard_group(pp=0, dp=1, tp=0) == [2, 6]  # the ranks holding the same experts
+    hsdp = Mesh(pp=1, dp=8, tp=1, ep=2, dp_replicate=2)  # shard groups 0-3 and 4-7
+    assert hsdp.expert_shard_group(dp=5) == [5, 7] and hsdp.expert_group(dp=5) == [4, 5]
+    assert Mesh(pp=1, dp=4, tp=1).expert_shard_group(dp=2) == [0, 1, 2, 3]  # without EP: the shard group
+
+
+def test_expert_parallelism_is_checked_and_left_out_of_plan_files_at_one(tmp_path):
+    for kw, says in ((dict(ep=3), "does not divide model.moe.experts=8"),
+                     (dict(ep=8, dp_replicate=2), r"must divide the data-parallel shard group \(dp / dp_replicate = 4"),
+                     (dict(ep=0), "must be a positive integer")):
+        with pytest.raises(ConfigError, match=rf"mesh\.ep: .*{says}"):
+            _mixtral_plan(**kw)
+    with pytest.raises(ConfigError, match="mesh.ep: 2: expert parallelism needs a mixture-of-experts model"):
+        build_plan(ZOO["llama3-8b"], cluster_name=H100.name, device=H100.device.name, nodes=1, devices_per_node=8,
+                   global_batch=16, micro_batch=1, ep=2)
+    assert "ep" not in _mixtral_plan().to_dict()["mesh"]
+    plan = _mixtral_plan(ep=4)
+    plan.write(tmp_path / "a.json")
+    assert Plan.read(tmp_path / "a.json").mesh.ep == 4
+
+
+def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
+    """Each rank holds experts / ep of them: under ZeRO 1 its parameters and gradients shrink,
+    under ZeRO 3 its model states stay what they were (experts / ep over dp / ep ranks, FSDP2's
+    float32 shard and no 16-bit copy even where dp / ep is 1); every block exchanges its row
+    counts, sends its rows and gets them back, twice forward and twice backward."""
+    m = ZOO["mixtral-8x7b"]
+    experts = 3 * m.hidden * m.ffn_hidden * m.moe.experts * m.layers / 2 / 4  # a rank's: tp 2, pp 4
+    pb, gb, _ = model_state_bytes(_mixtral_plan().training, 8)
+    kinds = ("parameters_bytes", "gradients_bytes", "optimizer_bytes")
+    for zero in (1, 3):
+        flat, spread = ([e.breakdown["memory"][k] for k in kinds]
+                        for e in (estimate(_mixtral_plan(zero=zero, ep=ep), H100) for ep in (1, 4)))
+        if zero == 1:  # parameters and gradients held whole (ZeRO 1): 3 of 4 of the experts' gone; the
+            # optimizer states as before: experts / 4 over dp / 4 ranks
+            want = [experts * 3 / 4 * pb, experts * 3 / 4 * gb, 0.0]
+            assert [a - b for a, b in zip(flat, spread)] == pytest.approx(want, abs=1.0)
+        else:
+            assert spread == pytest.approx(flat, rel=1e-9)
+            alone = [estimate(_mixtral_plan(zero=3, ep=8), H100).breakdown["memory"][k] for k in kinds]
+            assert alone == pytest.approx(flat, rel=1e-9)  # the 8 dp ranks one EP group
+    assert "ep_comm_s" not in estimate(_mixtral_plan(), H100).breakdown["time"]
+    plan = _mixtral_plan(ep=4, recompute="none")
+    t = plan.training
+    group = plan.mesh.expert_group(pp=0, dp=0, tp=0)
+    one = H100.shaped_as(8, 8).collective_time("all_to_all", 2 * t.seq_len * 2 * m.hidden, group)
+    counts = H100.shaped_as(8, 8).collective_time("all_to_all", 8 * m.moe.experts, group)  # int64 a expert
+    blocks = [st.end - st.start - (st.start == 0) - (st.end == m.num_layers_total) for st in plan.pipeline.stages]
+    est = estimate(plan, H100)
+    r = est.breakdown["time"]["critical_pp_rank"]
+    assert est.breakdown["time"]["ep_comm_s"] == pytest.approx((4 * one + counts) * blocks[r] * plan.pipeline.micro_batches)
+    assert 0 < counts < 0.2 * one  # a latency: 26 us against a dispatch's 162
+
+
+def test_the_search_spreads_experts_only_where_the_runtime_can():
+    from planner.expert_parallel import ep_degrees
+    assert ep_degrees(_mixtral_plan()) == [2, 4, 8]  # dp 8, 8 experts
+    for kw in (dict(zero=0), dict(dp_replicate=2), dict(cp=2, tp=1, order=["pp", "dp", "cp", "tp"])):
+        assert ep_degrees(_mixtral_plan(**kw)) == [], kw
+    assert ep_degrees(build_plan(ZOO["llama3-8b"], cluster_name=H100.name, device=H100.device.name, nodes=1,
+                                 devices_per_node=8, global_batch=16, micro_batch=1, zero=1)) == []
+
+
+def test_the_search_spreads_experts_where_that_is_faster(capsys):
+    """Mixtral 8x7B on 8 DGX H100 nodes: the plans found are priced again with every expert-parallel
+    degree (planner.expert_parallel); the best spreads the experts over the 4 dp ranks of a node."""
+    from planner.cli import main
+    argv = ["search", "--cluster", "dgx-h100-80gb", "--gpus", "64", "--global-batch", "256", "--seq-len", "4096",
+            "--json", "--top", "3", "--model"]
+    assert main(argv + ["mixtral-8x7b"]) == 0
+    spread = json.loads(capsys.readouterr().out)
+    assert main(argv + ["mixtral-8x7b", "--ep", "1"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert spread["step_time_s"] < flat["step_time_s"] and spread["breakdown"]["time"]["ep_comm_s"] > 0
+    assert "ep_comm_s" not in flat["breakdown"]["time"] and all(a["degrees"]["ep"] == 1 for a in flat["alternatives"])
+    assert main(argv + ["llama3-8b", "--ep", "2"]) == 2
+    assert "--ep: expert parallelism is for mixture-of-experts models" in capsys.readouterr().err
+
+
+def test_expert_parallel_plans_the_runtime_cannot_run_are_one_line(tmp_path, capsys, monkeypatch):
+    from runtime.train import main as train_main
+    from torchrun_helpers import write_plan
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_main(["--plan", str(write_plan(tmp_path, "ep2", TINY_MOE, world=2, ep=2, zero=0))]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("trident: error:")]
+    assert len(lines) == 1 and "mesh.ep: 2: the runtime spreads experts under ZeRO 1-3" in lines[0], lines
