@@ -23,7 +23,8 @@ Held out (reported apart, no target): Korthikanti et al. 2022's Megatron-LM iter
 MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3), bf16, with and without
 activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 runs of Llama 2
 13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
-built on; and Llama 3 405B's context-parallel row (heldout_llama3_cp.csv). Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
+built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); and Megatron-Core's Mixtral
+8x7B with expert parallelism (heldout_moe.csv). Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
 cluster trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 
     python benchmarks/published.py [--csv PATH] [--heldout PATH ...] [--json]
@@ -44,6 +45,7 @@ from planner.cluster import load_cluster  # noqa: E402
 from planner.cost import estimate  # noqa: E402
 from planner.model import ConfigError, ModelConfig  # noqa: E402
 from planner.build import build_plan  # noqa: E402
+from planner.moe import MoESpec  # noqa: E402
 
 DEFAULT_CSV = ROOT.parent / "shared" / "reference" / "published_runs.csv"
 HELDOUT_CSV = ROOT / "benchmarks" / "heldout_runs.csv"
@@ -66,6 +68,15 @@ TORCHTITAN_CSV = ROOT / "benchmarks" / "heldout_torchtitan.csv"
 # TP 8, CP 16, PP 16, DP 8, sequences of 131,072 tokens, 16M tokens a batch (128 sequences), 380
 # TFLOP/s per GPU, 38% MFU; the two 8,192-token rows of that table are in the main CSV
 LLAMA3_CP_CSV = ROOT / "benchmarks" / "heldout_llama3_cp.csv"
+# Megatron-Core's Mixtral 8x7B (megatron/core/transformer/moe/README.md of github.com/NVIDIA/
+# Megatron-LM): "438 TFLOPS as of MCore v0.8" (commit 0b981f9c53, 2024-08-02) and "468 TFLOPS as
+# of MCore v0.9" (c230e0d7c2, 2024-11-21), each file's "reference parallel mappings of MCore v0.8"
+# for it: 64 H100s (8 per server, 8x400 Gbit/s InfiniBand), dropless, the all-to-all dispatcher,
+# bf16, sequences of 4096, TP 1, EP 8, PP 4, VP 8, MBS 1, GBS 256; that these mappings are the
+# headline figures' runs is read from the same files, not stated. TFLOP/s count Megatron's
+# num_floating_point_operations (megatron/training/training.py at core_r0.8.0: top-k experts'
+# MLPs, no router), within 0.01% of trident's model FLOPs for it. Recomputation not stated: searched.
+MOE_CSV = ROOT / "benchmarks" / "heldout_moe.csv"
 # BigScience's BLOOM (github.com/bigscience-workshop/bigscience at 9e64ede, train/tr11-176B-ml/):
 # every "Sec/it" row of chronicles-prequel.md with NHIDDEN 14336 and 64 heads (February 2022,
 # fp16; each the second iteration of a run, as that file says), its rows with the final 70 layers
@@ -112,6 +123,8 @@ SOURCES = {
     "mosaicml-llm-foundry-2023": dict(attention="flash-triton", dropout=0.0, zeros=(3,)),
     "torchtitan-2024": dict(elementwise_kernels="eager", fsdp_copies=True, zeros=(3,)),
     "bigscience-tr11-2022": dict(zeros=(1,)),
+    "megatron-core-v0.8": dict(zeros=(1,)),
+    "megatron-core-v0.9": dict(zeros=(1,)),
 }
 
 
@@ -173,11 +186,20 @@ for _src in ("korthikanti-2022-table5", "korthikanti-2022-section6"):
                                         async_tp_allreduce=True, grad_accumulation="fused")
 
 
+# Megatron-Core's MoE rows (MOE_CSV): interleaved 1F1B with one block a chunk (VP 8 of 32 blocks
+# over PP 4); the distributed optimizer (ZeRO 1) with --overlap-grad-reduce, as the README's Mixtral
+# training example sets; gradient accumulation fused into the weight-gradient GEMMs (TransformerEngine's
+# GroupedLinear "support Gradient Accumulation Fusion", the same README; Megatron-LM's default for bf16)
+for _src in ("megatron-core-v0.8", "megatron-core-v0.9"):
+    RUN_SETTINGS[(_src, "mixtral-8x7b")] = dict(virtual_stages=8, overlap_grad_reduce=True, grad_accumulation="fused")
+
+
 def row_model(row) -> ModelConfig:
     arch = row["arch"]
+    moe = MoESpec(int(row["experts"]), int(row["experts_per_token"])) if row.get("experts") else None
     return ModelConfig(name=row["model"], arch=arch, layers=int(row["layers"]), hidden=int(row["hidden"]),
                        ffn_hidden=int(row["ffn_hidden"]), heads=int(row["heads"]), kv_heads=int(row["kv_heads"]),
-                       vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), tie_embeddings=(arch == "gpt"))
+                       vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), tie_embeddings=(arch == "gpt"), moe=moe)
 
 
 def candidates(row, model, gpus, framework: bool = True):
@@ -186,7 +208,7 @@ def candidates(row, model, gpus, framework: bool = True):
     (degrees, micro-batch, virtual stages) and memory (receive buffers in flight and sent outputs
     freed, as the published engines held them) stay the published ones, so that it still fits where
     it fitted."""
-    tp, pp, dp, cp = int(row["tp"]), int(row["pp"]), int(row["dp"]), int(row.get("cp") or 1)
+    tp, pp, dp, cp, ep = int(row["tp"]), int(row["pp"]), int(row["dp"]), int(row.get("cp") or 1), int(row.get("ep") or 1)
     gbs = int(row["global_batch"])
     per_dp = gbs // dp
     known = RUN_SETTINGS.get((row["source"], row["model"]), {})
@@ -209,7 +231,7 @@ def candidates(row, model, gpus, framework: bool = True):
     for b, v, rec, zero in itertools.product(mbs, vs, recs, zeros):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
-        yield dict(micro_batch=b, virtual_stages=v, recompute=rec, zero=zero, tp=tp, pp=pp, dp=dp, cp=cp,
+        yield dict(micro_batch=b, virtual_stages=v, recompute=rec, zero=zero, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep,
                    schedule=sched, global_batch=gbs, **how)
 
 
@@ -258,7 +280,7 @@ def predict_rows(rows) -> list[dict]:
         c, est, plan = best
         err = (est.step_time_s - pub) / pub
         out.append(dict(source=row["source"], model=row["model"], gpus=int(row["gpus"]),
-                        tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], micro_batch=c["micro_batch"], v=c["virtual_stages"],
+                        tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], ep=c["ep"], micro_batch=c["micro_batch"], v=c["virtual_stages"],
                         recompute=c["recompute"], sp=row["sequence_parallel"] == "true", zero=c["zero"],
                         published_step_s=pub, predicted_step_s=est.step_time_s,
                         published_tflops=(float(row["published_tflops_per_gpu"]) if row["published_tflops_per_gpu"]
@@ -276,7 +298,7 @@ def summary(out) -> tuple[float, float]:
 def show(out, title: str, targets: str):
     import pandas as pd
     df = pd.DataFrame(out)
-    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "cp", "micro_batch", "v", "recompute", "sp", "zero",
+    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "cp", "ep", "micro_batch", "v", "recompute", "sp", "zero",
                         "published_step_s", "predicted_step_s", "published_tflops", "predicted_tflops",
                         "bubble", "fits", "error", "note") if c in df]
     print(title)
@@ -290,7 +312,7 @@ def show(out, title: str, targets: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
-    ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV)],
+    ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV, MOE_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")

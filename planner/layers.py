@@ -165,14 +165,18 @@ def context_parallel_parts(plan, cluster: ClusterSpec, index: int, recompute: st
     """(forward s, backward s, bytes) of a layer's context parallelism per micro-batch: its K/V
     collectives (planner.comm.cp_comm) over the CP group of the rank that leads `tp_ranks` (or on
     `cp_ranks`), and the bytes of the other CP ranks' K and V that its attention keeps for the
-    backward beside this rank's own, where it is not recomputed (a replay holds them again). Zeros
-    without it."""
+    backward beside this rank's own, where it is not recomputed (a replay holds them again); with
+    an MoE block's balancing loss, the all-reduce of its float32 routed counts (runtime.moe), a
+    full recomputation's replay's again. Zeros without it."""
     m, t, cp = plan.model, plan.training, plan.mesh.cp
     if cp == 1 or m.layer_kind(index) != "block":
         return 0.0, 0.0, 0.0
     kv = 2 * DTYPES[t.dtype] * t.micro_batch * t.seq_len * m.kv_dim / plan.mesh.tp  # the whole sequence's
     ranks = cp_ranks if cp_ranks is not None else plan.mesh.group("cp", **plan.mesh.coords(tp_ranks[0]))
     fwd, bwd = cp_comm(cluster, "block", kv, ranks, recompute)
+    if m.moe is not None and t.moe_aux_loss:
+        counts = cluster.collective_time("all_reduce", 4 * m.moe.experts, ranks)
+        fwd, bwd = fwd + counts, bwd + (counts if recompute == "full" else 0.0)
     return fwd, bwd, kv * (cp - 1) / cp
 
 

@@ -15,10 +15,15 @@ sigmoid gate. Routing is dropless: an expert takes every row sent to it.
 Load balancing (training.moe_aux_loss, attach_aux_loss): each block adds alpha (n / k) sum_i f_i P_i
 to the loss, f_i the share of the micro-batch's tokens routed to expert i, P_i its mean router
 probability (Fedus et al. 2022, eq. 4; scaled by 1 / k so that a uniform routing gives 1 for any
-k). Its gradient enters the backward at the block's output (AuxLoss, Megatron-LM's way of adding a
-loss computed inside a pipeline stage), scaled as the runtime scales the main loss's: by the loss
-scale, by 1 / micro-batches where no pipeline schedule does it (scale_grads), and by 1 / tp, the
-TP ranks each computing it whole into gradients that DTensor sums.
+k). Under context parallelism a rank holds part of each sequence: the CP group sums its routed
+counts (an all-reduce of n floats a block), so f_i is the whole sequence's, and each rank's P_i of
+its own tokens, whose gradients the CP ranks average, average to the whole sequence's P_i: the
+loss and its gradient are one process's (Megatron-LM's router, too, reduces this loss's counts
+over its tensor-and-context-parallel group). Its gradient enters the backward at the block's
+output (AuxLoss, Megatron-LM's way of adding a loss computed inside a pipeline stage), scaled as
+the runtime scales the main loss's: by the loss scale, by 1 / micro-batches where no pipeline
+schedule does it (scale_grads), and by 1 / tp, the TP ranks each computing it whole into
+gradients that DTensor sums.
 
 Tensor parallelism (MoETensorParallel, Megatron-LM's way for experts): each expert's gate and up
 projections split by columns, its down projection by rows, the same for the shared expert; the
@@ -126,6 +131,7 @@ class MoEFeedForward(nn.Module):
         self.experts = nn.ModuleDict({str(j): Expert(h, f) for j in range(n)})
         self.n = n
         self.ep = None  # (group, size, first expert) under expert parallelism, else None
+        self.cp = None  # (group, size) of the CP group where the balancing loss spans it (attach_aux_loss)
         self.shared = Expert(h, fs) if fs else None
         self.shared_gate = nn.Linear(h, 1, bias=False) if fs else None
         self.aux_scale = None  # () -> the load-balancing loss's gradient scale (attach_aux_loss), else None
@@ -151,7 +157,11 @@ class MoEFeedForward(nn.Module):
             gate = torch.sigmoid(F.linear(flat, _local(self.shared_gate.weight, partial=True)))
             out = out + gate * self.shared(flat)
         if self.aux_scale is not None and torch.is_grad_enabled():
-            aux = self.n / self.k * (counts.float() / flat.shape[0] * probs.mean(dim=0)).sum()
+            routed = counts.float()
+            if self.cp is not None:  # the whole sequence's shares f_i (module doc)
+                dist.all_reduce(routed, group=self.cp[0])
+                routed = routed / self.cp[1]
+            aux = self.n / self.k * (routed / flat.shape[0] * probs.mean(dim=0)).sum()
             # neither counted nor differentiated in a pipeline stage's shape inference (runtime.pipeline)
             out = AuxLoss.apply(out, aux, *((0.0, None) if _UNCOUNTED[0] else (self.aux_scale(), self.aux_seen)))
         return out.view(b, s, h)
@@ -225,11 +235,12 @@ class MoETensorParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, gather, reduce)
 
 
-def attach_aux_loss(chunks, plan, scaler, tp_rank: int, device) -> "BalanceMeter | None":
+def attach_aux_loss(chunks, plan, scaler, tp_rank: int, context, device) -> "BalanceMeter | None":
     """Each MoE block of the chunks adds training.moe_aux_loss times its load-balancing loss (module
     doc), scaled as the main loss: by `scaler`'s loss scale (runtime.loss_scale), 1 / micro-batches
-    without a pipeline schedule (runtime.train._accumulate divides the loss), 1 / tp. Returns the
-    meter of its value (None without the loss)."""
+    without a pipeline schedule (runtime.train._accumulate divides the loss), 1 / tp. Under context
+    parallelism (`context`, runtime.context_parallel.ContextParallel, else None) the shares f_i are
+    the whole sequence's (module doc). Returns the meter of its value (None without the loss)."""
     alpha = plan.training.moe_aux_loss
     if not alpha:
         return None
@@ -237,6 +248,7 @@ def attach_aux_loss(chunks, plan, scaler, tp_rank: int, device) -> "BalanceMeter
     modules = [module for chunk in chunks for module in chunk.modules() if isinstance(module, MoEFeedForward)]
     for module in modules:
         module.aux_scale = lambda: per * scaler.scale
+        module.cp = None if context is None else (context.group, plan.mesh.cp)
     return BalanceMeter(modules, plan, tp_rank, device)
 
 
@@ -253,7 +265,6 @@ class BalanceMeter:
     def read(self) -> float:
         """The step's value (an all-reduce over the world: every rank calls it), the forwards' records cleared."""
         seen = [a for m in self.modules for a in m.aux_seen]
-        print("SEEN", dist.get_rank(), len(seen), [round(float(a), 4) for a in seen], flush=True)
         for m in self.modules:
             m.aux_seen.clear()
         total = torch.zeros(1, dtype=torch.float64, device=self.device)

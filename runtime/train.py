@@ -77,7 +77,7 @@ class Trainer:
         self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
-        self.balance, self.balances = attach_aux_loss(self.chunks, plan, self.scaler, self.tp_rank, device), []  # MoE
+        self.balance, self.balances = attach_aux_loss(self.chunks, plan, self.scaler, self.tp_rank, self.context, device), []
         self.eos = end_of_text(plan, args, source_meta(args.data))  # document masks' and eod_mask_loss's
         self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None,
                                           plan.training.reset_position_ids)

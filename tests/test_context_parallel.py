@@ -117,6 +117,20 @@ def test_cli_plans_cp(tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("trident: error: mesh.cp: 3: the sequence")
 
 
+def test_the_balancing_loss_under_cp_pays_an_all_reduce_of_its_counts():
+    """An MoE block with the balancing loss under CP all-reduces its float32 routed counts over the
+    CP group once a forward (runtime.moe), once more in a full recomputation's replay."""
+    moe = dataclasses.replace(LONG, name="moe-32k", moe=MoESpec(16, 2))
+    kw = dict(cluster_name=H100.name, device=H100.device.name, nodes=2, devices_per_node=8, global_batch=16,
+              micro_batch=1, tp=8, cp=2, zero=1)
+    counts = H100.collective_time("all_reduce", 4 * 16, [0, 8])
+    for rec in ("selective", "full"):
+        plain, aux = (build_plan(moe, recompute=rec, moe_aux_loss=a, **kw) for a in (0.0, 0.01))
+        a, b = (layer_cost(p, H100, 1, p.pipeline.stages[0], list(range(8))) for p in (plain, aux))
+        assert b.fwd_cp_s - a.fwd_cp_s == pytest.approx(counts) and counts > 0
+        assert b.bwd_cp_s - a.bwd_cp_s == pytest.approx(counts if rec == "full" else 0.0, abs=1e-12)
+
+
 def test_a_model_profile_prices_a_cp_block_as_measured_else_at_its_share(model_profile, cluster_profile):
     """The session's profile measured the block under CP 2 too (tests/conftest.py): a CP 2 plan's
     block costs what was measured, its K/V collectives shown apart (on the measured ranks as
@@ -151,16 +165,19 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
     learned positions), under full recompute with plain data parallelism; four: with TP 2 and
     sequence parallelism (ZeRO 2, micro-batches of 1), under a 1F1B pipeline, and with HSDP (2
     replicas of dp 1 x cp 2 shards). A Qwen3-MoE-like model (4 experts, 2 a token, a shared
-    expert, per-head q and k norms) alone and with TP 2 and SP: its routing, experts and norms
-    on each rank's share of the sequence, without the balancing loss (which a CP rank computes over
-    its own tokens: another loss than one process's)."""
+    expert, per-head q and k norms, the balancing loss) alone and with TP 2 and SP: its routing,
+    experts and norms on each rank's share of the sequence, the balancing loss's routed shares
+    over the whole sequence (runtime.moe): its losses and balancing values one process's within
+    1e-6 (each CP rank's own shares part the losses by up to 3.8e-4 at step 2, the values by more)."""
     d = tmp_path / "plans"
     d.mkdir()
     qwen3_moe = dataclasses.replace(ZOO["tiny"], name="qwen3-moe", qk_norm=True, moe=MoESpec(4, 2, 64))
+    aux = dict(moe_aux_loss=0.1)
     refs = [write_plan(d, "ref"), write_plan(d, "ref-gpt", "tiny-gpt"), write_plan(d, "ref-gb4", global_batch=4),
-            write_plan(d, "ref-qwen3-moe", qwen3_moe, global_batch=4)]
+            write_plan(d, "ref-qwen3-moe", qwen3_moe, global_batch=4, **aux),
+            write_plan(d, "ref-qwen3-moe-mb1", qwen3_moe, global_batch=4, micro_batch=1, **aux)]  # f_i P_i's tokens
     two = [write_plan(d, "cp2", world=2, cp=2, zero=1), write_plan(d, "qwen3-moe-cp2", qwen3_moe, world=2, cp=2, zero=1,
-                                                                  global_batch=4),
+                                                                  global_batch=4, **aux),
            write_plan(d, "gpt-cp2-selective", "tiny-gpt", world=2, cp=2, recompute="selective", zero=3),
            write_plan(d, "cp2-full", world=2, cp=2, recompute="full", zero=0)]
     # four micro-batches: with eight this plan measured 1.044 of its prediction, its peak growing by
@@ -170,15 +187,19 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
             write_plan(d, "pp2-cp2", world=4, cp=2, pp=2, schedule="1f1b", zero=1),
             write_plan(d, "hsdp-cp2", world=4, cp=2, dp=2, dp_replicate=2, zero=3),
             write_plan(d, "qwen3-moe-cp2-tp2-sp", qwen3_moe, world=4, cp=2, tp=2, sequence_parallel=True, zero=2,
-                       micro_batch=1, global_batch=4)]
+                       micro_batch=1, global_batch=4, **aux)]
     assert_ok(train(1, "--plan", *refs, "--steps", STEPS, "--out", tmp_path))
     assert_ok(train(2, "--plan", *two, "--steps", STEPS, "--out", tmp_path))
     assert_ok(train(4, "--plan", *four, "--steps", STEPS, "--out", tmp_path))
     for p in two + four:
         run = json.loads((tmp_path / f"{p.stem}.json").read_text())
-        ref = ("ref-gpt" if "gpt" in p.stem else "ref-gb4" if p.stem == "cp2-tp2-sp" else "ref-qwen3-moe"
-               if p.stem.startswith("qwen3-moe") else "ref")
+        ref = ("ref-gpt" if "gpt" in p.stem else "ref-gb4" if p.stem == "cp2-tp2-sp" else "ref-qwen3-moe-mb1"
+               if p.stem == "qwen3-moe-cp2-tp2-sp" else "ref-qwen3-moe" if p.stem.startswith("qwen3-moe") else "ref")
         assert_same_losses(run["losses"], losses_of(tmp_path / f"{ref}.json"), p.stem)
+        if ref.startswith("ref-qwen3-moe"):
+            want = json.loads((tmp_path / f"{ref}.json").read_text())
+            for what in ("losses", "moe_balance"):
+                assert run[what] == pytest.approx(want[what], rel=1e-6, abs=0), (p.stem, what)
         assert run["mesh"]["cp"] == 2
         plan = Plan.read(p)
         cluster = dataclasses.replace(H100.shaped_as(1, plan.mesh.world_size), backend="gloo")

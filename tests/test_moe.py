@@ -106,6 +106,12 @@ def test_flops_count_the_router_and_k_experts():
     assert est.active_parameters == m.active_parameters() and est.to_dict()["active_parameters"] < est.parameters
     flops = est.model_tflops_per_gpu * 1e12 * est.step_time_s * 16
     assert flops == pytest.approx(m.model_flops_per_step(16, s), rel=1e-9)  # recomputation not counted
+    # Megatron-LM's count (num_floating_point_operations, megatron/training/training.py at core_r0.8.0):
+    # 12 B s L h^2 ((1 + g / a + s / h) + (f / h) k 3 / 2 + V / (2 L h)), the router left out
+    h, f, L, V, B = m.hidden, m.ffn_hidden, m.layers, m.vocab, 256
+    megatron = 12 * B * s * L * h * h * ((1 + m.kv_heads / m.heads + s / h) + f / h * 2 * 1.5 + V / (2 * L * h))
+    router = 6 * B * s * L * h * 8
+    assert m.model_flops_per_step(B, s) == pytest.approx(megatron + router, rel=1e-12)
 
 
 def test_activations_keep_k_rows_and_the_routing_whole_on_each_tp_rank():
