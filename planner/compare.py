@@ -63,6 +63,9 @@ def read_run(path) -> dict:
     if waits is not None and not (isinstance(waits, list) and all(
             isinstance(w, list) and len(w) == len(run["step_times_s"]) and all(_nonneg(x) for x in w) for w in waits)):
         raise bad("pipeline_wait_times_s_per_rank", "a list (one per rank) of seconds a step, or null")
+    loads = run.get("moe_load_factor")
+    if loads is not None and not (isinstance(loads, list) and all(x is None or _is_number(x) and x >= 1 for x in loads)):
+        raise bad("moe_load_factor", "a list of numbers of at least 1 (one a step), or null")
     if run.get("memory_step_index") is not None and not _is_count(run["memory_step_index"]):
         raise bad("memory_step_index", "a non-negative integer or null")
     steps = run["step_times_s"]
@@ -177,7 +180,19 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         "measured_compute_slots": run.get("host_compute_slots"),
         "machine_note": slots_note(run.get("host_compute_slots"), slots),
         "memory_note": leak_note(run),
+        **_load_factors(plan, run),
     }
+
+
+def _load_factors(plan: Plan, run: dict) -> dict:
+    """An MoE plan's priced training.moe_load_factor and the run's median over its timed steps."""
+    loads = run.get("moe_load_factor") or []
+    measured = [loads[i] for i in _timed_steps(run) if i < len(loads) and loads[i] is not None]
+    if plan.model.moe is None or not measured:
+        return {}
+    priced, median = plan.training.moe_load_factor, statistics.median(measured)
+    return {"predicted_moe_load_factor": priced, "measured_moe_load_factor": median,
+            "moe_load_factor_error": _err(priced, median)}
 
 
 def _timed_steps(run: dict) -> list[int]:
@@ -309,6 +324,9 @@ def comparison_table(result: dict) -> str:
               if "measured_optimizer_s" in result else []),
             ("peak memory (MiB)", f"{result['predicted_peak_memory_bytes'] / mib:,.1f}",
              f"{result['measured_peak_memory_bytes'] / mib:,.1f}", pct(result["memory_error"]))]
+    if "measured_moe_load_factor" in result:  # priced under expert parallelism (planner.moe.expert_load)
+        rows.append(("MoE load (busiest expert / mean)", f"{result['predicted_moe_load_factor']:.3g}",
+                     f"{result['measured_moe_load_factor']:.3g}", pct(result["moe_load_factor_error"])))
     for st in result["stages"]:
         p, m = st["predicted_peak_memory_bytes"], st["measured_peak_memory_bytes"]
         rows.append((f"  stage {st['pp_rank']} peak memory (MiB)", "n/a" if p is None else f"{p / mib:,.1f}",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from planner.cluster import ClusterSpec
 from planner.comm import ASYNC_TP_HIDDEN, cp_comm, regathers, tp_comm
 from planner.model import ModelConfig
-from planner.moe import expert_parallel_comm, ffn_params, held_experts
+from planner.moe import expert_load_costs, expert_parallel_comm, ffn_params, held_experts
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
 from planner.precision import GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, casts_weights, runtime_held_bytes
@@ -133,10 +133,14 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
                            if plan.pipeline.micro_batches > 1 else 0.0)
     moved, repeated = repeated_kv_bytes(m, t, b, s, tp, e) if kind == "block" else (0.0, 0.0)
     repeat_s = cluster.device.pointwise_seconds(moved)  # a copy forward, its sum backward
-    fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s, mm_b + el_b + accumulate + repeat_s
+    # an MoE block's busiest EP rank computes more rows than the mean (training.moe_load_factor)
+    load_f, load_b, load_w, load_kept = expert_load_costs(plan, kind, b, s, e, gemms if kind == "block" else [],
+                                                          lambda *g: gemm_time(*g, e, grate, bw),
+                                                          cluster.device.pointwise_seconds)
+    fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s + load_f, mm_b + el_b + accumulate + repeat_s + load_b
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.
-    wgrad = (el_b if kind == "embedding" else wgrad) + accumulate
+    wgrad = (el_b if kind == "embedding" else wgrad) + accumulate + load_w
     if rec == "full":
         bwd_c += fwd_c
         tp_b += tp_f
@@ -153,7 +157,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
     cp_f, cp_b, gathered = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered + repeated if rec == "none" else 0.0)
-    replay = (m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered + repeated - act
+    act += load_kept if rec != "full" else 0.0
+    replay = (m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered + repeated + load_kept - act
               if rec != "none" else 0.0)
     ep_f, ep_b = expert_parallel_comm(cluster, plan, kind, rec, tp_ranks)
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b,

@@ -175,6 +175,41 @@ def held_experts(m, kind: str, tp: int, ep: int) -> float:
     return m.moe.experts // ep * 3 * m.hidden * m.ffn_hidden / tp
 
 
+def expert_load(plan, kind: str) -> float:
+    """How many more routed rows than the mean the busiest rank of an EP group computes, as a
+    fraction of the mean (0: balanced; module doc): training.moe_load_factor is the busiest
+    expert's rows over the mean, the rank holding it taken to have its other experts at the mean,
+    and no rank receives more than min(k, experts / ep) rows a token. 0 without expert parallelism,
+    where every rank computes all the rows of its own tokens whatever their routing."""
+    m, ep = plan.model, plan.mesh.ep
+    if ep == 1 or kind != "block" or m.moe is None:
+        return 0.0
+    k, per = m.moe.experts_per_token, m.moe.experts // ep  # experts a rank holds
+    rank = (plan.training.moe_load_factor + per - 1) / per
+    return min(rank, ep * min(k, per) / k) - 1.0
+
+
+def expert_load_costs(plan, kind: str, b: float, s: int, e: int, gemms: list, gemm_s, pointwise_s) -> tuple:
+    """(forward s, backward s, of it weight-gradient s, kept bytes) an MoE block's busiest EP rank
+    spends beyond a balanced one (expert_load): its experts' products (`gemms`, from
+    ModelConfig.block_gemms, timed by `gemm_s`), their SwiGLU's kernels (planner.pointwise's bytes
+    an element, eager or fused, timed by `pointwise_s`), and what they keep for the backward
+    (activation_parts: the rows the experts read, whole on each TP rank, and SwiGLU's four tensors)
+    for that many more rows."""
+    extra = expert_load(plan, kind)
+    if not extra:
+        return 0.0, 0.0, 0.0, 0.0
+    from planner.pointwise import swiglu_bytes
+    m, tp = plan.model, plan.mesh.tp
+    k, f = m.moe.experts_per_token, m.ffn_hidden
+    mm = sum(gemm_s(*g) for g in gemms[2:4])  # ffn_gemms' first two: the experts' products
+    elements = b * s * k * f / tp
+    pw_f, pw_b = swiglu_bytes(plan.training.elementwise_kernels, e)
+    kept = b * s * k * (e * m.hidden + 4.0 * e * f / tp)
+    return (extra * (mm + pointwise_s(pw_f * elements)), extra * (2 * mm + pointwise_s(pw_b * elements)),
+            extra * mm, extra * kept)
+
+
 def expert_parallel_comm(cluster, plan, kind: str, recompute: str, tp_ranks) -> tuple[float, float]:
     """(forward, backward) seconds of a block's expert-parallel all-to-alls on one rank per
     micro-batch (module doc): the row counts' exchange, then dispatch and combine of tokens x k rows
@@ -186,7 +221,8 @@ def expert_parallel_comm(cluster, plan, kind: str, recompute: str, tp_ranks) -> 
     from planner.plan import DTYPES
     rows = t.micro_batch / mesh.cp * t.seq_len * m.moe.experts_per_token
     group = mesh.expert_group(**mesh.coords(tp_ranks[0]))
-    one = cluster.collective_time("all_to_all", DTYPES[t.dtype] * rows * m.hidden, group)
+    # the busiest rank receives the most rows in a dispatch and sends the most back (expert_load)
+    one = cluster.collective_time("all_to_all", DTYPES[t.dtype] * rows * m.hidden, group) * (1 + expert_load(plan, kind))
     forward = 2 * one + cluster.collective_time("all_to_all", 8 * m.moe.experts, group)  # the counts first
     return forward, 2 * one + (forward if recompute == "full" else 0.0)
 

@@ -59,7 +59,7 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr", "attention_dropout", "document_mask",
-                              "eod_mask_loss", "reset_position_ids", "moe_aux_loss"),
+                              "eod_mask_loss", "reset_position_ids", "moe_aux_loss", "moe_load_factor"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp", "ep")}
 
 
@@ -105,6 +105,10 @@ class Training:
     # the coefficient of the mixture-of-experts load-balancing loss (Fedus et al. 2022, eq. 4; their
     # 0.01), summed over the MoE blocks (runtime.moe); 0: none. Its few bytes a token are not priced
     moe_aux_loss: float = 0.0
+    # the busiest expert's routed rows over the mean, each micro-batch (1: balanced routing): under
+    # expert parallelism the rank holding it computes and receives that many more rows while its
+    # EP group waits (planner.moe.expert_load); `trident run` measures it (run.json moe_load_factor)
+    moe_load_factor: float = 1.0
     seed: int = 0
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
     # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule

@@ -69,6 +69,13 @@ def check(plan) -> None:
           f"{t.moe_aux_loss!r} must be a number from 0 to 1 (Switch Transformer's 0.01; 0: none)")
     _need(t.moe_aux_loss == 0 or m.moe is not None, "training.moe_aux_loss",
           "is for mixture-of-experts models; this model has no experts, set it to 0")
+    _need(is_real(t.moe_load_factor) and t.moe_load_factor >= 1, "training.moe_load_factor",
+          f"{t.moe_load_factor!r} must be a number of at least 1 (the busiest expert's rows over the mean; 1: balanced)")
+    _need(t.moe_load_factor == 1 or m.moe is not None, "training.moe_load_factor",
+          "is for mixture-of-experts models; this model has no experts, set it to 1")
+    most = m.moe.experts / m.moe.experts_per_token if m.moe is not None else 1
+    _need(t.moe_load_factor <= most, "training.moe_load_factor",
+          f"{t.moe_load_factor:g} is more than experts / experts_per_token ({most:g}): an expert gets at most every token")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")

@@ -40,7 +40,8 @@ def describe_plan(plan: Plan) -> str:
             f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}{_dropout(t)}"
             f"{', documents masked' if t.document_mask else ''}{', positions reset' if t.reset_position_ids else ''}"
             f"{', no loss after end of text' if t.eod_mask_loss else ''}"
-            f"{f', load-balancing loss {t.moe_aux_loss:g}' if t.moe_aux_loss else ''}\n"
+            f"{f', load-balancing loss {t.moe_aux_loss:g}' if t.moe_aux_loss else ''}"
+            f"{f', busiest expert {t.moe_load_factor:g}x the mean' if t.moe_load_factor != 1 else ''}\n"
             f"zero {','.join(map(str, zeros))}, recompute {','.join(recs) or 'none'}, "
             f"sequence parallel {'off' if sp == 'off' else f'on (keeps {sp} inputs)'}; stages (layers): {split}"
             + _lr_schedule(t))

@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 
 from planner import sizing
-from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, training_settings, sized
+from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, sized
 from planner.cluster import load_cluster
 from planner.cost import estimate
 from planner.expert_parallel import with_ep
@@ -16,6 +16,7 @@ from planner.model import ConfigError
 from planner.model_files import load_model
 from planner.report import describe_plan, estimate_table, sp_mode
 from planner.sp_modes import EITHER, search_either
+from planner.training_args import training_settings
 
 
 def _search_row(i, found) -> dict:

@@ -135,7 +135,8 @@ class MoEFeedForward(nn.Module):
         self.shared = Expert(h, fs) if fs else None
         self.shared_gate = nn.Linear(h, 1, bias=False) if fs else None
         self.aux_scale = None  # () -> the load-balancing loss's gradient scale (attach_aux_loss), else None
-        self.aux_seen: list = []  # the balancing losses of this step's micro-batches (AuxLoss, BalanceMeter)
+        self.aux_seen: list = []  # the balancing losses of this step's micro-batches (AuxLoss, RoutingMeter)
+        self.loads: list | None = None  # each forward's rows an expert, where a RoutingMeter reads them
 
     def forward(self, x):
         b, s, h = x.shape
@@ -156,6 +157,8 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(flat, _local(self.shared_gate.weight, partial=True)))
             out = out + gate * self.shared(flat)
+        if self.loads is not None and torch.is_grad_enabled() and not _UNCOUNTED[0]:
+            self.loads.append(counts)  # RoutingMeter's load factor
         if self.aux_scale is not None and torch.is_grad_enabled():
             routed = counts.float()
             if self.cp is not None:  # the whole sequence's shares f_i (module doc)
@@ -235,40 +238,65 @@ class MoETensorParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, gather, reduce)
 
 
-def attach_aux_loss(chunks, plan, scaler, tp_rank: int, context, device) -> "BalanceMeter | None":
-    """Each MoE block of the chunks adds training.moe_aux_loss times its load-balancing loss (module
-    doc), scaled as the main loss: by `scaler`'s loss scale (runtime.loss_scale), 1 / micro-batches
-    without a pipeline schedule (runtime.train._accumulate divides the loss), 1 / tp. Under context
-    parallelism (`context`, runtime.context_parallel.ContextParallel, else None) the shares f_i are
-    the whole sequence's (module doc). Returns the meter of its value (None without the loss)."""
+def attach_routing(chunks, plan, scaler, tp_rank: int, context, device) -> "RoutingMeter":
+    """Each MoE block of the chunks records its routing for the step's figures (RoutingMeter) and,
+    with training.moe_aux_loss, adds that times its load-balancing loss (module doc), scaled as the
+    main loss: by `scaler`'s loss scale (runtime.loss_scale), 1 / micro-batches without a pipeline
+    schedule (runtime.train._accumulate divides the loss), 1 / tp. Under context parallelism
+    (`context`, runtime.context_parallel.ContextParallel, else None) the shares f_i are the whole
+    sequence's (module doc). A dense model's meter records nothing."""
     alpha = plan.training.moe_aux_loss
-    if not alpha:
-        return None
     per = alpha / plan.mesh.tp / (1 if plan.mesh.pp > 1 else plan.pipeline.micro_batches)
     modules = [module for chunk in chunks for module in chunk.modules() if isinstance(module, MoEFeedForward)]
     for module in modules:
-        module.aux_scale = lambda: per * scaler.scale
-        module.cp = None if context is None else (context.group, plan.mesh.cp)
-    return BalanceMeter(modules, plan, tp_rank, device)
+        module.loads = []
+        if alpha:
+            module.aux_scale = lambda: per * scaler.scale
+            module.cp = None if context is None else (context.group, plan.mesh.cp)
+    return RoutingMeter(modules, plan, tp_rank, device)
 
 
-class BalanceMeter:
-    """A step's load-balancing loss as a figure (run.json's moe_balance; Megatron-LM logs it as
-    load_balancing_loss): (n / k) sum_i f_i P_i, not times alpha, averaged over the model's MoE
-    blocks, the micro-batches and the data-parallel (and CP) ranks, each TP group counted once;
-    1 where the routing is uniform, n / k where every token goes to the same experts."""
+class RoutingMeter:
+    """A step's routing figures, each read by an all-reduce over the world (every rank calls read):
+    - moe_balance, the load-balancing loss (Megatron-LM logs it as load_balancing_loss): (n / k)
+      sum_i f_i P_i, not times alpha, averaged over the model's MoE blocks, the micro-batches and
+      the data-parallel (and CP) ranks, each TP group counted once; 1 where the routing is uniform,
+      n / k where every token goes to the same experts; None without the loss;
+    - moe_load_factor, what training.moe_load_factor prices: each block forward's busiest expert's
+      rows over the mean, counted over the tokens an EP group routes together (one rank's
+      micro-batch without expert parallelism: a larger EP group evens its load out more), averaged
+      over the step's forwards (a full recomputation's replays count again, alike) and ranks."""
 
     def __init__(self, modules: list, plan, tp_rank: int, device):
         self.modules, self.owner, self.device = modules, tp_rank == 0, device
         self.count = plan.model.layers * plan.pipeline.micro_batches * plan.mesh.grad_ranks
+        self.moe, self.aux = plan.model.moe is not None, plan.training.moe_aux_loss > 0
+        self.balances, self.loads = [], []
 
-    def read(self) -> float:
-        """The step's value (an all-reduce over the world: every rank calls it), the forwards' records cleared."""
+    def read(self) -> None:
+        """Adds the step's figures to self.balances and self.loads (nothing for a dense model); the
+        forwards' records cleared."""
+        if not self.moe:
+            return
         seen = [a for m in self.modules for a in m.aux_seen]
+        counts = [c for m in self.modules for c in m.loads]
         for m in self.modules:
             m.aux_seen.clear()
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+            m.loads.clear()
+        total = torch.zeros(3, dtype=torch.float64, device=self.device)  # balance sum, load sum, forwards
         if seen and self.owner:
-            total += torch.stack(seen).double().sum()
+            total[0] += torch.stack(seen).double().sum()
+        if counts:
+            rows = torch.stack(counts).double()  # [forwards, experts]
+            if self.modules[0].ep is not None:  # the EP group's tokens (the same forwards on each of its ranks)
+                dist.all_reduce(rows, group=self.modules[0].ep[0])
+            total[1] += (rows.amax(1) / rows.mean(1)).sum()
+            total[2] += len(counts)
         dist.all_reduce(total)
-        return float(total) / self.count
+        if self.aux:
+            self.balances.append(float(total[0]) / self.count)
+        self.loads.append(float(total[1] / total[2]) if total[2] else None)
+
+    def record(self) -> dict:
+        """run.json's moe_balance and moe_load_factor, a figure a step each (None where not measured)."""
+        return {"moe_balance": self.balances or None, "moe_load_factor": self.loads if self.moe else None}

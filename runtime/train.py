@@ -39,7 +39,7 @@ from runtime.launch import free_port
 from runtime.metrics import MetricsLog, PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
 from runtime.model import Transformer, init_weights
-from runtime.moe import apply_expert_parallel, attach_aux_loss
+from runtime.moe import apply_expert_parallel, attach_routing
 from runtime.optim import clip_grad_norm, lr_at, param_groups, reduce_partial_grads
 from runtime.loss_scale import LossScale
 from runtime.tied import TiedMatrix
@@ -77,7 +77,7 @@ class Trainer:
         self.full_of = initial_weights(args, plan)  # --init-from (runtime.hf_weights), else None
         self.chunks = [self._build_chunk(sid) for sid in self.stage_ids]
         attach_dropout(self.chunks, plan, self.dp_rank, self.tp_rank, self.context, device)
-        self.balance, self.balances = attach_aux_loss(self.chunks, plan, self.scaler, self.tp_rank, self.context, device), []
+        self.routing = attach_routing(self.chunks, plan, self.scaler, self.tp_rank, self.context, device)  # MoE
         self.eos = end_of_text(plan, args, source_meta(args.data))  # document masks' and eod_mask_loss's
         self.documents = attach_documents(self.chunks, self.eos if plan.training.document_mask else None,
                                           plan.training.reset_position_ids)
@@ -172,7 +172,7 @@ class Trainer:
         # (they wait for the other ranks' backwards; the planner prices them outside its step)
         self.optimizer_s = time.perf_counter() - t_opt - sum(timing.values())
         self.pipeline_wait_s = timing.get("pp_wait_s", 0.0)  # for the other pipeline ranks' backward
-        self.balances += [self.balance.read()] if self.balance else []
+        self.routing.read()  # MoE: the step's routing figures
         return self.mean_loss(float(local_loss))
 
     def local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +316,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "steps": len(losses),
         "losses": losses,
         "grad_norms": [g if math.isfinite(g) else None for g in grad_norms],  # before clipping (null: fp16 skipped)
-        "moe_balance": trainer.balances or None,  # the load-balancing loss (runtime.moe.BalanceMeter), unscaled
+        **trainer.routing.record(),  # MoE: moe_balance (unscaled) and moe_load_factor (runtime.moe)
         # fp16: the loss scale after each step (runtime.loss_scale), halved where one was skipped
         "loss_scales": scales if trainer.scaler.enabled else None,
         "learning_rates": lrs,

@@ -240,3 +240,23 @@ def test_the_optimizer_row_leaves_out_the_collectives_before_the_step():
     comm = clip_norm_comm(CLUSTER, plan.mesh, 0, False, partial * grad_bytes(plan.training))
     assert comm > clip_norm_comm(CLUSTER, plan.mesh, 0, False) > 0
     assert est.breakdown["time"]["optimizer_s"] == pytest.approx(est.breakdown["optimizer_per_pp_rank_s"][0] + comm)
+
+
+def test_compare_shows_an_moe_plans_load_factor_priced_and_measured(tmp_path, capsys):
+    """run.json's moe_load_factor (runtime.moe.RoutingMeter): its median over the timed steps against
+    the plan's training.moe_load_factor; a malformed one is a one-line error."""
+    import dataclasses
+    from planner.moe import MoESpec
+    moe = dataclasses.replace(ZOO["tiny"], name="tiny-moe", moe=MoESpec(4, 2))
+    plan = build_plan(moe, cluster_name=CLUSTER.name, device=CLUSTER.device.name, nodes=1, devices_per_node=2,
+                      global_batch=8, micro_batch=2, seq_len=32, tp=2, dtype="fp32", moe_load_factor=1.2,
+                      profile_hash=CLUSTER.profile_hash)
+    _plan_and_run(tmp_path, plan=plan)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert _compare(tmp_path, "--json", run=dict(run, moe_load_factor=[1.9, 1.3, 1.5])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_moe_load_factor"] == 1.2 and out["measured_moe_load_factor"] == pytest.approx(1.4)
+    assert out["moe_load_factor_error"] == pytest.approx(-0.2 / 1.4)
+    assert _compare(tmp_path) == 0 and "MoE load (busiest expert / mean)" in capsys.readouterr().out
+    assert _compare(tmp_path, run=dict(run, moe_load_factor=[1.0, 0.5, 1.1])) == 2
+    assert _one_line_err(capsys).startswith("trident: error: run.moe_load_factor: [1.0, 0.5, 1.1]")

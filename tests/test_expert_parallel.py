@@ -112,3 +112,37 @@ def test_expert_parallel_plans_the_runtime_cannot_run_are_one_line(tmp_path, cap
     assert train_main(["--plan", str(write_plan(tmp_path, "ep2", TINY_MOE, world=2, ep=2, zero=0))]) == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("trident: error:")]
     assert len(lines) == 1 and "mesh.ep: 2: the runtime spreads experts under ZeRO 1-3" in lines[0], lines
+
+
+def test_the_busiest_expert_paces_its_ep_group(tmp_path):
+    """training.moe_load_factor (the busiest expert's rows over the mean): under expert parallelism
+    the rank holding it computes, keeps and exchanges that many more rows (its other experts at the
+    mean, no rank more than min(k, experts / ep) rows a token); without it nothing changes."""
+    from planner.layers import layer_cost
+    from planner.moe import expert_load
+    m = ZOO["mixtral-8x7b"]
+    for ep, lam, extra in ((8, 1.5, 0.5), (4, 1.5, 0.25), (8, 4.0, 3.0), (2, 4.0, 0.75), (1, 4.0, 0.0)):
+        assert expert_load(_mixtral_plan(ep=ep, moe_load_factor=lam), "block") == pytest.approx(extra)
+    for rec in ("none", "full"):
+        even, busy = (_mixtral_plan(ep=4, recompute=rec, moe_load_factor=lam) for lam in (1.0, 1.5))
+        a, b = (layer_cost(p, H100, 1, p.pipeline.stages[0], [0, 1]) for p in (even, busy))
+        g = m.block_gemms(1, 4096, 2)[2:4]  # the experts' products on a TP rank
+        assert b.fwd_compute_s - a.fwd_compute_s > 0.25 * sum(2.0 * c * M * N * K for c, M, N, K in g) / 989e12
+        counts = H100.collective_time("all_to_all", 8 * m.moe.experts, even.mesh.expert_group(pp=0, dp=0, tp=0))
+        assert b.fwd_ep_s - counts == pytest.approx(1.25 * (a.fwd_ep_s - counts))  # dispatch and combine
+        kept = 0.25 * 4096 * 2 * (2 * m.hidden + 4 * 2 * m.ffn_hidden / 2)  # rows read, SwiGLU's four, bf16
+        got = (b.replay_bytes - a.replay_bytes) if rec == "full" else (b.activation_bytes - a.activation_bytes)
+        assert got == pytest.approx(kept) and (rec != "full" or b.activation_bytes == a.activation_bytes)
+    flat = [estimate(_mixtral_plan(moe_load_factor=lam), H100) for lam in (1.0, 3.0)]  # ep 1
+    assert flat[0].step_time_s == flat[1].step_time_s and flat[0].peak_memory_bytes == flat[1].peak_memory_bytes
+    plan = _mixtral_plan(ep=4, moe_load_factor=1.25)
+    plan.write(tmp_path / "p.json")
+    assert Plan.read(tmp_path / "p.json").training.moe_load_factor == 1.25
+    assert "moe_load_factor" not in _mixtral_plan(ep=4).to_dict()["training"]
+    for kw, says in ((dict(moe_load_factor=0.9), "must be a number of at least 1"),
+                     (dict(moe_load_factor=4.5), r"more than experts / experts_per_token \(4\)")):
+        with pytest.raises(ConfigError, match=rf"training\.moe_load_factor: .*{says}"):
+            _mixtral_plan(**kw)
+    with pytest.raises(ConfigError, match=r"training\.moe_load_factor: is for mixture-of-experts models"):
+        build_plan(ZOO["llama3-8b"], cluster_name=H100.name, device=H100.device.name, nodes=1, devices_per_node=8,
+                   global_batch=8, micro_batch=1, moe_load_factor=1.2)

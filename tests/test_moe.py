@@ -242,11 +242,19 @@ def test_moe_plans_train_like_one_process_and_fit_their_prediction(tmp_path):
     # under every plan
     assert plain["moe_balance"] is None and len(want["moe_balance"]) == 4
     assert all(1.0 < b < 2.0 for b in want["moe_balance"]), want["moe_balance"]
+    # the busiest expert's rows over the mean a forward (runtime.moe.RoutingMeter; at most n / k):
+    # recorded with the balancing loss or without; one rank's micro-batches as one process's, or
+    # under expert parallelism the EP group's two micro-batches together, alike under each plan
+    assert len(plain["moe_load_factor"]) == 4 and plain["moe_load_factor"][0] == want["moe_load_factor"][0]
+    assert all(1.0 < x <= 2.0 for x in want["moe_load_factor"]), want["moe_load_factor"]
+    over_ep = {}
     for path in [*two, *four]:
         run = json.loads((out / path.name).read_text())
         assert_same_losses(run["losses"], want["losses"], path.stem)
         assert_same_losses(run["grad_norms"], want["grad_norms"], f"{path.stem} gradient norm")
         assert_same_losses(run["moe_balance"], want["moe_balance"], f"{path.stem} balancing loss")
+        loads = over_ep.setdefault("ep", run["moe_load_factor"]) if "ep2" in path.stem else want["moe_load_factor"]
+        assert_same_losses(run["moe_load_factor"], loads, f"{path.stem} load factor")
         plan = Plan.read(path)
         cluster = dataclasses.replace(load_cluster("dgx-a100-80gb").shaped_as(1, plan.mesh.world_size), backend="gloo")
         per_pp = estimate(plan, cluster).breakdown["memory_per_pp_rank"]
@@ -313,6 +321,10 @@ def test_a_model_profile_of_moe_blocks_prices_plans_with_and_without_expert_para
         assert est.breakdown["time"].get("ep_comm_s") == pytest.approx(ana.breakdown["time"].get("ep_comm_s"))
     experts = 3 * TINY_MOE.hidden * TINY_MOE.ffn_hidden * TINY_MOE.layers  # of one expert, in every block
     assert est.stages[0]["params"] == pytest.approx(measured.stages[0]["params"] - 2 * experts)
+    # a busiest expert at 1.5x the mean (measured about even) adds what it adds to the analytic model
+    busy = build_plan(TINY_MOE, devices_per_node=2, zero=1, ep=2, moe_load_factor=1.5, **kw)
+    more = [estimate(busy, cl2, model_profile=p).step_time_s - e.step_time_s for p, e in ((mp, est), (None, ana))]
+    assert more[0] > 0 and more[0] == pytest.approx(more[1], rel=0.05)
 
 
 def test_what_the_runtime_cannot_do_with_moe_models_is_one_line(tmp_path):

@@ -1,0 +1,88 @@
+"""The training settings `trident plan` and `trident search` write into a plan: dropout, document
+masks, the mixture-of-experts options and the optimizer's, read from the command line and checked
+(one line naming the option)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from planner.args import non_negative_int, non_negative_number, number_in, probability
+from planner.model import ConfigError
+from planner.plan import LR_DECAYS, Training
+from planner.plan_checks import check_optimizer
+from planner.zoo import ZOO
+
+
+def add_training_args(p) -> None:
+    """What the data and the model train with beyond the optimizer: dropout, document masks and the
+    mixture-of-experts options."""
+    p.add_argument("--dropout", type=probability, default=0.0,
+                   help="dropout on the hidden states: the embedding's output, each block's attention and MLP "
+                        "outputs (Megatron-LM's GPT default 0.1; priced: masks and kernels; default 0)")
+    p.add_argument("--attention-dropout", type=probability, default=None,
+                   help="dropout on the attention probabilities (default: --dropout)")
+    p.add_argument("--document-mask", action="store_true",
+                   help="attention stays inside each document of a packed sequence (an end-of-text id ends one; "
+                        "priced: a dense mask, every score computed; no context parallelism)")
+    p.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input is the end-of-text id (Megatron-LM's --eod-mask-loss)")
+    p.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart with each document (Megatron-LM's; needs --document-mask)")
+    p.add_argument("--moe-aux-loss", type=number_in(0, 1), default=0.0,
+                   help="MoE models: the load-balancing loss's coefficient (Switch Transformer's 0.01; default 0)")
+    p.add_argument("--moe-load-factor", type=number_in(1, 1e6), default=1.0,
+                   help="MoE models: the busiest expert's routed rows over the mean, priced under expert "
+                        "parallelism (`trident run` measures it: run.json moe_load_factor; default 1, balanced)")
+
+
+def add_optimizer_args(p) -> None:
+    """The optimizer settings `plan` and `search` write into the plan's training (the runtime's AdamW)."""
+    g = p.add_argument_group("optimizer", "written into the plan for `trident run`; no effect on the prediction")
+    d = Training(global_batch=1, micro_batch=1, seq_len=1)
+    g.add_argument("--lr", type=non_negative_number, default=d.lr, help=f"peak learning rate (default {d.lr:g})")
+    g.add_argument("--weight-decay", type=non_negative_number, default=d.weight_decay,
+                   help=f"AdamW's (default {d.weight_decay:g})")
+    g.add_argument("--grad-clip", type=non_negative_number, default=d.grad_clip,
+                   help=f"clip the gradient norm over the whole model to this (default {d.grad_clip:g})")
+    g.add_argument("--lr-warmup-steps", type=non_negative_int, default=0, help="linear warm-up over the first steps")
+    g.add_argument("--lr-decay", choices=LR_DECAYS, default="constant",
+                   help="after the warm-up, from --lr down to --min-lr at step --lr-decay-steps")
+    g.add_argument("--lr-decay-steps", type=non_negative_int, default=0,
+                   help="the step the decay reaches --min-lr, counted from the first (warm-up included)")
+    g.add_argument("--min-lr", type=non_negative_number, default=0.0, help="the learning rate after the decay")
+
+
+def dropout_note(args) -> str | None:
+    """A note where --model is a Hugging Face config that trains with dropout and none was asked for."""
+    if args.dropout or args.attention_dropout is not None or args.model in ZOO or not Path(args.model).is_file():
+        return None
+    try:
+        cfg = json.loads(Path(args.model).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        return None
+    from planner.hf_config import config_dropouts
+    hidden, attention = config_dropouts(cfg)
+    if not hidden and not attention:
+        return None
+    return (f"{args.model} trains with dropout (hidden {hidden:g}, attention {attention:g}); the plan has none: "
+            f"pass --dropout {hidden:g} --attention-dropout {attention:g} to plan and run with it")
+
+
+def training_settings(args) -> dict:
+    """The Training fields of add_optimizer_args and add_training_args, checked (one line naming the option)."""
+    kw = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, lr_warmup_steps=args.lr_warmup_steps,
+              lr_decay=args.lr_decay, lr_decay_steps=args.lr_decay_steps, min_lr=args.min_lr)
+    try:
+        check_optimizer(SimpleNamespace(**kw))
+    except ConfigError as exc:
+        raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
+    if note := dropout_note(args):
+        print(f"trident: note: {note}", file=sys.stderr)
+    return dict(kw, **{k: getattr(args, k) for k in ("dropout", "attention_dropout", "document_mask", "eod_mask_loss",
+                                                      "reset_position_ids", "moe_aux_loss",
+                                                      "moe_load_factor")})
