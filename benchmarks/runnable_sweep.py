@@ -1,6 +1,6 @@
 """Does the runtime accept what the search writes? Random searches (`planner.search.search`, the
-`top` best plans of each) over models with and without tied embeddings and odd vocabularies, node
-kinds and sizes; each plan listed is checked as `runtime.train` checks a plan before it starts
+`top` best plans of each, mixture-of-experts ones through `trident search`'s expert-parallel pass)
+over models with and without tied embeddings, odd vocabularies and experts, node kinds and sizes; each plan listed is checked as `runtime.train` checks a plan before it starts
 (runtime.run_checks.check_plan) and its stages are built on the meta device. Prints every refusal
 and the count.
 
@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
 from planner.hf_config import from_hf_config  # noqa: E402
 from planner.model import ConfigError  # noqa: E402
+from planner.expert_parallel import with_ep  # noqa: E402
 from planner.search import search  # noqa: E402
 from planner.zoo import ZOO  # noqa: E402
 from runtime.model import Transformer  # noqa: E402
@@ -43,20 +44,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     models = [from_hf_config(GPT2), from_hf_config(QWEN2)] + [ZOO[n] for n in (
-        "gpt-1.7b", "llama2-7b", "llama3-8b", "gpt3-175b", "llama2-13b")]
-    total = refused = 0
+        "gpt-1.7b", "llama2-7b", "llama3-8b", "gpt3-175b", "llama2-13b", "mixtral-8x7b", "qwen3-30b-a3b")]
+    total = refused = moe = spread = 0
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.problems):
             model, name = rng.choice(models), rng.choice(["dgx-a100-80gb", "dgx-h100-80gb", "hgx-h200-141gb"])
             nodes, gb = rng.choice([1, 2, 4, 8, 16]), rng.choice([32, 64, 128, 256, 512])
             seq = min(model.seq_len, rng.choice([1024, 2048, 4096]))
             try:
-                found = search(model, load_cluster(name, nodes=nodes), global_batch=gb, seq_len=seq, top=args.top)
+                cluster = load_cluster(name, nodes=nodes)
+                found = search(model, cluster, global_batch=gb, seq_len=seq, top=args.top)
             except ConfigError as exc:
                 print(f"{model.name} {name} x{nodes}: no search ({exc})")
                 continue
-            for j, f in enumerate(found.results):
+            for j, f in enumerate(with_ep(found.results, cluster)):
                 total += 1
+                moe, spread = moe + (f.plan.model.moe is not None), spread + (f.plan.mesh.ep > 1)
                 path = Path(d) / f"{i}-{j}.json"
                 f.plan.write(path)
                 m = f.plan.mesh
@@ -68,8 +71,8 @@ def main(argv=None) -> int:
                 except ConfigError as exc:
                     refused += 1
                     print(f"refused: {model.name} on {nodes} {name}, global batch {gb} at {seq}: tp {m.tp} pp {m.pp} "
-                          f"dp {m.dp} {f.plan.pipeline.schedule}: {exc}")
-    print(f"plans {total}, refused {refused}")
+                          f"dp {m.dp} ep {m.ep} {f.plan.pipeline.schedule}: {exc}")
+    print(f"plans {total} ({moe} of MoE models, {spread} with expert parallelism), refused {refused}")
     return 0
 
 
