@@ -146,3 +146,19 @@ def test_the_busiest_expert_paces_its_ep_group(tmp_path):
     with pytest.raises(ConfigError, match=r"training\.moe_load_factor: is for mixture-of-experts models"):
         build_plan(ZOO["llama3-8b"], cluster_name=H100.name, device=H100.device.name, nodes=1, devices_per_node=8,
                    global_batch=8, micro_batch=1, moe_load_factor=1.2)
+
+
+def test_the_search_spreads_experts_less_the_busier_its_busiest():
+    """The expert-parallel pass (planner.expert_parallel.with_ep) weighs the busiest expert's rank:
+    Mixtral 8x7B at tp 2 x pp 4 x dp 8 spreads its experts over 4 ranks where routing is balanced
+    or 1.2x, over 2 at 1.5x (a rank's second expert at the mean), not at all at 2x."""
+    from planner.expert_parallel import with_ep
+    from planner.search import Found
+    picked = {}
+    for lam in (1.0, 1.2, 1.5, 2.0):
+        plan = _mixtral_plan(moe_load_factor=lam)
+        flat = estimate(plan, H100)
+        best = with_ep([Found(plan, flat, None)], H100)[0]
+        picked[lam] = best.plan.mesh.ep
+        assert best.estimate.step_time_s <= flat.step_time_s
+    assert picked == {1.0: 4, 1.2: 4, 1.5: 2, 2.0: 1}
