@@ -12,7 +12,7 @@ product would, in a loop, make the backward hold every expert's gradient twice w
 them.) With a shared expert (Qwen2-MoE) every token also goes through one SwiGLU MLP scaled by a
 sigmoid gate. Routing is dropless: an expert takes every row sent to it.
 
-Load balancing (training.moe_aux_loss, attach_aux_loss): each block adds alpha (n / k) sum_i f_i P_i
+Load balancing (training.moe_aux_loss, attach_routing): each block adds alpha (n / k) sum_i f_i P_i
 to the loss, f_i the share of the micro-batch's tokens routed to expert i, P_i its mean router
 probability (Fedus et al. 2022, eq. 4; scaled by 1 / k so that a uniform routing gives 1 for any
 k). Under context parallelism a rank holds part of each sequence: the CP group sums its routed
@@ -131,10 +131,10 @@ class MoEFeedForward(nn.Module):
         self.experts = nn.ModuleDict({str(j): Expert(h, f) for j in range(n)})
         self.n = n
         self.ep = None  # (group, size, first expert) under expert parallelism, else None
-        self.cp = None  # (group, size) of the CP group where the balancing loss spans it (attach_aux_loss)
+        self.cp = None  # (group, size) of the CP group where the balancing loss spans it (attach_routing)
         self.shared = Expert(h, fs) if fs else None
         self.shared_gate = nn.Linear(h, 1, bias=False) if fs else None
-        self.aux_scale = None  # () -> the load-balancing loss's gradient scale (attach_aux_loss), else None
+        self.aux_scale = None  # () -> the load-balancing loss's gradient scale (attach_routing), else None
         self.aux_seen: list = []  # the balancing losses of this step's micro-batches (AuxLoss, RoutingMeter)
         self.loads: list | None = None  # each forward's rows an expert, where a RoutingMeter reads them
 
