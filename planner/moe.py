@@ -30,7 +30,7 @@ How the planner prices one (this module, used by planner.model and planner.point
   replayed forward's, under full recomputation) of tokens x k rows each, every TP rank its own
   (it computes whole rows); the experts' products are priced as before (a rank runs experts / ep
   experts of ep times the rows). The runtime runs it so (runtime.moe), under ZeRO 1-3 without
-  context parallelism or HSDP; before each dispatch it exchanges the row counts (an all-to-all of
+  HSDP; before each dispatch it exchanges the row counts (an all-to-all of
   the experts' int64 counts, a latency), priced with the forward's two (the replay's too);
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each

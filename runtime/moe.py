@@ -37,6 +37,7 @@ the input gradient are declared Partial and DTensor sums them with the experts' 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -195,7 +196,8 @@ def apply_expert_parallel(chunk, mesh, plan_mesh):
     dimensions) keep in each MoE block of `chunk` (on meta, before TP and FSDP) the experts of
     this rank of the EP group: experts / ep consecutive ones, by their global index (their names
     and initial values stay those of a run without it). Returns the mesh FSDP2 shards the experts
-    over (the dp / ep ranks holding the same ones), None without expert parallelism."""
+    over (the dp / ep ranks holding the same ones, times the CP ranks under context parallelism:
+    build_mesh's "edp_cp"), None without expert parallelism."""
     if plan_mesh.ep == 1:
         return None
     ep_mesh = mesh["ep"]
@@ -207,7 +209,11 @@ def apply_expert_parallel(chunk, mesh, plan_mesh):
                 if not rank * per <= int(j) < (rank + 1) * per:
                     del module.experts[j]
             module.ep = (ep_mesh.get_group(), ep, rank * per)
-    return mesh["edp"]
+    if plan_mesh.cp == 1:
+        return mesh["edp"]
+    with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh["edp_cp"]
 
 
 class MoETensorParallel(ParallelStyle):

@@ -47,7 +47,7 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
     returned is the unscaled one, and the gradients are unscaled with the clipping; an inf or NaN
     norm (an fp16 overflow) leaves them as they are. `ep`: the EP mesh under expert parallelism
     (runtime.moe), whose ranks hold other experts: the sums over the experts' meshes (their "edp"
-    dimension) are summed over it too."""
+    dimension, "edp_cp" under context parallelism) are summed over it too."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -69,7 +69,7 @@ def clip_grad_norm(params: list, max_norm: float, pp_group, device: torch.device
     for mesh, dims, part in sums.values():  # the same order on every rank: parameter order
         for d in dims if reduce else ():
             dist.all_reduce(part, group=mesh.get_group(d))
-        if ep is not None and reduce and "edp" in (mesh.mesh_dim_names or ()):
+        if ep is not None and reduce and {"edp", "edp_cp"} & set(mesh.mesh_dim_names or ()):
             dist.all_reduce(part, group=ep.get_group())
         sq += part
     if timing is not None:

@@ -245,10 +245,13 @@ def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
              "edp": m.dp // m.ep, "ep": m.ep}
     mesh = DeviceMesh(device_type, torch.arange(m.world_size).reshape([sizes[d] for d in dims]),
                       mesh_dim_names=tuple(dims))
-    if m.ep > 1:  # expert parallelism (runtime.moe): the ep dp ranks inside, the dp / ep holding the same outside
-        return mesh, mesh["edp", "ep"]._flatten("dp")
     # context parallelism: the CP ranks hold the same parameters, so ZeRO shards over dp (HSDP's
     # shard group) x cp and gradients add up over them too (torchtitan's dp_shard_cp)
+    if m.ep > 1:  # expert parallelism (runtime.moe): the ep dp ranks inside, the dp / ep holding the same outside
+        if m.cp == 1:
+            return mesh, mesh["edp", "ep"]._flatten("dp")
+        mesh["edp", "cp"]._flatten("edp_cp")  # the ranks holding the same experts (runtime.moe.apply_expert_parallel)
+        return mesh, mesh["edp", "ep", "cp"]._flatten("dp_cp")
     if m.cp == 1:
         return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
     if m.dp_replicate == 1:

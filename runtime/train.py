@@ -309,7 +309,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
         "plan": str(plan_path), "plan_hash": plan_hash,
         "world_size": world,
         "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "cp": plan.mesh.cp, "tp": plan.mesh.tp, "order": plan.mesh.order,
-                 "dp_replicate": plan.mesh.dp_replicate},
+                 "dp_replicate": plan.mesh.dp_replicate, "ep": plan.mesh.ep},
         "schedule": plan.pipeline.schedule, "optimizer": "adamw-fused",  # torch's fused AdamW kernel
         "dtype": trainer.dtype,
         "first_step": start_step, "init_from": trainer.full_of.record() if trainer.full_of else None,

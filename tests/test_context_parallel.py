@@ -165,7 +165,8 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
     learned positions), under full recompute with plain data parallelism; four: with TP 2 and
     sequence parallelism (ZeRO 2, micro-batches of 1), under a 1F1B pipeline, and with HSDP (2
     replicas of dp 1 x cp 2 shards). A Qwen3-MoE-like model (4 experts, 2 a token, a shared
-    expert, per-head q and k norms, the balancing loss) alone and with TP 2 and SP: its routing,
+    expert, per-head q and k norms, the balancing loss) alone, with TP 2 and SP, and with its experts
+    over 2 dp ranks (expert parallelism, ZeRO 3 over dp x cp for the rest): its routing,
     experts and norms on each rank's share of the sequence, the balancing loss's routed shares
     over the whole sequence (runtime.moe): its losses and balancing values one process's within
     1e-6 (each CP rank's own shares part the losses by up to 3.8e-4 at step 2, the values by more)."""
@@ -187,7 +188,8 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
             write_plan(d, "pp2-cp2", world=4, cp=2, pp=2, schedule="1f1b", zero=1),
             write_plan(d, "hsdp-cp2", world=4, cp=2, dp=2, dp_replicate=2, zero=3),
             write_plan(d, "qwen3-moe-cp2-tp2-sp", qwen3_moe, world=4, cp=2, tp=2, sequence_parallel=True, zero=2,
-                       micro_batch=1, global_batch=4, **aux)]
+                       micro_batch=1, global_batch=4, **aux),
+            write_plan(d, "qwen3-moe-cp2-dp2-ep2", qwen3_moe, world=4, cp=2, ep=2, zero=3, global_batch=4, **aux)]
     assert_ok(train(1, "--plan", *refs, "--steps", STEPS, "--out", tmp_path))
     assert_ok(train(2, "--plan", *two, "--steps", STEPS, "--out", tmp_path))
     assert_ok(train(4, "--plan", *four, "--steps", STEPS, "--out", tmp_path))
@@ -200,7 +202,7 @@ def test_cp_trains_like_one_process_and_holds_what_the_planner_counts(tmp_path):
             want = json.loads((tmp_path / f"{ref}.json").read_text())
             for what in ("losses", "moe_balance"):
                 assert run[what] == pytest.approx(want[what], rel=1e-6, abs=0), (p.stem, what)
-        assert run["mesh"]["cp"] == 2
+        assert run["mesh"]["cp"] == 2 and run["mesh"]["ep"] == (2 if "ep2" in p.stem else 1)
         plan = Plan.read(p)
         cluster = dataclasses.replace(H100.shaped_as(1, plan.mesh.world_size), backend="gloo")
         for stage, pred in enumerate(estimate(plan, cluster).breakdown["memory_per_pp_rank"]):
@@ -247,4 +249,8 @@ def test_search_cp_option(tmp_path, capsys):
 
 
 def test_a_cp_run_resumes_from_its_checkpoint_exactly(tmp_path):
-    assert_resumes_exactly(write_plan(tmp_path, "cp2-zero3", world=2, cp=2, zero=3), tmp_path, steps=4)
+    """Alone, and with an MoE model's experts over 2 dp ranks (its experts' FSDP2 mesh dp / ep x cp)."""
+    assert_resumes_exactly(write_plan(tmp_path, "cp2-zero3", world=2, cp=2, zero=3), tmp_path / "cp2", steps=4)
+    moe = dataclasses.replace(ZOO["tiny"], name="qwen3-moe", qk_norm=True, moe=MoESpec(4, 2, 64))
+    assert_resumes_exactly(write_plan(tmp_path, "cp2-ep2", moe, world=4, cp=2, ep=2, zero=3, global_batch=4,
+                                      moe_aux_loss=0.1), tmp_path / "cp2-ep2", steps=4, nproc=4)
