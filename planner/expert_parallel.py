@@ -1,7 +1,7 @@
 """Expert parallelism for the search's plans of mixture-of-experts models: each plan found is
 priced again with its experts spread over every expert-parallel degree the plan admits (mesh.ep:
 a divisor of the experts and of the data-parallel shard group, planner.moe) and the runtime runs
-(runtime.moe: ZeRO 1-3, without HSDP), and replaced by the fastest that
+(runtime.moe: ZeRO 1-3), and replaced by the fastest that
 fits where that beats it (`trident search --ep` narrows the degrees).
 
 A pass over the plans found, as HSDP's (planner.hsdp), not a dimension of the partition search:
@@ -18,11 +18,12 @@ from planner.cost import estimate
 
 def ep_degrees(plan) -> list[int]:
     """The values of mesh.ep besides 1 that a plan admits (planner.plan_checks) and the runtime runs
-    (runtime.run_checks: ZeRO 1-3 on every stage, no HSDP)."""
+    (runtime.run_checks: ZeRO 1-3 on every stage): divisors of the experts and of the shard group's
+    dp coordinates (dp / dp_replicate under HSDP)."""
     m, mesh = plan.model, plan.mesh
-    if m.moe is None or mesh.dp_replicate > 1 or min(st.zero for st in plan.pipeline.stages) == 0:
+    if m.moe is None or min(st.zero for st in plan.pipeline.stages) == 0:
         return []
-    return [d for d in range(2, mesh.dp + 1) if mesh.dp % d == 0 and m.moe.experts % d == 0]
+    return [d for d in range(2, mesh.dp_shard + 1) if mesh.dp_shard % d == 0 and m.moe.experts % d == 0]
 
 
 def with_ep(results: list, cluster, memory_limit_bytes=None, allowed=None) -> list:

@@ -29,8 +29,8 @@ How the planner prices one (this module, used by planner.model and planner.point
   row to its expert's rank and back, two all-to-alls forward and two backward (two more, the
   replayed forward's, under full recomputation) of tokens x k rows each, every TP rank its own
   (it computes whole rows); the experts' products are priced as before (a rank runs experts / ep
-  experts of ep times the rows). The runtime runs it so (runtime.moe), under ZeRO 1-3 without
-  HSDP; before each dispatch it exchanges the row counts (an all-to-all of
+  experts of ep times the rows). The runtime runs it so (runtime.moe), under ZeRO 1-3; before
+  each dispatch it exchanges the row counts (an all-to-all of
   the experts' int64 counts, a latency), priced with the forward's two (the replay's too);
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each

@@ -197,7 +197,8 @@ def apply_expert_parallel(chunk, mesh, plan_mesh):
     this rank of the EP group: experts / ep consecutive ones, by their global index (their names
     and initial values stay those of a run without it). Returns the mesh FSDP2 shards the experts
     over (the dp / ep ranks holding the same ones, times the CP ranks under context parallelism:
-    build_mesh's "edp_cp"), None without expert parallelism."""
+    build_mesh's "edp_cp"; under HSDP, of the replica, and the replicas outside), None without
+    expert parallelism."""
     if plan_mesh.ep == 1:
         return None
     ep_mesh = mesh["ep"]
@@ -209,11 +210,10 @@ def apply_expert_parallel(chunk, mesh, plan_mesh):
                 if not rank * per <= int(j) < (rank + 1) * per:
                     del module.experts[j]
             module.ep = (ep_mesh.get_group(), ep, rank * per)
-    if plan_mesh.cp == 1:
-        return mesh["edp"]
+    names = (("dp_replicate",) if plan_mesh.dp_replicate > 1 else ()) + ("edp_cp" if plan_mesh.cp > 1 else "edp",)
     with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
         warnings.simplefilter("ignore", UserWarning)
-        return mesh["edp_cp"]
+        return mesh[names]
 
 
 class MoETensorParallel(ParallelStyle):

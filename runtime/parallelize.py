@@ -238,20 +238,28 @@ def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
 def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
     """The world's DeviceMesh in the plan's order, and the mesh data parallelism runs over. Under
     HSDP (mesh.dp_replicate > 1) dp is two dimensions, dp_replicate outside dp_shard, as
-    planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards)."""
-    split = ("dp_replicate", "dp_shard") if m.dp_replicate > 1 else ("edp", "ep") if m.ep > 1 else ("dp",)
+    planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards). Under expert
+    parallelism the shard dimension is two, "edp" outside "ep" (the ep consecutive ranks of an EP
+    group inside, the ones holding the same experts outside: runtime.moe.expert_mesh)."""
+    shard = ("edp", "ep") if m.ep > 1 else ("dp_shard",) if m.dp_replicate > 1 else ("dp",)
+    split = (("dp_replicate",) if m.dp_replicate > 1 else ()) + shard
     dims = [d for dim in m.order for d in (split if dim == "dp" else (dim,))]
     sizes = {"pp": m.pp, "dp": m.dp, "cp": m.cp, "tp": m.tp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard,
-             "edp": m.dp // m.ep, "ep": m.ep}
+             "edp": m.dp_shard // m.ep, "ep": m.ep}
     mesh = DeviceMesh(device_type, torch.arange(m.world_size).reshape([sizes[d] for d in dims]),
                       mesh_dim_names=tuple(dims))
     # context parallelism: the CP ranks hold the same parameters, so ZeRO shards over dp (HSDP's
     # shard group) x cp and gradients add up over them too (torchtitan's dp_shard_cp)
-    if m.ep > 1:  # expert parallelism (runtime.moe): the ep dp ranks inside, the dp / ep holding the same outside
-        if m.cp == 1:
-            return mesh, mesh["edp", "ep"]._flatten("dp")
-        mesh["edp", "cp"]._flatten("edp_cp")  # the ranks holding the same experts (runtime.moe.apply_expert_parallel)
-        return mesh, mesh["edp", "ep", "cp"]._flatten("dp_cp")
+    if m.ep > 1:
+        if m.cp > 1:  # the ranks holding the same experts
+            mesh["edp", "cp"]._flatten("edp_cp")
+        name = ("dp_shard" if m.dp_replicate > 1 else "dp") + ("_cp" if m.cp > 1 else "")
+        flat = mesh[("edp", "ep", "cp") if m.cp > 1 else ("edp", "ep")]._flatten(name)
+        if m.dp_replicate == 1:
+            return mesh, flat
+        with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
+            warnings.simplefilter("ignore", UserWarning)
+            return mesh, mesh["dp_replicate", name]
     if m.cp == 1:
         return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
     if m.dp_replicate == 1:

@@ -103,9 +103,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError(f"training.attention: {t.attention} is for predicting other frameworks' runs; the "
                           "runtime runs fused scaled_dot_product_attention, set it to flash to run")
     zero0 = min(s.zero for s in plan.pipeline.stages) == 0
-    if plan.mesh.ep > 1 and (plan.mesh.dp_replicate > 1 or zero0):
-        raise ConfigError(f"mesh.ep: {plan.mesh.ep}: the runtime spreads experts under ZeRO 1-3 without HSDP; set "
-                          "every stage's zero to 1-3 and dp_replicate to 1, or ep to 1")
+    if plan.mesh.ep > 1 and zero0:
+        raise ConfigError(f"mesh.ep: {plan.mesh.ep}: the runtime spreads experts under ZeRO 1-3; set every stage's "
+                          "zero to 1-3, or ep to 1")
     if t.dtype != "fp32" and not t.master_weights:
         raise ConfigError("training.master_weights: false describes 16-bit training without a float32 master copy, "
                           "for prediction; the runtime keeps float32 masters (and the plan would under-count their "
