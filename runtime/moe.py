@@ -37,7 +37,6 @@ the input gradient are declared Partial and DTensor sums them with the experts' 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -210,10 +209,9 @@ def apply_expert_parallel(chunk, mesh, plan_mesh):
                 if not rank * per <= int(j) < (rank + 1) * per:
                     del module.experts[j]
             module.ep = (ep_mesh.get_group(), ep, rank * per)
-    names = (("dp_replicate",) if plan_mesh.dp_replicate > 1 else ()) + ("edp_cp" if plan_mesh.cp > 1 else "edp",)
-    with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
-        warnings.simplefilter("ignore", UserWarning)
-        return mesh[names]
+    from runtime.parallelize import mesh_slice
+    replicas = ("dp_replicate",) if plan_mesh.dp_replicate > 1 else ()
+    return mesh_slice(mesh, *replicas, "edp_cp" if plan_mesh.cp > 1 else "edp")
 
 
 class MoETensorParallel(ParallelStyle):

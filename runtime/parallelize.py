@@ -235,12 +235,20 @@ def apply_data_parallel(chunk: Transformer, dp_mesh: DeviceMesh, zero: int,
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
+def mesh_slice(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """mesh[names], flattened dimensions among them, without torch 2.13's warning that slicing one
+    will change."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh[names if len(names) > 1 else names[0]]
+
+
 def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
     """The world's DeviceMesh in the plan's order, and the mesh data parallelism runs over. Under
     HSDP (mesh.dp_replicate > 1) dp is two dimensions, dp_replicate outside dp_shard, as
     planner.plan.Mesh numbers them, and FSDP2 takes both (replicas x shards). Under expert
     parallelism the shard dimension is two, "edp" outside "ep" (the ep consecutive ranks of an EP
-    group inside, the ones holding the same experts outside: runtime.moe.expert_mesh)."""
+    group inside, the ones holding the same experts outside: runtime.moe.apply_expert_parallel)."""
     shard = ("edp", "ep") if m.ep > 1 else ("dp_shard",) if m.dp_replicate > 1 else ("dp",)
     split = (("dp_replicate",) if m.dp_replicate > 1 else ()) + shard
     dims = [d for dim in m.order for d in (split if dim == "dp" else (dim,))]
@@ -255,16 +263,10 @@ def build_mesh(m, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
             mesh["edp", "cp"]._flatten("edp_cp")
         name = ("dp_shard" if m.dp_replicate > 1 else "dp") + ("_cp" if m.cp > 1 else "")
         flat = mesh[("edp", "ep", "cp") if m.cp > 1 else ("edp", "ep")]._flatten(name)
-        if m.dp_replicate == 1:
-            return mesh, flat
-        with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
-            warnings.simplefilter("ignore", UserWarning)
-            return mesh, mesh["dp_replicate", name]
+        return mesh, flat if m.dp_replicate == 1 else mesh_slice(mesh, "dp_replicate", name)
     if m.cp == 1:
         return mesh, mesh["dp_replicate", "dp_shard"] if m.dp_replicate > 1 else mesh["dp"]
     if m.dp_replicate == 1:
         return mesh, mesh["dp", "cp"]._flatten("dp_cp")
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dimension will change
-        warnings.simplefilter("ignore", UserWarning)
-        return mesh, mesh["dp_replicate", "dp_shard_cp"]
+    return mesh, mesh_slice(mesh, "dp_replicate", "dp_shard_cp")
