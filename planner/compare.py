@@ -6,6 +6,7 @@ from pathlib import Path
 
 from planner.cost import MAX_PRICED_STEP_S
 from planner.model import ConfigError, is_int, is_real
+from planner.moe import expert_load
 from planner.plan import DTYPES, Plan
 from planner.profile_checks import read_json
 
@@ -63,9 +64,10 @@ def read_run(path) -> dict:
     if waits is not None and not (isinstance(waits, list) and all(
             isinstance(w, list) and len(w) == len(run["step_times_s"]) and all(_nonneg(x) for x in w) for w in waits)):
         raise bad("pipeline_wait_times_s_per_rank", "a list (one per rank) of seconds a step, or null")
-    loads = run.get("moe_load_factor")
-    if loads is not None and not (isinstance(loads, list) and all(x is None or _is_number(x) and x >= 1 for x in loads)):
-        raise bad("moe_load_factor", "a list of numbers of at least 1 (one a step), or null")
+    for key in ("moe_load_factor", "moe_rank_load_factor"):
+        v = run.get(key)
+        if v is not None and not (isinstance(v, list) and all(x is None or _is_number(x) and x >= 1 for x in v)):
+            raise bad(key, "a list of numbers of at least 1 (one a step), or null")
     if run.get("memory_step_index") is not None and not _is_count(run["memory_step_index"]):
         raise bad("memory_step_index", "a non-negative integer or null")
     steps = run["step_times_s"]
@@ -185,14 +187,17 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
 
 
 def _load_factors(plan: Plan, run: dict) -> dict:
-    """An MoE plan's priced training.moe_load_factor and the run's median over its timed steps."""
-    loads = run.get("moe_load_factor") or []
-    measured = [loads[i] for i in _timed_steps(run) if i < len(loads) and loads[i] is not None]
-    if plan.model.moe is None or not measured:
-        return {}
-    priced, median = plan.training.moe_load_factor, statistics.median(measured)
-    return {"predicted_moe_load_factor": priced, "measured_moe_load_factor": median,
-            "moe_load_factor_error": _err(priced, median)}
+    """An MoE plan's priced training.moe_load_factor and, under expert parallelism, the busiest EP
+    rank's load it prices (planner.moe.expert_load), each beside the run's median of its timed steps."""
+    out, moe = {}, plan.model.moe is not None
+    for key, priced in (("moe_load_factor", plan.training.moe_load_factor if moe else None),
+                        ("moe_rank_load_factor", 1 + expert_load(plan, "block") if moe and plan.mesh.ep > 1 else None)):
+        loads = run.get(key) or []
+        measured = [loads[i] for i in _timed_steps(run) if i < len(loads) and loads[i] is not None]
+        if priced is not None and measured:
+            median = statistics.median(measured)
+            out.update({f"predicted_{key}": priced, f"measured_{key}": median, f"{key}_error": _err(priced, median)})
+    return out
 
 
 def _timed_steps(run: dict) -> list[int]:
@@ -324,9 +329,11 @@ def comparison_table(result: dict) -> str:
               if "measured_optimizer_s" in result else []),
             ("peak memory (MiB)", f"{result['predicted_peak_memory_bytes'] / mib:,.1f}",
              f"{result['measured_peak_memory_bytes'] / mib:,.1f}", pct(result["memory_error"]))]
-    if "measured_moe_load_factor" in result:  # priced under expert parallelism (planner.moe.expert_load)
-        rows.append(("MoE load (busiest expert / mean)", f"{result['predicted_moe_load_factor']:.3g}",
-                     f"{result['measured_moe_load_factor']:.3g}", pct(result["moe_load_factor_error"])))
+    for key, what in (("moe_load_factor", "MoE load (busiest expert / mean)"),
+                      ("moe_rank_load_factor", "  busiest EP rank / mean")):  # planner.moe.expert_load
+        if f"measured_{key}" in result:
+            rows.append((what, f"{result[f'predicted_{key}']:.3g}", f"{result[f'measured_{key}']:.3g}",
+                         pct(result[f"{key}_error"])))
     for st in result["stages"]:
         p, m = st["predicted_peak_memory_bytes"], st["measured_peak_memory_bytes"]
         rows.append((f"  stage {st['pp_rank']} peak memory (MiB)", "n/a" if p is None else f"{p / mib:,.1f}",

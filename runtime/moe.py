@@ -269,13 +269,16 @@ class RoutingMeter:
     - moe_load_factor, what training.moe_load_factor prices: each block forward's busiest expert's
       rows over the mean, counted over the tokens an EP group routes together (one rank's
       micro-batch without expert parallelism: a larger EP group evens its load out more), averaged
-      over the step's forwards (a full recomputation's replays count again, alike) and ranks."""
+      over the step's forwards (a full recomputation's replays count again, alike) and ranks;
+    - moe_rank_load_factor, under expert parallelism: the same of the EP group's busiest rank (the
+      rows of its experts together), what paces the group (planner.moe.expert_load prices it)."""
 
     def __init__(self, modules: list, plan, tp_rank: int, device):
         self.modules, self.owner, self.device = modules, tp_rank == 0, device
         self.count = plan.model.layers * plan.pipeline.micro_batches * plan.mesh.grad_ranks
         self.moe, self.aux = plan.model.moe is not None, plan.training.moe_aux_loss > 0
-        self.balances, self.loads = [], []
+        self.ep = plan.mesh.ep
+        self.balances, self.loads, self.rank_loads = [], [], []
 
     def read(self) -> None:
         """Adds the step's figures to self.balances and self.loads (nothing for a dense model); the
@@ -287,20 +290,26 @@ class RoutingMeter:
         for m in self.modules:
             m.aux_seen.clear()
             m.loads.clear()
-        total = torch.zeros(3, dtype=torch.float64, device=self.device)  # balance sum, load sum, forwards
+        # balance sum, expert load sum, rank load sum, forwards
+        total = torch.zeros(4, dtype=torch.float64, device=self.device)
         if seen and self.owner:
             total[0] += torch.stack(seen).double().sum()
         if counts:
             rows = torch.stack(counts).double()  # [forwards, experts]
-            if self.modules[0].ep is not None:  # the EP group's tokens (the same forwards on each of its ranks)
+            if self.ep > 1:  # the EP group's tokens (the same forwards on each of its ranks)
                 dist.all_reduce(rows, group=self.modules[0].ep[0])
+            ranks = rows.view(len(counts), self.ep, -1).sum(-1)  # a rank's experts: consecutive ones
             total[1] += (rows.amax(1) / rows.mean(1)).sum()
-            total[2] += len(counts)
+            total[2] += (ranks.amax(1) / ranks.mean(1)).sum()
+            total[3] += len(counts)
         dist.all_reduce(total)
         if self.aux:
             self.balances.append(float(total[0]) / self.count)
-        self.loads.append(float(total[1] / total[2]) if total[2] else None)
+        self.loads.append(float(total[1] / total[3]) if total[3] else None)
+        self.rank_loads.append(float(total[2] / total[3]) if total[3] else None)
 
     def record(self) -> dict:
-        """run.json's moe_balance and moe_load_factor, a figure a step each (None where not measured)."""
-        return {"moe_balance": self.balances or None, "moe_load_factor": self.loads if self.moe else None}
+        """run.json's moe_balance, moe_load_factor and moe_rank_load_factor, a figure a step each (None
+        where not measured)."""
+        return {"moe_balance": self.balances or None, "moe_load_factor": self.loads if self.moe else None,
+                "moe_rank_load_factor": self.rank_loads if self.moe and self.ep > 1 else None}

@@ -260,3 +260,15 @@ def test_compare_shows_an_moe_plans_load_factor_priced_and_measured(tmp_path, ca
     assert _compare(tmp_path) == 0 and "MoE load (busiest expert / mean)" in capsys.readouterr().out
     assert _compare(tmp_path, run=dict(run, moe_load_factor=[1.0, 0.5, 1.1])) == 2
     assert _one_line_err(capsys).startswith("trident: error: run.moe_load_factor: [1.0, 0.5, 1.1]")
+    # under expert parallelism the busiest EP rank's too: 2 experts a rank, the other at the mean
+    plan = build_plan(moe, cluster_name=CLUSTER.name, device=CLUSTER.device.name, nodes=1, devices_per_node=2,
+                      global_batch=8, micro_batch=2, seq_len=32, zero=1, ep=2, dtype="fp32", moe_load_factor=1.2,
+                      profile_hash=CLUSTER.profile_hash)
+    _plan_and_run(tmp_path, plan=plan)
+    run = json.loads((tmp_path / "run.json").read_text())
+    ep_run = dict(run, moe_load_factor=[1.3] * 3, moe_rank_load_factor=[1.2, 1.1, 1.3])
+    assert _compare(tmp_path, "--json", run=ep_run) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_moe_rank_load_factor"] == pytest.approx(1.1)
+    assert out["measured_moe_rank_load_factor"] == pytest.approx(1.2)  # the timed steps' median
+    assert _compare(tmp_path) == 0 and "busiest EP rank / mean" in capsys.readouterr().out

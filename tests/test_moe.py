@@ -259,6 +259,10 @@ def test_moe_plans_train_like_one_process_and_fit_their_prediction(tmp_path):
         loads = over_ep.setdefault(plan.mesh.dp, run["moe_load_factor"]) if plan.mesh.ep > 1 else want["moe_load_factor"]
         assert_same_losses(run["moe_load_factor"], loads, f"{path.stem} load factor")
         assert all(1.0 <= x <= 2.0 for x in run["moe_load_factor"])
+        # the busiest EP rank's rows (its 2 experts together) over the mean: at most its busiest expert's
+        ranks = run["moe_rank_load_factor"]
+        assert (ranks is None) == (plan.mesh.ep == 1), path.stem
+        assert ranks is None or all(1.0 <= r <= x for r, x in zip(ranks, run["moe_load_factor"])), (path.stem, ranks)
         cluster = dataclasses.replace(load_cluster("dgx-a100-80gb").shaped_as(1, plan.mesh.world_size), backend="gloo")
         per_pp = estimate(plan, cluster).breakdown["memory_per_pp_rank"]
         for r, measured in enumerate(run["peak_memory_bytes_per_rank"]):
