@@ -134,8 +134,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     moved, repeated = repeated_kv_bytes(m, t, b, s, tp, e) if kind == "block" else (0.0, 0.0)
     repeat_s = cluster.device.pointwise_seconds(moved)  # a copy forward, its sum backward
     # an MoE block's busiest EP rank computes more rows than the mean (training.moe_load_factor)
-    load_f, load_b, load_w, load_kept = expert_load_costs(plan, kind, b, s, e, gemms if kind == "block" else [],
-                                                          lambda *g: gemm_time(*g, e, grate, bw),
+    load_f, load_b, load_w, load_kept = expert_load_costs(plan, kind, b, s, e, lambda *g: gemm_time(*g, e, grate, bw),
                                                           cluster.device.pointwise_seconds)
     fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s + load_f, mm_b + el_b + accumulate + repeat_s + load_b
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole

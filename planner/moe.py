@@ -189,20 +189,19 @@ def expert_load(plan, kind: str) -> float:
     return min(rank, ep * min(k, per) / k) - 1.0
 
 
-def expert_load_costs(plan, kind: str, b: float, s: int, e: int, gemms: list, gemm_s, pointwise_s) -> tuple:
+def expert_load_costs(plan, kind: str, b: float, s: int, e: int, gemm_s, pointwise_s) -> tuple:
     """(forward s, backward s, of it weight-gradient s, kept bytes) an MoE block's busiest EP rank
-    spends beyond a balanced one (expert_load): its experts' products (`gemms`, from
-    ModelConfig.block_gemms, timed by `gemm_s`), their SwiGLU's kernels (planner.pointwise's bytes
-    an element, eager or fused, timed by `pointwise_s`), and what they keep for the backward
-    (activation_parts: the rows the experts read, whole on each TP rank, and SwiGLU's four tensors)
-    for that many more rows."""
+    spends beyond a balanced one (expert_load): its experts' products (ffn_gemms, timed by
+    `gemm_s`), their SwiGLU's kernels (planner.pointwise's bytes an element, eager or fused, timed
+    by `pointwise_s`), and what they keep for the backward (activation_parts: the rows the experts
+    read, whole on each TP rank, and SwiGLU's four tensors) for that many more rows."""
     extra = expert_load(plan, kind)
     if not extra:
         return 0.0, 0.0, 0.0, 0.0
     from planner.pointwise import swiglu_bytes
     m, tp = plan.model, plan.mesh.tp
     k, f = m.moe.experts_per_token, m.ffn_hidden
-    mm = sum(gemm_s(*g) for g in gemms[2:4])  # ffn_gemms' first two: the experts' products
+    mm = sum(gemm_s(*g) for g in ffn_gemms(m, b * s, tp)[:2])  # the experts' products
     elements = b * s * k * f / tp
     pw_f, pw_b = swiglu_bytes(plan.training.elementwise_kernels, e)
     kept = b * s * k * (e * m.hidden + 4.0 * e * f / tp)
