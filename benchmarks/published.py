@@ -23,8 +23,9 @@ Held out (reported apart, no target): Korthikanti et al. 2022's Megatron-LM iter
 MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3), bf16, with and without
 activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 runs of Llama 2
 13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
-built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); and Megatron-Core's Mixtral
-8x7B with expert parallelism (heldout_moe.csv). Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
+built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-Core's Mixtral
+8x7B with expert parallelism (heldout_moe.csv); and NeMo AutoModel's Llama 3 70B with context
+parallelism under FSDP2 (heldout_nemo_automodel.csv). Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
 cluster trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 
     python benchmarks/published.py [--csv PATH] [--heldout PATH ...] [--json]
@@ -77,6 +78,16 @@ LLAMA3_CP_CSV = ROOT / "benchmarks" / "heldout_llama3_cp.csv"
 # num_floating_point_operations (megatron/training/training.py at core_r0.8.0: top-k experts'
 # MLPs, no router), within 0.01% of trident's model FLOPs for it. Recomputation not stated: searched.
 MOE_CSV = ROOT / "benchmarks" / "heldout_moe.csv"
+# NeMo AutoModel's pre-training table (docs/performance-summary.md of github.com/NVIDIA-NeMo/Automodel,
+# commit 2013a4dd6, 2026-04-10): Llama 3 70B on 64 H100s (DGX), global batch 128, micro-batch 1,
+# 8192 tokens, CP 2 x FSDP 32, 18.90 s a step; its recipe at that commit (examples/llm_pretrain/
+# custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml: Llama-3.1-70B, bf16, sdpa attention,
+# activation_checkpointing, enable_compile, FSDP2 with prefetch) and nemo_automodel/components/
+# distributed/parallelizer.py there: every decoder layer but the last resharded after forward
+# (ZeRO 3), each layer's attention and MLP checkpointed (their forwards replayed: priced as full
+# recomputation), torch.compile fusing the elementwise kernels. Its TFLOP/s column counts FLOPs
+# its own way: the step time is compared.
+NEMO_AUTOMODEL_CSV = ROOT / "benchmarks" / "heldout_nemo_automodel.csv"
 # BigScience's BLOOM (github.com/bigscience-workshop/bigscience at 9e64ede, train/tr11-176B-ml/):
 # every "Sec/it" row of chronicles-prequel.md with NHIDDEN 14336 and 64 heads (February 2022,
 # fp16; each the second iteration of a run, as that file says), its rows with the final 70 layers
@@ -108,13 +119,15 @@ BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-20
 #   trident's are: rotary embeddings as a complex multiply in float32, SwiGLU as silu and a
 #   product; its train configs at that commit set norm_type "fused_rmsnorm" (a Triton kernel) for
 #   the 13B model and "rmsnorm" (eager) for the 70B ones, which the 70B rows (FSDP only, unlike
-#   those configs' TP 8) may or may not have kept.
-# - fsdp_copies (planner.precision.fsdp_copy_bytes): torchtitan runs FSDP2, as trident's runtime
-#   does; Megatron-LM's DDP, DeepSpeed's ZeRO and PyTorch's FSDP1 (MosaicML) gather into and reduce
+#   those configs' TP 8) may or may not have kept. NeMo AutoModel's recipe compiles the model
+#   (enable_compile): Inductor fuses its norms, rotary embeddings and SwiGLU, what `fused` counts.
+# - fsdp_copies (planner.precision.fsdp_copy_bytes): torchtitan and NeMo AutoModel run FSDP2, as
+#   trident's runtime does; Megatron-LM's DDP, DeepSpeed's ZeRO and PyTorch's FSDP1 (MosaicML) gather into and reduce
 #   from flat buffers.
 # - zeros: Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3
 #   separately); MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; MosaicML's rows ran FSDP
-#   FULL_SHARD and torchtitan's FSDP2 resharding after forward (ZeRO-3); Llama 3 does not say: search.
+#   FULL_SHARD, torchtitan's and NeMo AutoModel's FSDP2 resharding after forward (ZeRO-3); Llama 3
+#   does not say: search.
 SOURCES = {
     "megatron-sc21-table1": dict(zeros=(0,)),
     "mt-nlg-530b": dict(zeros=(1,)),
@@ -125,6 +138,7 @@ SOURCES = {
     "bigscience-tr11-2022": dict(zeros=(1,)),
     "megatron-core-v0.8": dict(zeros=(1,)),
     "megatron-core-v0.9": dict(zeros=(1,)),
+    "nemo-automodel-2026": dict(fsdp_copies=True, zeros=(3,)),
 }
 
 
@@ -312,7 +326,8 @@ def show(out, title: str, targets: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
-    ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV, MOE_CSV)],
+    ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV, MOE_CSV,
+                                                          NEMO_AUTOMODEL_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")

@@ -1,6 +1,7 @@
 """Does the runtime accept what the search writes? Random searches (`planner.search.search`, the
-`top` best plans of each, mixture-of-experts ones through `trident search`'s expert-parallel pass)
-over models with and without tied embeddings, odd vocabularies and experts, node kinds and sizes; each plan listed is checked as `runtime.train` checks a plan before it starts
+`top` best plans of each, expert parallelism searched for mixture-of-experts models) over models
+with and without tied embeddings, odd vocabularies and experts, node kinds and sizes; each plan
+listed is checked as `runtime.train` checks a plan before it starts
 (runtime.run_checks.check_plan) and its stages are built on the meta device. Prints every refusal
 and the count.
 
@@ -22,7 +23,6 @@ import torch  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
 from planner.hf_config import from_hf_config  # noqa: E402
 from planner.model import ConfigError  # noqa: E402
-from planner.expert_parallel import with_ep  # noqa: E402
 from planner.search import search  # noqa: E402
 from planner.zoo import ZOO  # noqa: E402
 from runtime.model import Transformer  # noqa: E402
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             except ConfigError as exc:
                 print(f"{model.name} {name} x{nodes}: no search ({exc})")
                 continue
-            for j, f in enumerate(with_ep(found.results, cluster)):
+            for j, f in enumerate(found.results):
                 total += 1
                 moe, spread = moe + (f.plan.model.moe is not None), spread + (f.plan.mesh.ep > 1)
                 path = Path(d) / f"{i}-{j}.json"

@@ -92,14 +92,21 @@ class Bounds:
         dp, mbs, p = cfg.shards, cfg.micro_batches, cfg.pp
         # LB2 averaged over ranks: every stage pays sync + optimizer + ZeRO-1/2 gather, affine in its
         # parameters (alpha + beta P), and for v = 1 each rank has one stage.
-        ag, ar, rs, _ = ctx.collectives(cfg)
         rep = ctx.replicas(cfg)[0]  # HSDP: each stage's reduced shard all-reduced across the replicas
         segmented = not all(x.affine for op in ctx.cluster.collectives.values() for x in op.values())
-        ab = lambda f: (0.0, 0.0) if segmented else (f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0))
+        # the experts spread by expert parallelism reduce and gather over their own group, which may
+        # be the cheaper per byte: a parameter at the cheaper of the two (a bound)
+        groups = [ctx.collectives(cfg)[:3]] + ([ctx.experts(cfg)[:3]] if cfg.ep > 1 else [])
+
+        def ab(pick):
+            if segmented:
+                return 0.0, 0.0
+            lines = [(f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0)) for f in map(pick, groups)]
+            return min(a for a, _ in lines), min(b for _, b in lines)
         alphas, betas = [], []
         for z in self.zeros:
-            a_s, b_s = ab(ar if z == 0 else lambda n: rs(n) + rep(n / dp)) if dp > 1 else (0.0, 0.0)
-            a_g, b_g = ab(ag) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
+            a_s, b_s = ab(lambda g: g[1] if z == 0 else lambda n: g[2](n) + rep(n / dp)) if dp > 1 else (0.0, 0.0)
+            a_g, b_g = ab(lambda g: g[0]) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
             betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
                          + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
@@ -267,8 +274,10 @@ class Bounds:
         their time."""
         ctx, cfg = self.ctx, self.cfg
         dp, mbs, e = cfg.shards, cfg.micro_batches, ctx.e
-        shape = ctx.collectives(cfg)[3]
-        slope = (lambda op: ctx.cluster.seconds_per_byte(op, shape)) if dp > 1 else (lambda op: 0.0)  # noqa: E731
+        # over the shard group, or the experts' own where cheaper (config_bound)
+        shapes = [ctx.collectives(cfg)[3]] + ([ctx.experts(cfg)[3]] if cfg.ep > 1 else [])
+        slope = ((lambda op: min(ctx.cluster.seconds_per_byte(op, sh) for sh in shapes)) if dp > 1  # noqa: E731
+                 else (lambda op: 0.0))
         s_ag, s_ar, s_rs = slope("all_gather"), slope("all_reduce"), slope("reduce_scatter")
         rep_shape = ctx.replicas(cfg)[1]  # HSDP: the shard all-reduced across the replicas once a step
         s_rep = ctx.cluster.seconds_per_byte("all_reduce", rep_shape) * ctx.gb / dp if rep_shape else 0.0

@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HSDP replica counts searched with the rest, or 'all' (planner/hsdp.py; 1: flat data "
                         "parallelism; default: the flat plans found are split)")
     c.add_argument("--ep", type=int_list(), default=None,
-                   help="expert-parallel degrees tried on an MoE model's plans found (1: none; default: all)")
+                   help="expert-parallel degrees searched for an MoE model (1: none; default: all)")
     c.add_argument("--micro-batch", type=int_list(), default=None, help="sequences per micro-batch")
     c.add_argument("--schedule", type=choice_list(SCHEDULES), default=None,
                    help=f"pipeline schedules among {', '.join(SCHEDULES)}")

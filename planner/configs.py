@@ -37,6 +37,9 @@ class SearchSpace:
     # every valid count); by default flat data parallelism alone, and `trident search` splits the
     # plans found (planner.hsdp) unless --dp-replicate names the counts
     dp_replicate: tuple | None = (1,)
+    # expert-parallel degrees (mesh.ep) of a mixture-of-experts model; None: every one the runtime
+    # runs (ep_degrees); dense models search 1 alone
+    ep: tuple | None = None
     orders: tuple = ORDERS
     uneven: bool = True  # False: only planner.plan.even_stages partitions
     exhaustive_limit: int = 3000  # inner assignments enumerated exhaustively up to this many
@@ -65,6 +68,7 @@ class Config:
     recompute: str | None  # None: chosen per stage / layer
     cp: int = 1  # context parallelism (planner.mesh)
     dp_replicate: int = 1  # HSDP's replicas (planner.mesh): ZeRO shards within dp / dp_replicate
+    ep: int = 1  # expert parallelism (planner.moe): experts spread over ep of the shard group's dp ranks
 
     @property
     def shards(self) -> int:
@@ -112,6 +116,15 @@ def allowed_replicas(space: SearchSpace, dp: int, cp: int) -> list[int]:
     return [r for r in valid if space.dp_replicate is None or r in space.dp_replicate]
 
 
+def ep_degrees(model, dp_shard: int, zeros) -> list[int]:
+    """The values of mesh.ep a configuration admits (planner.plan_checks) and the runtime runs
+    (runtime.run_checks: ZeRO 1-3 on every stage, so only where `zeros` has one): 1, and the
+    divisors of the experts that divide the shard group's dp coordinates (dp / dp_replicate)."""
+    if model.moe is None or not any(z is None or z >= 1 for z in zeros):
+        return [1]
+    return [1] + [d for d in range(2, dp_shard + 1) if dp_shard % d == 0 and model.moe.experts % d == 0]
+
+
 def configs(ctx, global_batch: int):
     m, c, sp_ = ctx.model, ctx.cluster, ctx.space
     world, dpn, total = c.world_size, c.devices_per_node, m.num_layers_total
@@ -149,14 +162,17 @@ def configs(ctx, global_batch: int):
                 recs = sp_.recompute if sp_.recompute_granularity == "plan" else [None]
                 for (sched, v), sp, order, z, r, n in itertools.product(scheds, sps, orders, zeros, recs,
                                                                       allowed_replicas(sp_, dp, cp)):
-                    if n == 1 or z is None or z >= 1:  # HSDP shards: ZeRO 1-3 (StageCosts.zeros)
-                        yield Config(tp, pp, dp, b, mbs, sched, v, sp, tuple(order), z, r, cp, n)
+                    if not (n == 1 or z is None or z >= 1):  # HSDP shards: ZeRO 1-3 (StageCosts.zeros)
+                        continue
+                    for ep in ep_degrees(m, dp // n, sp_.zero if z is None else (z,)):
+                        if sp_.ep is None or ep in sp_.ep or m.moe is None:
+                            yield Config(tp, pp, dp, b, mbs, sched, v, sp, tuple(order), z, r, cp, n, ep)
 
 
 # the user's constraints on a search (SearchSpace fields), by the command-line option that sets them
 CONSTRAINTS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "micro_batch": "--micro-batch", "schedules": "--schedule",
                "virtual_stages": "--virtual-stages", "sequence_parallel": "--sequence-parallel",
-               "dp_replicate": "--dp-replicate"}
+               "dp_replicate": "--dp-replicate", "ep": "--ep"}
 
 
 def no_configuration(ctx, global_batch: int) -> str:
@@ -169,6 +185,9 @@ def no_configuration(ctx, global_batch: int) -> str:
     if space.dp_replicate is not None and 1 not in space.dp_replicate and not any(z >= 1 for z in space.zero):
         return (f"--dp-replicate: {','.join(map(str, space.dp_replicate))} (HSDP) shards with ZeRO 1-3, which "
                 f"--zero {','.join(map(str, space.zero))} leaves out; allow --zero 1, 2 or 3, or --dp-replicate 1")
+    if space.ep is not None and 1 not in space.ep and m.moe is not None and not any(z >= 1 for z in space.zero):
+        return (f"--ep: {','.join(map(str, space.ep))} spreads experts under ZeRO 1-3 (the runtime's), which "
+                f"--zero {','.join(map(str, space.zero))} leaves out; allow --zero 1, 2 or 3, or --ep 1")
     # context parallelism and HSDP lifted: every count that could be asked for, not only the default's
     lift = dict(vars(default), cp=tuple(d for d in divisors(c.world_size) if ctx.train.seq_len % (2 * d) == 0),
                 dp_replicate=None)

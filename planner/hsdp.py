@@ -53,6 +53,8 @@ def with_hsdp(results: list, cluster, memory_limit_bytes=None, model_profile=Non
             for r in [1] + replica_counts(plan.mesh.dp):
                 if (allowed is not None and r not in allowed) or r == plan.mesh.dp_replicate:
                     continue
+                if (plan.mesh.dp // r) % plan.mesh.ep:  # its experts spread inside each replica's shard group
+                    continue
                 p = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, dp_replicate=r)).validate()
                 est = estimate(p, cluster, memory_limit_bytes=memory_limit_bytes, model_profile=model_profile)
                 if est.fits and (best is None or est.step_time_s < best.estimate.step_time_s):

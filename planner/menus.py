@@ -42,7 +42,7 @@ class Menus:
         """What a menu depends on: the data-parallel group by its shape, not by the mesh order that made it."""
         cfg, ctx = self.cfg, self.ctx
         return (cfg.tp, cfg.micro_batch, cfg.cp, cfg.sp, cfg.micro_batches > 1, cfg.micro_batches == 1, self.dp_shape,
-                self.rep_shape,
+                self.rep_shape, cfg.ep, self.experts and self.experts[3], id(self.lc),
                 self.zeros, self.modes, ctx.space.recompute_granularity, k, emb, head, self.split, self.fb)
 
     def menus(self, ks, emb, head):
@@ -156,6 +156,9 @@ class Menus:
         # of one stage peaks there
         g = np.array([self._state(z)[1] for z in self.zeros])[tags]
         cols["grads"] = (karr[kr] * blk[0].params + sum(x.params for x in ends)) * g
+        if self.experts:  # the experts' share at their own shard count
+            gx = np.array([self._state(z, experts=True)[1] for z in self.zeros])[tags]
+            cols["grads"] += karr[kr] * blk[0].expert_params * (gx - g)
         cols["first"] = np.zeros(len(rows))
         if self.fb:
             cols["first"] = first_backward_bytes(karr[kr], top[rows], blk[0].params * g,
@@ -204,16 +207,26 @@ class Menus:
         nz, nk = len(self.zeros), len(ks)
         Ps = [k * blk[0].params + root for k in ks]
         P = np.array(Ps, dtype=float)
+        # of P, the experts expert parallelism spreads: sharded, reduced and gathered over their
+        # own group (planner.cost; StageCosts.experts), the rest over the shard group
+        X = np.array([k * blk[0].expert_params for k in ks], dtype=float)
         # one of each kind of layer the stage holds
         accum = np.array([accumulation_bytes(model, [1] * (k > 0) + [0] * emb + [model.layers + 1] * head,
                                              cfg.tp, dp, mbs, ctx.gb) for k in ks])
-        for x in Ps:  # the same for every micro-batch size and sequence-parallel setting
-            if (self.dp_shape, x) not in ctx._coll_times:
-                ctx._coll_times[(self.dp_shape, x)] = ((self.ag(x * e), self.ar(x * ctx.gb), self.rs(x * ctx.gb))
-                                                       if dp > 1 else (0.0, 0.0, 0.0))
-        gathered, all_reduced, scattered = np.array([ctx._coll_times[(self.dp_shape, x)] for x in Ps]).T
+        def times(shape, fns, xs):  # (all-gather, all-reduce, reduce-scatter) of each x parameters
+            for x in xs:  # the same for every micro-batch size and sequence-parallel setting
+                if (shape, x) not in ctx._coll_times:
+                    ag, ar, rs = fns
+                    ctx._coll_times[(shape, x)] = ((ag(x * e), ar(x * ctx.gb), rs(x * ctx.gb)) if dp > 1 and x
+                                                   else (0.0, 0.0, 0.0))
+            return np.array([ctx._coll_times[(shape, x)] for x in xs]).T
+        gathered, all_reduced, scattered = times(self.dp_shape, (self.ag, self.ar, self.rs), list(P - X))
+        if self.experts:
+            gathered, all_reduced, scattered = (a + b for a, b in zip(
+                (gathered, all_reduced, scattered), times(self.experts[3], self.experts[:3], list(X))))
         # HSDP: each stage's reduced shard all-reduced across the replicas once a step (planner.cost)
-        replicas = np.array([self.rep_ar(x * ctx.gb / dp) for x in Ps]) if self.rep_shape else 0.0
+        replicas = (np.array([self.rep_ar((x + xx * (cfg.ep - 1)) * ctx.gb / dp) for x, xx in zip(Ps, X)])
+                    if self.rep_shape else 0.0)
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
@@ -243,7 +256,7 @@ class Menus:
                 exposed = (beside > cb_min) & (not split)
                 shift[zi] = copy_b
                 beside_k[zi] = np.where(exposed, beside, np.nan)
-            opt = P / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
+            opt = (P + X * (cfg.ep - 1)) / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (gathered if z in (1, 2) else 0.0) + copy_s
             # all FSDP2's buffers depend on, and k
             extra = (z, dp, mbs > 1, split, cfg.v > 1, cfg.pp == 1, blk[0].params, groups)
@@ -257,6 +270,8 @@ class Menus:
             fsdp = np.full(nk, forward_loss_bytes(z, dp, groups[1][1], ctx.pb, cfg.v > 1))  # beside the loss
             transient = transient + accum
             fixed = P * state + held_b
+            if self.experts:
+                fixed = fixed + X * (sum(self._state(z, experts=True)) - state)
             if z == 0 and dp > 1:  # replicate's gradients in the compute dtype beside the reduced ones
                 fixed = fixed + P * ctx.pb
             end = np.zeros(nk)  # the end of the backward, where a tied matrix's two gradients meet

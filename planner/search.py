@@ -87,7 +87,8 @@ RANK_BALANCED_PRICED = 3  # of a configuration's rank-balanced splits (planner.r
 
 def _mesh(cfg) -> Mesh:
     """The mesh of a configuration (its rank order and degrees)."""
-    return Mesh(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp, dp_replicate=cfg.dp_replicate)
+    return Mesh(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp, dp_replicate=cfg.dp_replicate,
+                ep=cfg.ep)
 
 
 def _affine(cluster: ClusterSpec, op: str, ranks: list):
@@ -145,9 +146,18 @@ class Ctx:
         """(all-gather, all-reduce, reduce-scatter) time functions of the data-parallel group of
         pipeline rank 0 (every rank's group has the same shape when TP is innermost), and that
         group's shape (ClusterSpec.group_shape: all the three depend on)."""
-        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order, cfg.dp_replicate)
+        return self._group(cfg, "shard_group")
+
+    def experts(self, cfg):
+        """collectives' of the ranks holding the same experts under expert parallelism
+        (Mesh.expert_shard_group: ZeRO shards the experts and reduces their gradients there); None
+        without it."""
+        return self._group(cfg, "expert_shard_group") if cfg.ep > 1 else None
+
+    def _group(self, cfg, group: str):
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order, cfg.dp_replicate, cfg.ep if group != "shard_group" else 1, group)
         if key not in self._coll:
-            ranks = _mesh(cfg).shard_group(pp=0, tp=0)
+            ranks = getattr(_mesh(cfg), group)(pp=0, tp=0)
             self._coll[key] = tuple(_affine(self.cluster, op, ranks) for op in ("all_gather", "all_reduce", "reduce_scatter")) \
                 + (self.cluster.group_shape(ranks),)
         return self._coll[key]
@@ -163,15 +173,22 @@ class Ctx:
             self._coll[key] = _affine(self.cluster, "all_reduce", ranks), self.cluster.group_shape(ranks)
         return self._coll[key]
 
-    def layers(self, tp, b, sp, multi, dp1, split=False, cp=1):
+    def layers(self, tp, b, sp, multi, dp1, split=False, cp=1, cfg=None):
         """LayerCost of the embedding, the head and a block per recompute mode (`dp1`: without data
         parallelism, where the runtime casts its weights at each use: precision.autocast_cast_bytes;
         `split`: under a split backward, planner.plan.split_backward; `cp`: context parallelism,
-        whose K/V collectives count here as the layer's TP communication, exposed as that is)."""
-        key = (tp, b, sp, multi, dp1, split, cp)
+        whose K/V collectives count here as the layer's TP communication, exposed as that is; `cfg`:
+        a configuration with expert parallelism, whose blocks hold experts / ep of the experts and
+        exchange rows over its EP group (counted as TP communication too), which the costs depend
+        on by that group's shape)."""
+        ep = cfg.ep if cfg is not None else 1
+        group = self.cluster.group_shape(_mesh(cfg).expert_group(pp=0, dp=0, cp=0, tp=0)) if ep > 1 else None
+        key = (tp, b, sp, multi, dp1, split, cp, ep, group)
         if key not in self._layers:
             m = self.model
             mesh = Mesh(pp=2 if split else 1, dp=1 if dp1 else 2, tp=tp, cp=cp, order=["pp", "dp", "cp", "tp"])
+            if ep > 1:  # the configuration's own mesh, for its EP group
+                mesh = _mesh(cfg)
             fake = SimpleNamespace(model=m, training=dataclasses.replace(self.train, micro_batch=b), mesh=mesh,
                                    pipeline=SimpleNamespace(micro_batches=2 if multi else 1,
                                                             schedule="zbv" if split else "1f1b"))
@@ -182,8 +199,9 @@ class Ctx:
                                ranks, self.profile, dp_extras=False)
                 w = self.work
                 return dataclasses.replace(c, fwd_compute_s=c.fwd_compute_s * w, bwd_compute_s=c.bwd_compute_s * w,
-                                           bwd_weight_s=c.bwd_weight_s * w, fwd_tp_s=(c.fwd_tp_s + c.fwd_cp_s) * w,
-                                           bwd_tp_s=(c.bwd_tp_s + c.bwd_cp_s) * w)
+                                           bwd_weight_s=c.bwd_weight_s * w,
+                                           fwd_tp_s=(c.fwd_tp_s + c.fwd_cp_s + c.fwd_ep_s) * w,
+                                           bwd_tp_s=(c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s) * w)
             self._layers[key] = dict(emb=lc(0, "none"), head=lc(m.layers + 1, "none"),
                                      blk={r: lc(1, r) for r in RECOMPUTE_MODES})
         return self._layers[key]
@@ -211,7 +229,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
         return build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=cluster.nodes,
                           devices_per_node=cluster.devices_per_node, global_batch=global_batch,
                           micro_batch=cfg.micro_batch, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
-                          schedule=cfg.schedule, virtual_stages=cfg.v, dtype=dtype, dp_replicate=cfg.dp_replicate,
+                          schedule=cfg.schedule, virtual_stages=cfg.v, dtype=dtype, dp_replicate=cfg.dp_replicate, ep=cfg.ep,
                           profile_hash=cluster.profile_hash, order=list(cfg.order), stages=stages, **training)
 
     bounded, mem_lbs = [], []

@@ -10,7 +10,6 @@ from planner import sizing
 from planner.cli import GiB, _check_plot, _cluster_for, _model_profile, _plot, _prediction_dict, sized
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.expert_parallel import with_ep
 from planner.hsdp import HSDP_POOL, with_hsdp
 from planner.model import ConfigError
 from planner.model_files import load_model
@@ -47,7 +46,7 @@ def _search_space(args):
     space = SearchSpace()
     for field, arg in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("micro_batch", "micro_batch"),
                        ("schedules", "schedule"), ("virtual_stages", "virtual_stages"), ("zero", "zero"),
-                       ("recompute", "recompute")):
+                       ("recompute", "recompute"), ("ep", "ep")):
         if getattr(args, arg) is not None:
             space = replace(space, **{field: getattr(args, arg)})
     if args.virtual_stages is not None and args.schedule is not None and "interleaved-1f1b" not in args.schedule:
@@ -129,8 +128,7 @@ def cmd_search(args) -> int:
                else run(sp_saved_inputs=args.sp_saved_inputs, **kw))
         t = time.perf_counter()
         allowed = None if args.dp_replicate in (None, "all") else args.dp_replicate
-        res.results = with_hsdp(res.results, cluster, limit, mp, allowed)  # planner.hsdp
-        res.results = with_ep(res.results, cluster, limit, args.ep)[:top]  # MoE models (planner.expert_parallel)
+        res.results = with_hsdp(res.results, cluster, limit, mp, allowed)[:top]  # planner.hsdp
         res.elapsed_s += time.perf_counter() - t
         if shown[0]:
             print("\r\033[K", end="", file=sys.stderr, flush=True)

@@ -76,12 +76,13 @@ class StageCosts(Menus, Bounds):
         self.L = m.layers
         self.S = cfg.pp * cfg.v
         z = ctx.space.zero if cfg.zero is None else (cfg.zero,)
-        if cfg.dp_replicate > 1:  # HSDP shards: ZeRO 1-3 on every stage (configs leaves at least one)
-            z = [x for x in z if x >= 1]
+        if cfg.dp_replicate > 1 or cfg.ep > 1:  # HSDP, expert parallelism: ZeRO 1-3 on every stage
+            z = [x for x in z if x >= 1]  # (configs leaves at least one)
         self.zeros = tuple(z) if cfg.shards > 1 else (min(z),)
         self.modes = (cfg.recompute,) if cfg.recompute else tuple(ctx.space.recompute)
         self.split = split_backward(cfg.schedule, cfg.pp)  # I and W apart (zbv)
-        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.shards == 1, self.split, cfg.cp)
+        self.lc = ctx.layers(cfg.tp, cfg.micro_batch, cfg.sp, cfg.micro_batches > 1, cfg.shards == 1, self.split, cfg.cp,
+                             cfg if cfg.ep > 1 else None)
         self.rank_of = [stage_rank(cfg.schedule, cfg.pp, s) for s in range(self.S)]
         self.stages_of = [[] for _ in range(cfg.pp)]
         for s, r in enumerate(self.rank_of):
@@ -101,6 +102,7 @@ class StageCosts(Menus, Bounds):
         """Collective costs of the data-parallel group and the activations in flight."""
         self.ag, self.ar, self.rs, self.dp_shape = self.ctx.collectives(self.cfg)
         self.rep_ar, self.rep_shape = self.ctx.replicas(self.cfg)
+        self.experts = self.ctx.experts(self.cfg)  # expert parallelism's shard group (Ctx.experts), or None
         self.flight, self.maxcnt, _ = self.ctx.in_flight(self.cfg)
         cfg = self.cfg
         msg = self._message()
@@ -191,6 +193,7 @@ class StageCosts(Menus, Bounds):
         split = self.split
         if "_blocks_key" not in self.__dict__:
             self._blocks_key = (cfg.tp, cfg.micro_batch, cfg.cp, cfg.sp, cfg.micro_batches > 1, cfg.shards == 1, self.modes,
+                                id(self.lc),  # its layers' costs (cached by the search: Ctx.layers)
                                 self.ctx.space.recompute_granularity if not cfg.recompute else "plan", self.fb)
         key = (*self._blocks_key, k, split)
         if key not in self.ctx._blocks:
@@ -219,9 +222,12 @@ class StageCosts(Menus, Bounds):
         return ([fwd] if differ(lambda x: x.fwd_compute_s + x.fwd_tp_s) else []) + \
             ([wgrad] if self.split and differ(lambda x: x.bwd_weight_s) else [])
 
-    def _state(self, z):
-        """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z."""
+    def _state(self, z, experts=False):
+        """(parameter, gradient, optimizer-state) bytes per parameter at ZeRO level z; `experts`: of
+        the experts expert parallelism spreads, which FSDP2 shards over shards / ep ranks (planner.memory)."""
         ctx, cfg = self.ctx, self.cfg
+        if experts:
+            return zero_state_bytes(z, cfg.shards // cfg.ep, cfg.micro_batches, ctx.pb, ctx.gb, ctx.ob, ctx.spb, fsdp=True)
         states = (ctx.pb, ctx.gb, ctx.ob) if cfg.shards > 1 else ctx.states_dp1
         return zero_state_bytes(z, cfg.shards, cfg.micro_batches, *states, ctx.spb)
 

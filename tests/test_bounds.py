@@ -74,7 +74,13 @@ def test_configuration_bounds_are_below_every_assignment(layers, gpus, gbs, limi
     """Over every configuration whose inner problem is enumerated exhaustively: the balance and
     config bounds never exceed the best assignment's LB, so the search can skip a configuration by
     them without losing a plan, and infinite bounds come only with nothing that fits."""
-    ctx = _case_ctx(layers, gpus, gbs, limit, space)
+    fit, none = _bounds_below_best(_case_ctx(layers, gpus, gbs, limit, space), gbs)
+    assert fit >= 3 and none >= 1  # both sides are tested
+
+
+def _bounds_below_best(ctx, gbs) -> tuple[int, int]:
+    """test_configuration_bounds_are_below_every_assignment's check over every configuration of
+    `ctx`: (configurations where some assignment fits, where none does)."""
     fit = none = 0
     for cfg in _configs(ctx, gbs):
         inner = Inner(ctx, cfg).setup()
@@ -90,7 +96,23 @@ def test_configuration_bounds_are_below_every_assignment(layers, gpus, gbs, limi
         fit += 1
         assert bound <= best * (1 + 1e-9), (cfg, bound, best)
         assert lb <= best * (1 + 1e-9), (cfg, lb, best)
-    assert fit >= 3 and none >= 1  # both sides are tested
+    return fit, none
+
+
+@pytest.mark.parametrize("limit", [1.45, 1.7])
+def test_expert_parallel_configurations_are_bounded_below_too(limit):
+    """A mixture-of-experts model on two nodes, every expert-parallel degree: its experts reduce and
+    gather over their own group, cheaper per byte than the shard group where smaller; the bounds
+    price a parameter at the cheaper of the two and stay below every assignment and estimate."""
+    from planner.moe import MoESpec
+    model = dataclasses.replace(shrunk(4, 1024), name="shrunk-moe", moe=MoESpec(4, 2))
+    train = Training(global_batch=16, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
+    space = SearchSpace(tp=(2, 4), micro_batch=(1,), schedules=("1f1b", "zbv"), zero=(1, 3), recompute=("none", "full"))
+    ctx = Ctx(model, load_cluster("dgx-a100-80gb").with_nodes(2), train, limit * GiB, space)
+    assert any(c.ep > 1 for c in _configs(ctx, 16))
+    fit, none = _bounds_below_best(ctx, 16)
+    assert fit >= 3 and none >= 1
+    assert assert_bounds_below_estimates(ctx, 16, 1024, per_config=2) >= 20
 
 
 
@@ -119,7 +141,7 @@ def assert_bounds_below_estimates(ctx, gbs, seq, per_config=6, model_profile=Non
                               devices_per_node=cluster.devices_per_node, global_batch=gbs, micro_batch=cfg.micro_batch,
                               seq_len=seq, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, schedule=cfg.schedule,
                               virtual_stages=cfg.v, order=list(cfg.order), stages=stages,
-                              dp_replicate=cfg.dp_replicate, **training)
+                              dp_replicate=cfg.dp_replicate, ep=cfg.ep, **training)
         inner = Inner(ctx, cfg).setup()
         for lb, assign in inner.candidates(math.inf)[:per_config]:
             est = estimate(inner.to_plan(assign, build), cluster, model_profile=model_profile, profile_extras=False)

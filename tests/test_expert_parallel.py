@@ -1,8 +1,9 @@
-"""Expert parallelism (mesh.ep; planner.moe, planner.expert_parallel, runtime.moe): its groups, the
-plan's checks, what it prices (the experts a rank holds, the all-to-alls), the search's pass over
-the degrees the runtime runs, and the plans the runtime refuses in one line."""
+"""Expert parallelism (mesh.ep; planner.moe, planner.configs, runtime.moe): its groups, the plan's
+checks, what it prices (the experts a rank holds, the all-to-alls), the search over the degrees
+the runtime runs, and the plans the runtime refuses in one line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -81,18 +82,18 @@ def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
 
 
 def test_the_search_spreads_experts_only_where_the_runtime_can():
-    from planner.expert_parallel import ep_degrees
-    assert ep_degrees(_mixtral_plan()) == [2, 4, 8]  # dp 8, 8 experts
-    assert ep_degrees(_mixtral_plan(zero=0)) == []
-    assert ep_degrees(_mixtral_plan(dp_replicate=2)) == [2, 4]  # HSDP: the 4 ranks of a shard group
-    assert ep_degrees(_mixtral_plan(cp=2, tp=1, order=["pp", "dp", "cp", "tp"])) == [2, 4, 8]  # dp 8 x cp 2
-    assert ep_degrees(build_plan(ZOO["llama3-8b"], cluster_name=H100.name, device=H100.device.name, nodes=1,
-                                 devices_per_node=8, global_batch=16, micro_batch=1, zero=1)) == []
+    from planner.configs import ep_degrees
+    m = ZOO["mixtral-8x7b"]
+    assert ep_degrees(m, 8, (0, 1, 2, 3)) == [1, 2, 4, 8]  # dp 8 (or dp 8 x cp 2: dp coordinates), 8 experts
+    assert ep_degrees(m, 8, (None,)) == [1, 2, 4, 8]  # ZeRO chosen per stage: among 1-3 where spread
+    assert ep_degrees(m, 8, (0,)) == [1] and ep_degrees(m, 6, (1,)) == [1, 2]
+    assert ep_degrees(m, 4, (3,)) == [1, 2, 4]  # HSDP: the 4 ranks of a shard group
+    assert ep_degrees(ZOO["llama3-8b"], 8, (1,)) == [1]
 
 
 def test_the_search_spreads_experts_where_that_is_faster(capsys):
-    """Mixtral 8x7B on 8 DGX H100 nodes: the plans found are priced again with every expert-parallel
-    degree (planner.expert_parallel); the best spreads the experts over the 4 dp ranks of a node."""
+    """Mixtral 8x7B on 8 DGX H100 nodes: the search chooses the expert-parallel degree with the
+    rest of the plan (planner.configs); the best spreads the experts over the 8 dp ranks of a node."""
     from planner.cli import main
     argv = ["search", "--cluster", "dgx-h100-80gb", "--gpus", "64", "--global-batch", "256", "--seq-len", "4096",
             "--json", "--top", "3", "--model"]
@@ -104,6 +105,23 @@ def test_the_search_spreads_experts_where_that_is_faster(capsys):
     assert "ep_comm_s" not in flat["breakdown"]["time"] and all(a["degrees"]["ep"] == 1 for a in flat["alternatives"])
     assert main(argv + ["llama3-8b", "--ep", "2"]) == 2
     assert "--ep: expert parallelism is for mixture-of-experts models" in capsys.readouterr().err
+
+
+def test_a_model_that_fits_only_with_its_experts_spread_is_found(capsys):
+    """Mixtral 8x7B on one DGX H100 node: no plan fits with every expert on every rank (ZeRO 3
+    gathers a block's 8 experts at once); spread over the node's 8 ranks (one expert each) one
+    does. The degree is a dimension of the search, not a pass over the plans it found."""
+    from planner.cli import main
+    from planner.search import SearchSpace, search
+    node = H100.with_nodes(1)
+    res = search(ZOO["mixtral-8x7b"], node, global_batch=16, seq_len=4096)
+    assert res.best is not None and res.best.plan.mesh.ep > 1 and res.best.estimate.fits
+    assert search(ZOO["mixtral-8x7b"], node, global_batch=16, seq_len=4096, space=SearchSpace(ep=(1,))).best is None
+    argv = ["search", "--model", "mixtral-8x7b", "--cluster", "dgx-h100-80gb", "--gpus", "8", "--global-batch", "16",
+            "--seq-len", "4096", "--ep", "8", "--zero", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--ep: 8 spreads experts under ZeRO 1-3" in err and "--zero 0 leaves out" in err
 
 
 def test_expert_parallel_plans_the_runtime_cannot_run_are_one_line(tmp_path, capsys, monkeypatch):
@@ -150,16 +168,21 @@ def test_the_busiest_expert_paces_its_ep_group(tmp_path):
 
 
 def test_the_search_spreads_experts_less_the_busier_its_busiest():
-    """The expert-parallel pass (planner.expert_parallel.with_ep) weighs the busiest expert's rank:
-    Mixtral 8x7B at tp 2 x pp 4 x dp 8 spreads its experts over 4 ranks where routing is balanced
-    or 1.2x, over 2 at 1.5x (a rank's second expert at the mean), not at all at 2x."""
-    from planner.expert_parallel import with_ep
-    from planner.search import Found
+    """The search weighs the busiest expert's rank: Mixtral 8x7B at tp 2 x pp 4 x dp 8 (ZeRO 1,
+    selective recomputation, 1F1B) spreads its experts over 4 ranks where routing is balanced or
+    1.2x, over 2 at 1.5x (a rank's second expert at the mean), not at all at 2x; where it spreads
+    them the plan is the fastest of the degrees as the estimate prices them."""
+    from planner.search import SearchSpace, search
+    space = SearchSpace(tp=(2,), pp=(4,), micro_batch=(1,), schedules=("1f1b",), zero=(1,), zero_per_stage=False,
+                        recompute=("selective",), recompute_granularity="plan", sequence_parallel=(True,),
+                        orders=(("pp", "dp", "tp"),))
     picked = {}
     for lam in (1.0, 1.2, 1.5, 2.0):
-        plan = _mixtral_plan(moe_load_factor=lam)
-        flat = estimate(plan, H100)
-        best = with_ep([Found(plan, flat, None)], H100)[0]
+        best = search(ZOO["mixtral-8x7b"], H100.with_nodes(8), global_batch=256, seq_len=4096, space=space,
+                      moe_load_factor=lam).best
         picked[lam] = best.plan.mesh.ep
-        assert best.estimate.step_time_s <= flat.step_time_s
+        for ep in (1, 2, 4, 8):  # its partition with every other degree
+            p = dataclasses.replace(best.plan, mesh=dataclasses.replace(best.plan.mesh, ep=ep)).validate()
+            est = estimate(p, H100.with_nodes(8))
+            assert not est.fits or est.step_time_s >= best.estimate.step_time_s * (1 - 1e-12)
     assert picked == {1.0: 4, 1.2: 4, 1.5: 2, 2.0: 1}

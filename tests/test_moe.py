@@ -332,6 +332,13 @@ def test_a_model_profile_of_moe_blocks_prices_plans_with_and_without_expert_para
     busy = build_plan(TINY_MOE, devices_per_node=2, zero=1, ep=2, moe_load_factor=1.5, **kw)
     more = [estimate(busy, cl2, model_profile=p).step_time_s - e.step_time_s for p, e in ((mp, est), (None, ana))]
     assert more[0] > 0 and more[0] == pytest.approx(more[1], rel=0.05)
+    # the search prices expert-parallel configurations from the profile too (planner.search)
+    from planner.search import SearchSpace, search_profiled
+    found = search_profiled(TINY_MOE, cl2, mp, global_batch=4, seq_len=32, dtype="fp32", top=3,
+                            space=SearchSpace(ep=(2,)))
+    assert found.results and all(f.plan.mesh.ep == 2 for f in found.results)
+    for f in found.results:
+        assert f.estimate.step_time_s == estimate(f.plan, cl2, model_profile=mp).step_time_s
 
 
 def test_what_the_runtime_cannot_do_with_moe_models_is_one_line(tmp_path):

@@ -85,17 +85,21 @@ def _every_estimate(model, cluster, gbs, seq, space, per_stage_options, model_pr
             orders = [(*o[:-1], "cp", o[-1]) for o in space.orders] if cp > 1 else space.orders  # CP just outside TP
             orders = orders if (pp > 1 and dp > 1) else orders[:1]
             sps = [s for s in space.sequence_parallel if tp > 1 or not s] or [False]
-            for (sched, v), order, sp in itertools.product(scheds, orders, sps):
+            # expert parallelism: divisors of dp and of the experts, with ZeRO 1-3 on every stage
+            eps = [d for d in divisors(dp) if model.moe is not None and model.moe.experts % d == 0] or [1]
+            for (sched, v), order, sp, ep in itertools.product(scheds, orders, sps, eps):
                 S = pp * v
                 for sizes in compositions(model.layers, S):
                     for per in per_stage_options(S, dp * cp, sizes):
                         if sched == "zbv" and any(isinstance(r, tuple) and len(set(r)) > 1 for _, r in per):
                             continue  # the search recomputes one mode a stage under zbv
+                        if ep > 1 and any(z == 0 for z, _ in per):
+                            continue
                         plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name,
                                           nodes=cluster.nodes, devices_per_node=dpn, global_batch=gbs, micro_batch=b,
                                           seq_len=seq, tp=tp, pp=pp, dp=dp, cp=cp, schedule=sched, virtual_stages=v,
                                           order=list(order), stages=stages_of(model, sizes, [(*x, sp) for x in per]),
-                                          **training)
+                                          ep=ep, **training)
                         yield estimate(plan, cluster, model_profile=model_profile, profile_extras=False)
 
 
@@ -244,6 +248,31 @@ def test_per_layer_recompute_equals_exhaustive_enumeration(limit, attention):
     assert (best is None) == (three is None)
     if three is not None:
         assert best.estimate.step_time_s == pytest.approx(three.step_time_s, rel=1e-9)
+
+
+EP_SPACES = {  # a ZeRO level a stage, or ZB-V with the EP group across nodes (dp-pp-tp: dp ranks 4 apart)
+    "stage": (SearchSpace(tp=(2,), pp=(1, 2), micro_batch=(1,), zero=(0, 1, 3), recompute=("none", "full"),
+                          recompute_granularity="stage", schedules=("1f1b",), sequence_parallel=(False,)),
+              stage_level((0, 1, 3), ("none", "full"))),
+    "zbv": (SearchSpace(tp=(2,), pp=(2,), micro_batch=(1,), zero=(1, 3), zero_per_stage=False, recompute=("none", "full"),
+                        recompute_granularity="plan", schedules=("1f1b", "zbv"), sequence_parallel=(False,)),
+            plan_level((1, 3), ("none", "full")))}
+
+
+@pytest.mark.parametrize("kind,limit,spread", [("stage", 1.45, True), ("stage", 1.6, True), ("stage", 1.8, False),
+                                               ("zbv", 1.3, None), ("zbv", 1.4, True), ("zbv", 1.6, True),
+                                               ("zbv", 80.0, False)])
+def test_expert_parallel_degrees_equal_exhaustive_enumeration(kind, limit, spread):
+    """A mixture-of-experts model (4 experts, top 2) on two nodes: the search chooses the
+    expert-parallel degree with the rest (its experts' ZeRO state over dp / ep ranks, their
+    collectives over those, the all-to-alls over the EP group) and finds what enumerating every
+    degree, configuration and partition finds: plans that fit only with the experts spread where
+    memory is short (`spread`: the best spreads them; None: nothing fits)."""
+    from planner.moe import MoESpec
+    model = dataclasses.replace(shrunk(4, 1024), name="shrunk-moe", moe=MoESpec(4, 2))
+    space, options = EP_SPACES[kind]
+    best = check_same(model, A100.with_nodes(2), 16, 1024, limit * GiB, space, options)
+    assert (best is None) == (spread is None) and (best is None or (best.plan.mesh.ep > 1) == spread)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
