@@ -25,13 +25,14 @@ How the planner prices one (this module, used by planner.model and planner.point
   = ep > 1; GShard, Lepikhin et al. 2021; Megatron-LM and torchtitan spread experts over the
   data-parallel ranks so) each rank of an EP group (ep consecutive dp coordinates) holds experts /
   ep of them, ZeRO shards those over the ranks holding the same ones (dp / ep x cp: the expert
-  shard group) and their gradients reduce over that group alone; each block sends every routed
-  row to its expert's rank and back, two all-to-alls forward and two backward (two more, the
-  replayed forward's, under full recomputation) of tokens x k rows each, every TP rank its own
-  (it computes whole rows); the experts' products are priced as before (a rank runs experts / ep
-  experts of ep times the rows). The runtime runs it so (runtime.moe), under ZeRO 1-3; before
-  each dispatch it exchanges the row counts (an all-to-all of
-  the experts' int64 counts, a latency), priced with the forward's two (the replay's too);
+  shard group) and their gradients reduce over that group alone; each block sends each token
+  once to each rank holding any of its experts (as DeepEP does; ranks_per_token of them, k where
+  a rank holds one expert) and the weighted sums of those experts' outputs back, two all-to-alls
+  forward and two backward (two more, the replayed forward's, under full recomputation), every
+  TP rank its own (it computes whole rows); the experts' products are priced as before (a rank
+  runs experts / ep experts of ep times the rows). The runtime runs it so (runtime.moe), under
+  ZeRO 1-3; before each dispatch it exchanges the token counts (an all-to-all of ep int64
+  counts, a latency), priced with the forward's two (the replay's too);
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each
   token's rows for its experts and the weighted scatter back) as the runtime's block runs them
@@ -209,21 +210,36 @@ def expert_load_costs(plan, kind: str, b: float, s: int, e: int, gemm_s, pointwi
             extra * mm, extra * kept)
 
 
+def ranks_per_token(m, ep: int) -> float:
+    """The ranks of an EP group of `ep` a token goes to: those holding any of its k experts (a
+    rank holds experts / ep consecutive ones), expected over k distinct experts drawn uniformly
+    (balanced routing, each expert equally likely in every token's choice): ep (1 - C(n - n / ep,
+    k) / C(n, k)). k where a rank holds one expert; fewer where a token's experts share ranks
+    (Qwen3-30B-A3B, 128 experts, k 8, over 8 ranks: 5.34)."""
+    from math import comb
+    n, k = m.moe.experts, m.moe.experts_per_token
+    return ep * (1.0 - comb(n - n // ep, k) / comb(n, k))
+
+
 def expert_parallel_comm(cluster, plan, kind: str, recompute: str, tp_ranks) -> tuple[float, float]:
     """(forward, backward) seconds of a block's expert-parallel all-to-alls on one rank per
-    micro-batch (module doc): the row counts' exchange, then dispatch and combine of tokens x k rows
-    of hidden elements over the EP group of the rank leading `tp_ranks`; the backward's two, and a
+    micro-batch (module doc) over the EP group of the rank leading `tp_ranks`: the token counts'
+    exchange, the dispatch (each token once to each rank holding any of its experts,
+    ranks_per_token, with the experts' weights and choices of that rank: hidden + 2 experts / ep
+    elements) and the combine (the weighted sums back, hidden elements); the backward's two, and a
     full recomputation's forward again. Zeros without expert parallelism."""
     m, t, mesh = plan.model, plan.training, plan.mesh
     if mesh.ep == 1 or kind != "block" or m.moe is None:
         return 0.0, 0.0
     from planner.plan import DTYPES
-    rows = t.micro_batch / mesh.cp * t.seq_len * m.moe.experts_per_token
+    rows = t.micro_batch / mesh.cp * t.seq_len * ranks_per_token(m, mesh.ep)
     group = mesh.expert_group(**mesh.coords(tp_ranks[0]))
+    e, width = DTYPES[t.dtype], m.hidden + 2 * m.moe.experts // mesh.ep
     # the busiest rank receives the most rows in a dispatch and sends the most back (expert_load)
-    one = cluster.collective_time("all_to_all", DTYPES[t.dtype] * rows * m.hidden, group) * (1 + expert_load(plan, kind))
-    forward = 2 * one + cluster.collective_time("all_to_all", 8 * m.moe.experts, group)  # the counts first
-    return forward, 2 * one + (forward if recompute == "full" else 0.0)
+    busy = 1 + expert_load(plan, kind)
+    dispatch, combine = (cluster.collective_time("all_to_all", e * rows * w, group) * busy for w in (width, m.hidden))
+    forward = dispatch + combine + cluster.collective_time("all_to_all", 8 * mesh.ep, group)  # the counts first
+    return forward, dispatch + combine + (forward if recompute == "full" else 0.0)
 
 
 def largest_ffn_param(m, tp: int) -> float:

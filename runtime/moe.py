@@ -144,16 +144,15 @@ class MoEFeedForward(nn.Module):
         probs = F.linear(flat, _local(self.router.weight, partial=True)).float().softmax(dim=-1)
         top, experts = probs.topk(self.k, dim=-1)
         weights = (top / top.sum(dim=-1, keepdim=True) if self.normalize else top).to(x.dtype).flatten()
-        order = experts.flatten().argsort(stable=True)  # the rows by expert
         counts = torch.bincount(experts.flatten(), minlength=self.n)
-        token = order // self.k
-        rows = flat[token]
         if self.ep is None:
-            runs = rows.split(counts.tolist())
+            order = experts.flatten().argsort(stable=True)  # the rows by expert
+            token = order // self.k
+            runs = flat[token].split(counts.tolist())
             out = torch.cat([expert(r) for expert, r in zip(self.experts.values(), runs)])
+            out = torch.zeros_like(flat).index_add_(0, token, out * weights[order].unsqueeze(-1))
         else:
-            out = self._expert_parallel(rows, counts)
-        out = torch.zeros_like(flat).index_add_(0, token, out * weights[order].unsqueeze(-1))
+            out = self._expert_parallel(flat, experts, weights.view(-1, self.k))
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(flat, _local(self.shared_gate.weight, partial=True)))
             out = out + gate * self.shared(flat)
@@ -169,25 +168,34 @@ class MoEFeedForward(nn.Module):
             out = AuxLoss.apply(out, aux, *((0.0, None) if _UNCOUNTED[0] else (self.aux_scale(), self.aux_seen)))
         return out.view(b, s, h)
 
-    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The experts' outputs of `rows` (sorted by expert, `counts` of each) where the experts are
-        spread over the EP group: each rank's rows to its experts' rank and back by all-to-all
-        (torch.distributed.nn's, whose backward is the reverse exchange), the rows received run
-        expert by expert. The experts' weight gradients are scaled by 1 / ep: a rank's experts
-        compute the rows of all ep ranks, and FSDP2 averages them over the dp / ep ranks holding
-        the same experts only."""
+    def _expert_parallel(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each token's experts' outputs (`flat` [tokens, h], the chosen
+        `experts` and their `weights` [tokens, k]) where the experts are spread over the EP group:
+        each token goes once to each rank holding any of its experts (as DeepEP's dispatch does:
+        github.com/deepseek-ai/DeepEP, get_dispatch_layout's is_token_in_rank), with the weights
+        of that rank's experts and which of them it chose (one all-to-all, torch.distributed.nn's,
+        whose backward is the reverse exchange); the rank runs its experts on the rows chosen for
+        them and sends back each token's weighted sum of them, which the token's own rank adds up. The experts' weight gradients are scaled by 1 / ep: a
+        rank's experts compute the rows of all ep ranks, and FSDP2 averages them over the dp / ep
+        ranks holding the same experts only."""
         from torch.distributed.nn.functional import all_to_all_single
         group, ep, first = self.ep
-        send = counts.view(ep, -1)  # rows for each rank's experts
+        t, h, per = flat.shape[0], flat.shape[1], self.n // ep
+        chosen = torch.zeros(t, self.n, dtype=flat.dtype, device=flat.device).scatter(1, experts, 1.0)
+        scale = torch.zeros(t, self.n, dtype=flat.dtype, device=flat.device).scatter(1, experts, weights)
+        rank, token = chosen.view(t, ep, per).amax(-1).T.nonzero(as_tuple=True)  # by destination rank
+        send = torch.bincount(rank, minlength=ep)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source rank, expert of mine]
-        send_n, recv_n = send.sum(1).tolist(), recv.sum(1).tolist()
-        got = all_to_all_single(rows.new_empty(sum(recv_n), rows.shape[1]), rows.contiguous(), recv_n, send_n, group)
-        mine = torch.arange(recv.shape[1], device=rows.device).repeat(ep).repeat_interleave(recv.flatten())
-        order = mine.argsort(stable=True)  # the rows received by my expert
-        outs = [self.experts[str(first + j)](r, 1.0 / ep) for j, r in enumerate(got[order].split(recv.sum(0).tolist()))]
-        back = torch.cat(outs)[order.argsort()]
-        return all_to_all_single(rows.new_empty(rows.shape), back.contiguous(), send_n, recv_n, group)
+        dist.all_to_all_single(recv, send, group=group)
+        send_n, recv_n = send.tolist(), recv.tolist()
+        payload = torch.cat([flat[token], scale.view(t, ep, per)[token, rank], chosen.view(t, ep, per)[token, rank]], 1)
+        got = all_to_all_single(flat.new_empty(sum(recv_n), h + 2 * per), payload, recv_n, send_n, group)
+        x, w, mine = got.split([h, per, per], dim=1)
+        rows = [m.nonzero().squeeze(1) for m in mine.T]  # the rows received for each of my experts
+        outs = [self.experts[str(first + j)](x[r], 1.0 / ep) * w[r, j:j + 1] for j, r in enumerate(rows)]
+        summed = torch.zeros_like(x).index_add_(0, torch.cat(rows), torch.cat(outs))
+        back = all_to_all_single(flat.new_empty(len(token), h), summed, send_n, recv_n, group)
+        return torch.zeros_like(flat).index_add_(0, token, back)
 
 
 def apply_expert_parallel(chunk, mesh, plan_mesh):

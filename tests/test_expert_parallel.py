@@ -51,8 +51,9 @@ def test_expert_parallelism_is_checked_and_left_out_of_plan_files_at_one(tmp_pat
 def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
     """Each rank holds experts / ep of them: under ZeRO 1 its parameters and gradients shrink,
     under ZeRO 3 its model states stay what they were (experts / ep over dp / ep ranks, FSDP2's
-    float32 shard and no 16-bit copy even where dp / ep is 1); every block exchanges its row
-    counts, sends its rows and gets them back, twice forward and twice backward."""
+    float32 shard and no 16-bit copy even where dp / ep is 1); every block exchanges its token
+    counts, sends each token once to each rank holding any of its 2 experts (with that rank's 2
+    weights and choices) and gets their weighted sum back, twice forward and twice backward."""
     m = ZOO["mixtral-8x7b"]
     experts = 3 * m.hidden * m.ffn_hidden * m.moe.experts * m.layers / 2 / 4  # a rank's: tp 2, pp 4
     pb, gb, _ = model_state_bytes(_mixtral_plan().training, 8)
@@ -72,13 +73,17 @@ def test_expert_parallelism_prices_its_all_to_alls_and_spreads_the_experts():
     plan = _mixtral_plan(ep=4, recompute="none")
     t = plan.training
     group = plan.mesh.expert_group(pp=0, dp=0, tp=0)
-    one = H100.shaped_as(8, 8).collective_time("all_to_all", 2 * t.seq_len * 2 * m.hidden, group)
-    counts = H100.shaped_as(8, 8).collective_time("all_to_all", 8 * m.moe.experts, group)  # int64 a expert
+    # a token's 2 of 8 experts on 4 ranks of 2 each: both on one rank with probability 4 / C(8, 2)
+    rows = t.seq_len * (1 * 4 / 28 + 2 * 24 / 28)
+    a2a = H100.shaped_as(8, 8).collective_time
+    dispatch, combine = (a2a("all_to_all", 2 * rows * w, group) for w in (m.hidden + 4, m.hidden))
+    counts = a2a("all_to_all", 8 * 4, group)  # int64 a rank
     blocks = [st.end - st.start - (st.start == 0) - (st.end == m.num_layers_total) for st in plan.pipeline.stages]
     est = estimate(plan, H100)
     r = est.breakdown["time"]["critical_pp_rank"]
-    assert est.breakdown["time"]["ep_comm_s"] == pytest.approx((4 * one + counts) * blocks[r] * plan.pipeline.micro_batches)
-    assert 0 < counts < 0.2 * one  # a latency: 26 us against a dispatch's 162
+    want = (2 * dispatch + 2 * combine + counts) * blocks[r] * plan.pipeline.micro_batches
+    assert est.breakdown["time"]["ep_comm_s"] == pytest.approx(want)
+    assert 0 < counts < 0.2 * combine  # a latency: 26 us against a combine's 152
 
 
 def test_the_search_spreads_experts_only_where_the_runtime_can():
@@ -133,6 +138,22 @@ def test_expert_parallel_plans_the_runtime_cannot_run_are_one_line(tmp_path, cap
     assert len(lines) == 1 and "mesh.ep: 2: the runtime spreads experts under ZeRO 1-3" in lines[0], lines
 
 
+def test_a_token_goes_once_to_each_rank_holding_its_experts():
+    """planner.moe.ranks_per_token, the ranks a token's k experts sit on (experts / ep consecutive
+    ones a rank), against tokens routed to k distinct experts drawn uniformly: within 1% of 20,000
+    tokens' count, k where a rank holds one expert, 1 with one rank."""
+    from planner.moe import MoESpec, ranks_per_token
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    for n, k, ep in ((8, 2, 8), (8, 2, 4), (128, 8, 8), (64, 6, 16), (4, 2, 2), (16, 4, 1)):
+        m = dataclasses.replace(ZOO["mixtral-8x7b"], moe=MoESpec(n, k))
+        chosen = torch.rand(20000, n, generator=gen).topk(k, dim=1).indices
+        hit = torch.zeros(20000, ep, dtype=torch.bool).scatter(1, chosen // (n // ep), True)
+        assert ranks_per_token(m, ep) == pytest.approx(hit.sum(1).double().mean().item(), rel=0.01), (n, k, ep)
+    assert ranks_per_token(ZOO["mixtral-8x7b"], 8) == pytest.approx(2.0) and ranks_per_token(ZOO["mixtral-8x7b"], 1) == 1.0
+    assert ranks_per_token(ZOO["qwen3-30b-a3b"], 8) == pytest.approx(5.34, abs=0.005)
+
+
 def test_the_busiest_expert_paces_its_ep_group(tmp_path):
     """training.moe_load_factor (the busiest expert's rows over the mean): under expert parallelism
     the rank holding it computes, keeps and exchanges that many more rows (its other experts at the
@@ -147,7 +168,7 @@ def test_the_busiest_expert_paces_its_ep_group(tmp_path):
         a, b = (layer_cost(p, H100, 1, p.pipeline.stages[0], [0, 1]) for p in (even, busy))
         g = m.block_gemms(1, 4096, 2)[2:4]  # the experts' products on a TP rank
         assert b.fwd_compute_s - a.fwd_compute_s > 0.25 * sum(2.0 * c * M * N * K for c, M, N, K in g) / 989e12
-        counts = H100.collective_time("all_to_all", 8 * m.moe.experts, even.mesh.expert_group(pp=0, dp=0, tp=0))
+        counts = H100.collective_time("all_to_all", 8 * 4, even.mesh.expert_group(pp=0, dp=0, tp=0))
         assert b.fwd_ep_s - counts == pytest.approx(1.25 * (a.fwd_ep_s - counts))  # dispatch and combine
         kept = 0.25 * 4096 * 2 * (2 * m.hidden + 4 * 2 * m.ffn_hidden / 2)  # rows read, SwiGLU's four, bf16
         got = (b.replay_bytes - a.replay_bytes) if rec == "full" else (b.activation_bytes - a.activation_bytes)
