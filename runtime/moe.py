@@ -191,9 +191,10 @@ class MoEFeedForward(nn.Module):
         payload = torch.cat([flat[token], scale.view(t, ep, per)[token, rank], chosen.view(t, ep, per)[token, rank]], 1)
         got = all_to_all_single(flat.new_empty(sum(recv_n), h + 2 * per), payload, recv_n, send_n, group)
         x, w, mine = got.split([h, per, per], dim=1)
-        rows = [m.nonzero().squeeze(1) for m in mine.T]  # the rows received for each of my experts
-        outs = [self.experts[str(first + j)](x[r], 1.0 / ep) * w[r, j:j + 1] for j, r in enumerate(rows)]
-        summed = torch.zeros_like(x).index_add_(0, torch.cat(rows), torch.cat(outs))
+        expert, row = mine.T.nonzero(as_tuple=True)  # the rows received for each of my experts, in turn
+        runs = x[row].split(torch.bincount(expert, minlength=per).tolist())  # one gather: one backward scatter
+        out = torch.cat([self.experts[str(first + j)](r, 1.0 / ep) for j, r in enumerate(runs)])
+        summed = torch.zeros_like(x).index_add_(0, row, out * w[row, expert].unsqueeze(-1))
         back = all_to_all_single(flat.new_empty(len(token), h), summed, send_n, recv_n, group)
         return torch.zeros_like(flat).index_add_(0, token, back)
 
