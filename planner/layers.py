@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from planner.cluster import ClusterSpec
 from planner.comm import ASYNC_TP_HIDDEN, cp_comm, regathers, tp_comm
 from planner.model import ModelConfig
-from planner.moe import expert_load_costs, expert_parallel_comm, ffn_params, held_experts
+from planner.moe import dispatch_bytes, expert_load_costs, expert_parallel_comm, ffn_params, held_experts
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
 from planner.precision import GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, casts_weights, runtime_held_bytes
@@ -108,7 +108,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     attn_drop = t.attention_dropout_p > 0
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
                                    t.attention, autocast=casts_weights(t, dp), attention_dropout=attn_drop,
-                                   draws=(tp if sp else 1) * cp)
+                                   draws=(tp if sp else 1) * cp, ep=plan.mesh.ep)
     again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, again)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
@@ -136,6 +136,13 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     # an MoE block's busiest EP rank computes more rows than the mean (training.moe_load_factor)
     load_f, load_b, load_w, load_kept = expert_load_costs(plan, kind, b, s, e, lambda *g: gemm_time(*g, e, grate, bw),
                                                           cluster.device.pointwise_seconds)
+    if kind == "block" and t.elementwise_kernels == "eager":
+        # the runtime's expert-parallel exchange keeps the sums it gets back (planner.moe.dispatch_bytes)
+        # and scales each expert's weight gradients by 1 / ep, a pass over them (runtime.moe); fused
+        # kernels price a framework's exchange, as its permutation (planner.pointwise.fused_bytes)
+        load_kept += b * s * dispatch_bytes(m, e, plan.mesh.ep)[2]
+        load_w += cluster.device.pointwise_seconds(2 * e * experts)
+        load_b += cluster.device.pointwise_seconds(2 * e * experts)
     fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s + load_f, mm_b + el_b + accumulate + repeat_s + load_b
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.

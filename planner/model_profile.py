@@ -303,7 +303,8 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
                 dpm = dict(dpm, optimizer_s=max(0.0, dpm["optimizer_s"] + more / cluster.device.memory_bytes_per_s))
     # the measured step of the layer's parameters, of those the rank holds under expert parallelism
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s * params / (fit.param_bytes / DTYPES[profile.param_dtype])
-    if t.dropout > 0 or t.attention_dropout_p > 0 or t.document_mask or t.moe_load_factor != 1:  # measured without
+    # measured without any of these
+    if t.dropout > 0 or t.attention_dropout_p > 0 or t.document_mask or t.moe_load_factor != 1 or plan.mesh.ep > 1:
         fwd, bwd, act, replay = (x + d for x, d in zip((fwd, bwd, act, replay), unmeasured_delta(plan, cluster, index,
                                                                                                     stage, tp_ranks)))
     wshare = 0.0
@@ -316,13 +317,18 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
 
 
 def unmeasured_delta(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list) -> tuple:
-    """(forward s, backward s, kept bytes, replay bytes) the plan's dropout, document mask and MoE
-    load factor (its busiest expert's rows beyond the mean) add to a layer, as the analytic model
-    prices them (planner.layers.layer_cost with and without): a model profile is measured without
-    any (runtime.profile_model; random weights route about evenly)."""
+    """(forward s, backward s, kept bytes, replay bytes) the plan's dropout, document mask, MoE
+    load factor (its busiest expert's rows beyond the mean) and expert parallelism's local copies
+    (planner.moe.dispatch_bytes) add to a layer, as the analytic model prices them
+    (planner.layers.layer_cost with and without): a model profile is measured without any
+    (runtime.profile_model; random weights route about evenly)."""
+    from types import SimpleNamespace
     from planner.layers import layer_cost
-    plain = dataclasses.replace(plan, training=dataclasses.replace(plan.training, dropout=0.0, attention_dropout=0.0,
-                                                                   document_mask=False, moe_load_factor=1.0))
+    without = dict(training=dataclasses.replace(plan.training, dropout=0.0, attention_dropout=0.0, document_mask=False,
+                                                moe_load_factor=1.0), mesh=dataclasses.replace(plan.mesh, ep=1))
+    # a Plan, or the search's stand-in for one (planner.search.Ctx.layers)
+    plain = (dataclasses.replace(plan, **without) if dataclasses.is_dataclass(plan)
+             else SimpleNamespace(**{**vars(plan), **without}))
     a, b = layer_cost(plan, cluster, index, stage, tp_ranks), layer_cost(plain, cluster, index, stage, tp_ranks)
     return (a.fwd_compute_s - b.fwd_compute_s, a.bwd_compute_s - b.bwd_compute_s,
             a.activation_bytes - b.activation_bytes, a.replay_bytes - b.replay_bytes)

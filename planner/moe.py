@@ -36,7 +36,8 @@ How the planner prices one (this module, used by planner.model and planner.point
 - the router and the shared expert's gate are replicated on the TP ranks, like the norms;
 - the eager operations that route (the router's float32 softmax, the top-k, the gather of each
   token's rows for its experts and the weighted scatter back) as the runtime's block runs them
-  (routing_bytes), what it keeps for the backward as it keeps it (activation_parts).
+  (routing_bytes), under expert parallelism with its exchange's local copies (dispatch_bytes),
+  what it keeps for the backward as it keeps it (activation_parts).
 """
 from __future__ import annotations
 
@@ -219,6 +220,28 @@ def ranks_per_token(m, ep: int) -> float:
     from math import comb
     n, k = m.moe.experts, m.moe.experts_per_token
     return ep * (1.0 - comb(n - n // ep, k) / comb(n, k))
+
+
+def dispatch_bytes(m, e: int, ep: int, ranks: float | None = None) -> tuple[float, float, float]:
+    """(forward, backward, kept) bytes per token the runtime's expert-parallel exchange moves, and
+    keeps for the backward, on a rank beyond routing_bytes and activation_parts (runtime.moe.MoEFeedForward._expert_parallel; the all-to-alls themselves
+    are communication: expert_parallel_comm), r the ranks a token reaches (`ranks`, else
+    ranks_per_token), p = experts / ep: forward, the token's r rows gathered (2 r h e) with their
+    p weights and choices (4 r p e) and concatenated (2 r (h + 2 p) e), the receiver's zeroed sums
+    (r h e) and its index-add over r rows a token where one process adds into one (2 (r - 1) h e),
+    the sender's index-add of the r sums into the token ((2 + r) h e): 8 r (h + p) e. Backward: the
+    gather's scatter into zeros ((3 + r) h e), the split's concatenation (2 r (h + 2 p) e), the
+    sender's index-add's gather (2 r h e), the experts' rows gathered from r rows a token where one
+    process gathers from one (3 (r - 1) h e): (8 r h + 4 r p) e. A few bytes a token per expert
+    (the choices' scatters, nonzero) are left out. Kept: the r sums received back, which the
+    sender's index-add keeps (autograd keeps an index-add's source), and their token indices
+    (int64, in one storage with their ranks': nonzero's): r (h e + 16). Zeros without expert
+    parallelism."""
+    if m.moe is None or (ep == 1 and ranks is None):
+        return 0.0, 0.0, 0.0
+    r = ranks_per_token(m, ep) if ranks is None else ranks
+    p, h = m.moe.experts // ep, m.hidden
+    return 8 * r * (h + p) * e, (8 * r * h + 4 * r * p) * e, r * (h * e + 16)
 
 
 def expert_parallel_comm(cluster, plan, kind: str, recompute: str, tp_ranks) -> tuple[float, float]:

@@ -191,8 +191,9 @@ def test_the_busiest_expert_paces_its_ep_group(tmp_path):
 def test_the_search_spreads_experts_less_the_busier_its_busiest():
     """The search weighs the busiest expert's rank: Mixtral 8x7B at tp 2 x pp 4 x dp 8 (ZeRO 1,
     selective recomputation, 1F1B) spreads its experts over 4 ranks where routing is balanced or
-    1.2x, over 2 at 1.5x (a rank's second expert at the mean), not at all at 2x; where it spreads
-    them the plan is the fastest of the degrees as the estimate prices them."""
+    1.2x, not at all at 1.5x or 2x (at 1.5x: 3.75 s without, 3.87 s over 2 ranks, their second
+    expert at the mean, 3.88 s over 4); where it spreads them the plan is the fastest of the degrees
+    as the estimate prices them."""
     from planner.search import SearchSpace, search
     space = SearchSpace(tp=(2,), pp=(4,), micro_batch=(1,), schedules=("1f1b",), zero=(1,), zero_per_stage=False,
                         recompute=("selective",), recompute_granularity="plan", sequence_parallel=(True,),
@@ -206,4 +207,4 @@ def test_the_search_spreads_experts_less_the_busier_its_busiest():
             p = dataclasses.replace(best.plan, mesh=dataclasses.replace(best.plan.mesh, ep=ep)).validate()
             est = estimate(p, H100.with_nodes(8))
             assert not est.fits or est.step_time_s >= best.estimate.step_time_s * (1 - 1e-12)
-    assert picked == {1.0: 4, 1.2: 4, 1.5: 2, 2.0: 1}
+    assert picked == {1.0: 4, 1.2: 4, 1.5: 1, 2.0: 1}

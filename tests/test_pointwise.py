@@ -22,7 +22,7 @@ FLOPS_OPS = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu"
 # operations that read one entry per row of an input, not the whole of it: their outputs only
 PARTIAL_READS = {"nll_loss_forward", "nll_loss_backward", "gather"}
 # operations that update one entry per row of a tensor in place: a few bytes per row; allocations
-NO_TRAFFIC = {"scatter_add_", "empty", "empty_like"}
+NO_TRAFFIC = {"scatter_add_", "empty", "empty_like", "new_empty"}
 # in-place random fills: they write the tensor and read nothing of it
 WRITE_ONLY = {"bernoulli_", "zeros_like", "new_zeros"}
 # operations that read as much of their input as they write (the rows they select)
