@@ -108,7 +108,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     attn_drop = t.attention_dropout_p > 0
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
                                    t.attention, autocast=casts_weights(t, dp), attention_dropout=attn_drop,
-                                   draws=(tp if sp else 1) * cp, ep=plan.mesh.ep)
+                                   draws=(tp if sp else 1) * cp)
     again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, again)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
@@ -137,12 +137,16 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     load_f, load_b, load_w, load_kept = expert_load_costs(plan, kind, b, s, e, lambda *g: gemm_time(*g, e, grate, bw),
                                                           cluster.device.pointwise_seconds)
     if kind == "block" and t.elementwise_kernels == "eager":
-        # the runtime's expert-parallel exchange keeps the sums it gets back (planner.moe.dispatch_bytes)
-        # and scales each expert's weight gradients by 1 / ep, a pass over them (runtime.moe); fused
-        # kernels price a framework's exchange, as its permutation (planner.pointwise.fused_bytes)
-        load_kept += b * s * dispatch_bytes(m, e, plan.mesh.ep)[2]
-        load_w += cluster.device.pointwise_seconds(2 * e * experts)
-        load_b += cluster.device.pointwise_seconds(2 * e * experts)
+        # the runtime's expert-parallel exchange: its local copies, the sums it gets back kept
+        # (planner.moe.dispatch_bytes), and each expert's weight gradients scaled by 1 / ep, a pass
+        # over them (runtime.moe); fused kernels price a framework's exchange, as its permutation
+        # (planner.pointwise.fused_bytes)
+        moved_f, moved_b, kept = (b * s * x for x in dispatch_bytes(m, e, plan.mesh.ep))
+        scaled = cluster.device.pointwise_seconds(2 * e * experts)
+        load_f += cluster.device.pointwise_seconds(moved_f)
+        load_b += cluster.device.pointwise_seconds(moved_b) + scaled
+        load_w += scaled
+        load_kept += kept
     fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s + load_f, mm_b + el_b + accumulate + repeat_s + load_b
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.

@@ -224,8 +224,9 @@ def ranks_per_token(m, ep: int) -> float:
 
 def dispatch_bytes(m, e: int, ep: int, ranks: float | None = None) -> tuple[float, float, float]:
     """(forward, backward, kept) bytes per token the runtime's expert-parallel exchange moves, and
-    keeps for the backward, on a rank beyond routing_bytes and activation_parts (runtime.moe.MoEFeedForward._expert_parallel; the all-to-alls themselves
-    are communication: expert_parallel_comm), r the ranks a token reaches (`ranks`, else
+    keeps for the backward, on a rank beyond routing_bytes and activation_parts
+    (runtime.moe.MoEFeedForward._expert_parallel; the all-to-alls themselves are communication:
+    expert_parallel_comm; planner.layers.layer_cost prices it), r the ranks a token reaches (`ranks`, else
     ranks_per_token), p = experts / ep: forward, the token's r rows gathered (2 r h e) with their
     p weights and choices (4 r p e) and concatenated (2 r (h + 2 p) e), the receiver's zeroed sums
     (r h e) and its index-add over r rows a token where one process adds into one (2 (r - 1) h e),

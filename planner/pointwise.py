@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from planner.model import ModelConfig
-from planner.moe import dispatch_bytes, ffn_width, routing_bytes
+from planner.moe import ffn_width, routing_bytes
 
 ELEMENTWISE_KERNELS = ("eager", "fused")
 BWD_ELEMENTWISE_FACTOR = 1.5  # fused: backward of a memory-bound op moves 3 tensors to the forward's 2
@@ -94,10 +94,9 @@ def eager_dropout_bytes(e: int, draws: float) -> tuple[float, float]:
 
 def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
                 dropout: bool, attention: str, autocast: bool = False, attention_dropout: bool | None = None,
-                draws: float = 1.0, ep: int = 1) -> tuple[float, float]:
+                draws: float = 1.0) -> tuple[float, float]:
     """(forward, backward) bytes of the runtime's eager operations (module doc); `autocast`: float32
-    weights under bf16 autocast, the runtime without data parallelism (_autocast_stream); `ep`: an
-    MoE block's experts spread over that many ranks (planner.moe.dispatch_bytes). Dropout on
+    weights under bf16 autocast, the runtime without data parallelism (_autocast_stream). Dropout on
     the hidden states as eager_dropout_bytes counts it (`draws`); on the attention probabilities
     inside the fused kernel (nothing here) or, unfused, in the softmax's pass."""
     kind = model.layer_kind(index)
@@ -143,8 +142,6 @@ def eager_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
             rope_f, rope_b = rope_f + norm_f * (q + kv), rope_b + norm_b * (q + kv)
     soft = _softmax_bytes(model, b, s, e, dropout if attention_dropout is None else attention_dropout, attention) / tp
     route_f, route_b = routing_bytes(model, e) if model.moe is not None else (0.0, 0.0)  # whole on each TP rank
-    if ep > 1:  # the expert-parallel exchange's local copies
-        route_f, route_b = (x + y for x, y in zip((route_f, route_b), dispatch_bytes(model, e, ep)[:2]))
     fwd = tokens * (stream_f * h / rep + ffn_f + rope_f + route_f) + soft
     bwd = tokens * (stream_b * h / rep + fan_in + ffn_b + rope_b + bias + route_b) + BWD_ELEMENTWISE_FACTOR * soft
     return fwd, bwd
@@ -202,21 +199,20 @@ def conversion_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp
 
 
 def pointwise_bytes(kernels: str, *args, autocast: bool = False, attention_dropout: bool | None = None,
-                    draws: float = 1.0, ep: int = 1) -> tuple[float, float]:
-    """(forward, backward) bytes of one layer's memory-bound operations with `kernels` (`ep`: the
-    runtime's expert-parallel exchange, eager; fused kernels price a framework's permutation)."""
+                    draws: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) bytes of one layer's memory-bound operations with `kernels`."""
     if kernels == "eager":
-        return eager_bytes(*args, autocast=autocast, attention_dropout=attention_dropout, draws=draws, ep=ep)
+        return eager_bytes(*args, autocast=autocast, attention_dropout=attention_dropout, draws=draws)
     return fused_bytes(*args, attention_dropout=attention_dropout)
 
 
 def pointwise_seconds(device, kernels: str, model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool,
                       e: int, dropout: bool, attention: str, autocast: bool = False,
-                      attention_dropout: bool | None = None, draws: float = 1.0, ep: int = 1) -> tuple[float, float]:
+                      attention_dropout: bool | None = None, draws: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's memory-bound operations on `device`: eager
     kernels that convert dtypes at their measured bandwidth (conversion_bytes)."""
     total = pointwise_bytes(kernels, model, index, b, s, tp, sp, e, dropout, attention, autocast=autocast,
-                            attention_dropout=attention_dropout, draws=draws, ep=ep)
+                            attention_dropout=attention_dropout, draws=draws)
     conv = (conversion_bytes(model, index, b, s, tp, sp, e, autocast) if kernels == "eager"
             else ((0.0, 0.0), (0.0, 0.0)))
     return tuple(device.pointwise_seconds(t, *c) for t, c in zip(total, conv))

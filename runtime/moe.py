@@ -175,9 +175,9 @@ class MoEFeedForward(nn.Module):
         github.com/deepseek-ai/DeepEP, get_dispatch_layout's is_token_in_rank), with the weights
         of that rank's experts and which of them it chose (one all-to-all, torch.distributed.nn's,
         whose backward is the reverse exchange); the rank runs its experts on the rows chosen for
-        them and sends back each token's weighted sum of them, which the token's own rank adds up. The experts' weight gradients are scaled by 1 / ep: a
-        rank's experts compute the rows of all ep ranks, and FSDP2 averages them over the dp / ep
-        ranks holding the same experts only."""
+        them and sends back each token's weighted sum of them, which the token's own rank adds up.
+        The experts' weight gradients are scaled by 1 / ep: a rank's experts compute the rows of all
+        ep ranks, and FSDP2 averages them over the dp / ep ranks holding the same experts only."""
         from torch.distributed.nn.functional import all_to_all_single
         group, ep, first = self.ep
         t, h, per = flat.shape[0], flat.shape[1], self.n // ep
