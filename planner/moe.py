@@ -234,7 +234,8 @@ def dispatch_bytes(m, e: int, ep: int, ranks: float | None = None) -> tuple[floa
     gather's scatter into zeros ((3 + r) h e), the split's concatenation (2 r (h + 2 p) e), the
     sender's index-add's gather (2 r h e), the experts' rows gathered from r rows a token where one
     process gathers from one (3 (r - 1) h e): (8 r h + 4 r p) e. A few bytes a token per expert
-    (the choices' scatters, nonzero) are left out. Kept: the r sums received back, which the
+    (the choices' scatters, nonzero) and the int64 indices (about 35 bytes a row beyond a token's
+    first) are left out: traced at r = 1 to 3, tests/test_moe.py. Kept: the r sums received back, which the
     sender's index-add keeps (autograd keeps an index-add's source), and their token indices
     (int64, in one storage with their ranks': nonzero's): r (h e + 16). Zeros without expert
     parallelism."""

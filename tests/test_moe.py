@@ -202,20 +202,29 @@ def test_the_runtime_moe_block_keeps_and_moves_what_the_planner_counts(moe, dtyp
     assert all(0 <= g <= 250 * b * s for g in dense)  # the dense block's own gap: a few bytes a token
 
 
+@pytest.mark.parametrize("ep", [1, 2, 4])
 @pytest.mark.parametrize("moe", [MoESpec(8, 2), MoESpec(16, 4, 64)])
-def test_the_expert_parallel_exchange_moves_what_the_planner_counts(moe, monkeypatch):
+def test_the_expert_parallel_exchange_moves_what_the_planner_counts(moe, ep, monkeypatch):
     """runtime.moe's expert-parallel path (each token to the ranks of its experts, their weighted
-    sums back) run on one rank holding every expert, its all-to-alls views (communication, priced
-    apart): the bytes its memory-bound operations move beyond the single-process block's, traced,
-    against planner.moe.dispatch_bytes at one rank a token (its few bytes per expert a token left
-    out), and what it keeps for the backward beyond the block's: the sums received back; its
-    backward also scales each expert's weight gradients (by 1 / ep: a pass over them)."""
+    sums back) run on one process as rank 0 of `ep`, its all-to-alls views (communication, priced
+    apart): it sends each token to r of the ep ranks and receives those rows back as its own, so
+    it moves what a rank of a balanced group moves, its experts computing the rows of all ep ranks'
+    (as many rows in all). The bytes its memory-bound operations move beyond the single-process
+    block's, traced, against planner.moe.dispatch_bytes at the r of its routing (the int64
+    indices, about 35 bytes a row beyond the first, and a few bytes a token per expert left out),
+    and what it keeps for the backward beyond the block's, exactly: the sums received back; its
+    backward also scales its experts' weight gradients (by 1 / ep: a pass over them)."""
     import torch.distributed.nn.functional as dist_nn
     from runtime import moe as runtime_moe
     from runtime.model import Block, rope_tables
     from test_pointwise import _gpu_norms, _kept_bytes, _small, _traced
     from planner.moe import dispatch_bytes
-    monkeypatch.setattr(runtime_moe.dist, "all_to_all_single", lambda out, inp, group=None: out.copy_(inp))
+    sent = []  # the rows each exchange of counts announces
+
+    def counts(out, inp, group=None):
+        sent.append(int(inp.sum()))
+        return out.copy_(inp)
+    monkeypatch.setattr(runtime_moe.dist, "all_to_all_single", counts)
     monkeypatch.setattr(dist_nn, "all_to_all_single", lambda out, inp, out_splits, in_splits, group: inp.view_as(inp))
     cfg, dtype, b, s = _small("llama3-8b", moe=moe), torch.bfloat16, 8, 32
     cos, sin = rope_tables(cfg)
@@ -224,16 +233,19 @@ def test_the_expert_parallel_exchange_moves_what_the_planner_counts(moe, monkeyp
         torch.manual_seed(0)
         block = _gpu_norms(Block(cfg).to(dtype), cfg, dtype)
         if spread:
-            block.feed_forward.ep = (None, 1, 0)
+            block.feed_forward.ep = (None, ep, 0)
         x = torch.randn(b, s, cfg.hidden, dtype=dtype, requires_grad=True)
         got.append((_kept_bytes(block, x, cos, sin), *_traced(lambda t: block(t, cos, sin), x)))
     (kept0, f0, b0), (kept1, f1, b1) = got
-    want_f, want_b, want_kept = dispatch_bytes(cfg, 2, 1, ranks=1.0)
     tokens = b * s
+    r = sent[-1] / tokens
+    assert (r == 1) == (ep == 1) and 1 <= r <= min(ep, moe.experts_per_token)
+    want_f, want_b, want_kept = dispatch_bytes(cfg, 2, ep, ranks=r)
     assert kept1 - kept0 == want_kept * tokens
-    assert abs((f1 - f0) / tokens - want_f) <= 24 * moe.experts, ((f1 - f0) / tokens, want_f)
-    scaled = 2 * 2 * moe.experts * 3 * cfg.hidden * cfg.ffn_hidden  # each expert's weight gradients times 1 / ep
-    assert abs((b1 - b0 - scaled) / tokens - want_b) <= 24 * moe.experts, ((b1 - b0 - scaled) / tokens, want_b)
+    left_out = 24 * moe.experts + 40 * (r - 1)
+    assert 0 <= (f1 - f0) / tokens - want_f <= left_out, ((f1 - f0) / tokens, want_f)
+    scaled = 2 * 2 * moe.experts // ep * 3 * cfg.hidden * cfg.ffn_hidden  # its experts' weight gradients times 1 / ep
+    assert 0 <= (b1 - b0 - scaled) / tokens - want_b <= left_out, ((b1 - b0 - scaled) / tokens, want_b)
 
 
 def test_moe_plans_train_like_one_process_and_fit_their_prediction(tmp_path):
