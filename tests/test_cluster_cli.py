@@ -91,6 +91,38 @@ def test_show_lists_the_device_the_links_and_every_collective(capsys):
         assert op in out
 
 
+SHIPPED = sorted(PROFILE_DIR.glob("*.json"))
+
+
+def _numbers(d, path=()):
+    """The dotted paths of a profile's figures (every number, a curve as one)."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _numbers(v, path + (k,))
+        elif not isinstance(v, str):
+            yield ".".join(path + (k,))
+
+
+@pytest.mark.parametrize("profile", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_figure_has_its_source_and_prices_a_plan(profile, capsys):
+    """Each number of a shipped hardware profile is named in its `sources` (its own path, a path
+    above it, or a pattern with *), the profile loads, and a plan is priced on it."""
+    from fnmatch import fnmatch
+    d = json.loads(profile.read_text())
+    keys = list(d["sources"])
+    figures = list(_numbers({k: v for k, v in d.items() if k not in ("sources", "format_version")}))
+    assert len(figures) > 30  # the device, the tiers, two tiers of five collectives
+    unsourced = [f for f in figures if not any(f == k or f.startswith(k + ".") or fnmatch(f, k) or fnmatch(f, k + ".*")
+                                               for k in keys)]
+    assert not unsourced, unsourced
+    assert all(len(d["sources"][k]) > 40 for k in keys)
+    cluster = load_cluster(profile.stem, nodes=2)
+    assert cluster.device.memory_bytes > 40 * GiB and d["name"] == profile.stem
+    assert main(["plan", "--model", "llama3-8b", "--cluster", profile.stem, "--nodes", "2", "--global-batch", "32",
+                 "--micro-batch", "1", "--tp", "2", "--pp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"]
+
+
 @pytest.mark.parametrize("argv, field", [
     (["cluster", "derive", "dgx-h100-80gb", "-o", "{tmp}/x.json"], "nothing to change"),
     (["cluster", "derive", "dgx-h100-80gb", "--devices-per-node", "16", "-o", "{tmp}/x.json"], "--devices-per-node"),
