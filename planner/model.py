@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 ARCHS = ("gpt", "llama")
 RECOMPUTE_MODES = ("none", "selective", "full")
-# flash: FlashAttention-2 (what torch's scaled_dot_product_attention runs on GPUs); flash-triton:
+# flash: the fused kernel torch's scaled_dot_product_attention runs on GPUs: FlashAttention-2, or
+# cuDNN's, which it tries first on Hopper and Blackwell with a cuDNN newer than 9.15 (the recorded
+# H200 run's trace: aten::_cudnn_attention_forward); a profile's curve says which it rates; flash-triton:
 # the Triton FlashAttention kernel (flash_attn_triton, MosaicML's MPT attn_impl "triton"), the
 # same algorithm and memory, its own speed (slightly below FlashAttention 1's, by its author's
 # note); unfused: the softmax materialized (before FlashAttention)
