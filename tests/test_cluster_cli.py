@@ -118,7 +118,7 @@ def test_every_shipped_figure_has_its_source_and_prices_a_plan(profile, capsys):
     assert all(len(d["sources"][k]) > 40 for k in keys)
     cluster = load_cluster(profile.stem, nodes=2)
     assert cluster.device.memory_bytes > 40 * GiB and d["name"] == profile.stem
-    assert main(["plan", "--model", "llama3-8b", "--cluster", profile.stem, "--nodes", "2", "--global-batch", "32",
+    assert main(["plan", "--model", "llama3-8b", "--cluster", profile.stem, "--nodes", "2", "--global-batch", "288",
                  "--micro-batch", "1", "--tp", "2", "--pp", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits"]
 
