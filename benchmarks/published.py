@@ -86,7 +86,12 @@ MOE_CSV = ROOT / "benchmarks" / "heldout_moe.csv"
 # distributed/parallelizer.py there: every decoder layer but the last resharded after forward
 # (ZeRO 3), each layer's attention and MLP checkpointed (their forwards replayed: priced as full
 # recomputation), torch.compile fusing the elementwise kernels. Its TFLOP/s column counts FLOPs
-# its own way: the step time is compared.
+# its own way: the step time is compared. Qwen3 MoE 30B (Qwen3-30B-A3B) on one DGX H100: global batch
+# 512, micro-batch 4, 4096 tokens, EP 8 x FSDP 8, 21.773 s; its recipe at that commit
+# (examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml): activation_checkpointing (priced as full
+# recomputation), TransformerEngine attention, linear and RMSNorm kernels with fused RoPE (fused
+# elementwise kernels), grouped-GEMM experts, DeepEP's dispatcher, fake_balanced_gate: true (the
+# balanced routing trident prices by default).
 NEMO_AUTOMODEL_CSV = ROOT / "benchmarks" / "heldout_nemo_automodel.csv"
 # BigScience's BLOOM (github.com/bigscience-workshop/bigscience at 9e64ede, train/tr11-176B-ml/):
 # every "Sec/it" row of chronicles-prequel.md with NHIDDEN 14336 and 64 heads (February 2022,
@@ -213,7 +218,8 @@ def row_model(row) -> ModelConfig:
     moe = MoESpec(int(row["experts"]), int(row["experts_per_token"])) if row.get("experts") else None
     return ModelConfig(name=row["model"], arch=arch, layers=int(row["layers"]), hidden=int(row["hidden"]),
                        ffn_hidden=int(row["ffn_hidden"]), heads=int(row["heads"]), kv_heads=int(row["kv_heads"]),
-                       vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), tie_embeddings=(arch == "gpt"), moe=moe)
+                       vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), tie_embeddings=(arch == "gpt"), moe=moe,
+                       head_dim=int(row["head_dim"]) if row.get("head_dim") else None, qk_norm=row.get("qk_norm") == "true")
 
 
 def candidates(row, model, gpus, framework: bool = True):
