@@ -9,7 +9,8 @@ give the same loss and gradients bit for bit, and how many all-gathers of kept s
 backward (zbv's I, then W: torch.distributed.pipelining's stage_backward_input and _weight) of
 two blocks runs in each part and the C heap each of three such passes leaves behind, and how runtime.optim.reduce_partial_grads makes the norms' partial
 gradients whole (with Qwen3's q and k norms): how many, in how many all-reduces, whether they
-equal DTensor's own reduction of each, and how far every gradient is from one process's."""
+equal DTensor's own reduction of each, and how far every gradient is from one process's; and the
+same with the norms run as CUDA runs them (fused_norms)."""
 import contextlib
 import dataclasses
 import gc
@@ -74,7 +75,8 @@ def measure(rank: int) -> dict:
                 p.grad = None
     return {f"{'shard' if keep else 'gathered'}{'-bf16' if amp else ''}": min(v)
             for (keep, amp), v in kept.items()} | {"same": same, "split_gathers": split_gathers(mesh),
-                                                   "partial_grads": partial_grads(mesh)}
+                                                   "partial_grads": partial_grads(mesh),
+                                                   "fused_norms": fused_norms(mesh)}
 
 
 def split_gathers(mesh) -> dict:
@@ -142,6 +144,34 @@ def partial_grads(mesh) -> dict:
                 for p, q in zip(params, one.parameters()))
     return {"partial": len(partial), "numel": sum(p.numel() for p in partial), "all_reduces": calls[0], "whole": same,
             "left": sum(any(pl.is_partial() for pl in p.grad.placements) for p in params), "vs_one": worst}
+
+
+def fused_norms(mesh) -> dict:
+    """The same model's step with every RMSNorm run as aten._fused_rms_norm, the kernel F.rms_norm
+    dispatches to on CUDA (on CPU it decomposes), so through DTensor's sharding rules for that op
+    and its backward (the SP norms' sequence shards, the q and k norms' heads): how many norms
+    took it, and how far its loss and gradients are from the decomposed ones'."""
+    import torch.nn.functional as F
+    cfg = dataclasses.replace(ZOO["tiny"], qk_norm=True)
+    ids = torch.randint(0, cfg.vocab, (2, SEQ + 1), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        chunk = build(True, mesh, cfg=cfg)
+        loss = cross_entropy(chunk(ids[:, :-1]), ids[:, 1:], mesh.get_group(), mesh.get_local_rank())
+        loss.backward()
+        return loss.item(), [p.grad.full_tensor() for p in chunk.parameters()]
+    decomposed, calls, rms_norm = run(), [0], F.rms_norm
+
+    def fused(x, shape, weight=None, eps=None):
+        calls[0] += 1
+        return torch.ops.aten._fused_rms_norm(x, list(shape), weight, eps)[0]
+    F.rms_norm = fused
+    try:
+        got = run()
+    finally:
+        F.rms_norm = rms_norm
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got[1], decomposed[1]))
+    return {"calls": calls[0], "loss": abs(got[0] - decomposed[0]), "worst": worst}
 
 
 def main():

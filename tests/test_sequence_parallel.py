@@ -113,7 +113,7 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
     backward (zbv) gathers each kept input once in I and once in W, and leaves nothing behind (the
     saved outputs W does not read stayed with their autograd nodes, 862 KB of two blocks a pass:
     runtime.sp_shard detaches what it saves as is); the norms' partial gradients are made whole in
-    one all-reduce."""
+    one all-reduce; the norms run as CUDA runs them (aten._fused_rms_norm) give the same step."""
     from planner.layers import layer_params_on_device, partial_grad_params, replicated_params
     if HEAP_READER is None:
         pytest.skip("the C library does not report its heap here")
@@ -141,6 +141,10 @@ def test_the_runtime_keeps_shards_and_computes_the_same():
                       micro_batch=2, seq_len=s, tp=2, sequence_parallel=True)
     grads = got["partial_grads"]
     assert grads.pop("vs_one") < 1e-5
+    # every norm (2 a block, q and k's, the final one) run as CUDA runs it, aten._fused_rms_norm through
+    # DTensor's rules for it: the loss and gradients of the decomposed norms (bit for bit here)
+    fused = got["fused_norms"]
+    assert fused["calls"] == 4 * cfg.layers + 1 and fused["loss"] < 1e-6 and fused["worst"] < 1e-6, fused
     assert grads == {"partial": 4 * cfg.layers + 1, "numel": partial_grad_params(plan, 0), "all_reduces": 1,
                      "whole": True, "left": 0}
     counted = {}
