@@ -140,10 +140,10 @@ def eager_bandwidth() -> dict:
 
 
 def shipped_for(name: str):
-    """The shipped hardware profile whose device is `name`'s GPU (GB200, B200, H200, H100, A100), else H200's."""
-    key = next((k for k in ("GB200", "B200", "H200", "H100", "A100") if k in name.upper()), "H200")
-    return {"GB200": "gb200-nvl72-186gb", "B200": "dgx-b200-180gb", "H200": "hgx-h200-141gb", "H100": "dgx-h100-80gb",
-            "A100": "dgx-a100-80gb"}[key]
+    """The shipped hardware profile whose device is `name`'s GPU (GB200, B300, B200, H200, H100, A100), else H200's."""
+    key = next((k for k in ("GB200", "B300", "B200", "H200", "H100", "A100") if k in name.upper()), "H200")
+    return {"GB200": "gb200-nvl72-186gb", "B300": "dgx-b300-288gb", "B200": "dgx-b200-180gb", "H200": "hgx-h200-141gb",
+            "H100": "dgx-h100-80gb", "A100": "dgx-a100-80gb"}[key]
 
 
 def measured_cluster(shipped: dict, measured: dict) -> dict:

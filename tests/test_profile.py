@@ -342,6 +342,7 @@ def test_the_gpu_check_builds_a_loadable_profile_from_a_measured_device(tmp_path
     gc = _gpu_check()
     assert gc.shipped_for("NVIDIA H100 80GB HBM3") == "dgx-h100-80gb" and gc.shipped_for("NVIDIA H200") == "hgx-h200-141gb"
     assert gc.shipped_for("NVIDIA B200") == "dgx-b200-180gb" and gc.shipped_for("NVIDIA GB200") == "gb200-nvl72-186gb"
+    assert gc.shipped_for("NVIDIA B300 SXM6 AC") == "dgx-b300-288gb"
     rates = {"bf16": 7.5e14, "fp16": 7.6e14, "fp32": 5.0e13}
     device = {"name": "NVIDIA H200", "memory_bytes": 150e9, "peak_flops": rates,
               "matmul_efficiency": {k: 0.9 for k in rates}, "memory_bandwidth_bytes_per_s": 4.2e12,
