@@ -25,8 +25,10 @@ activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 
 13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
 built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-Core's Mixtral
 8x7B with expert parallelism (heldout_moe.csv); and NeMo AutoModel's Llama 3 70B with context
-parallelism under FSDP2 (heldout_nemo_automodel.csv). Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a
-cluster trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
+parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv).
+Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a cluster
+trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
+tests/test_published.py runs every file and keeps each within the errors the README reports.
 
     python benchmarks/published.py [--csv PATH] [--heldout PATH ...] [--json]
 """

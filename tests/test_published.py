@@ -1,0 +1,61 @@
+"""benchmarks/published.py, issue 2's first measure, run by the suite: every published row it
+prices (the held-out files in benchmarks/, and shared/reference/published_runs.csv where it lies
+beside this clone) is predicted and fits, each file's error stays within the figures the README
+reports (a change that makes a set worse fails here; one that makes it better passes), and the
+command prints its table."""
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from torchrun_helpers import REPO
+
+_SPEC = importlib.util.spec_from_file_location("published", REPO / "benchmarks" / "published.py")
+published = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(published)
+
+# file: (MAPE, worst |error|) at most; measured at session 53 (README's accuracy table): 1.6% / 4.0%,
+# 7.0% / 25.1%, 8.2% / 10.7%, 1.1%, 20.5% / 23.1% (predicted fast: routing imbalance unpriced),
+# 6.1% / 6.9%; BLOOM's (on a cluster priced faster than it was) 19.4% / 34.4%
+CEILINGS = {
+    "heldout_runs.csv": (0.020, 0.045),
+    "heldout_mosaicml.csv": (0.075, 0.26),
+    "heldout_torchtitan.csv": (0.09, 0.115),
+    "heldout_llama3_cp.csv": (0.015, 0.015),
+    "heldout_moe.csv": (0.21, 0.235),
+    "heldout_nemo_automodel.csv": (0.065, 0.075),
+    "heldout_bloom.csv": (0.20, 0.35),
+}
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("name", sorted(CEILINGS))
+def test_every_held_out_row_is_predicted_within_what_the_readme_reports(name):
+    path = REPO / "benchmarks" / name
+    rows = _rows(path)
+    out = published.predict_rows(rows)
+    assert len(out) == len(rows) and all(r["error"] is not None and r["fits"] for r in out), name
+    mape, worst = published.summary(out)
+    assert mape <= CEILINGS[name][0] and worst <= CEILINGS[name][1], (name, mape, worst)
+
+
+def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
+    """The issue's 15 rows (target MAPE <= 5%, worst <= 12%; measured 6.6% and 21.1%, MT-NLG's three
+    rows 17.7-21.1% fast, the other 12 within 7.3%), where the shared reference lies beside this
+    clone; the command itself on a held-out file either way."""
+    assert published.main(["--csv", str(REPO / "benchmarks" / "heldout_torchtitan.csv"), "--no-heldout"]) == 0
+    assert "llama3-70b" in capsys.readouterr().out
+    if not published.DEFAULT_CSV.exists():
+        pytest.skip(f"{published.DEFAULT_CSV} is not beside this clone (the held-out files above ran)")
+    assert published.main(["--no-heldout", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    rows = got["rows"]
+    assert len(rows) == 15 and all(r["fits"] for r in rows)
+    assert got["mape"] <= 0.07 and got["worst"] <= 0.22, (got["mape"], got["worst"])
+    others = [abs(r["error"]) for r in rows if r["model"] != "mt-nlg-530b"]
+    assert len(others) == 12 and max(others) <= 0.08, max(others)
