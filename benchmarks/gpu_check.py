@@ -139,11 +139,14 @@ def eager_bandwidth() -> dict:
     return out
 
 
+# GPU name -> shipped profile, tried in this order ("GB200" names contain "B200")
+SHIPPED = {"GB200": "gb200-nvl72-186gb", "B300": "dgx-b300-288gb", "B200": "dgx-b200-180gb", "H200": "hgx-h200-141gb",
+           "H100": "dgx-h100-80gb", "A100": "dgx-a100-80gb"}
+
+
 def shipped_for(name: str):
-    """The shipped hardware profile whose device is `name`'s GPU (GB200, B300, B200, H200, H100, A100), else H200's."""
-    key = next((k for k in ("GB200", "B300", "B200", "H200", "H100", "A100") if k in name.upper()), "H200")
-    return {"GB200": "gb200-nvl72-186gb", "B300": "dgx-b300-288gb", "B200": "dgx-b200-180gb", "H200": "hgx-h200-141gb",
-            "H100": "dgx-h100-80gb", "A100": "dgx-a100-80gb"}[key]
+    """The shipped hardware profile whose device is `name`'s GPU (SHIPPED's first key in the name), else H200's."""
+    return next((v for k, v in SHIPPED.items() if k in name.upper()), SHIPPED["H200"])
 
 
 def measured_cluster(shipped: dict, measured: dict) -> dict:

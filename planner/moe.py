@@ -226,19 +226,19 @@ def dispatch_bytes(m, e: int, ep: int, ranks: float | None = None) -> tuple[floa
     """(forward, backward, kept) bytes per token the runtime's expert-parallel exchange moves, and
     keeps for the backward, on a rank beyond routing_bytes and activation_parts
     (runtime.moe.MoEFeedForward._expert_parallel; the all-to-alls themselves are communication:
-    expert_parallel_comm; planner.layers.layer_cost prices it), r the ranks a token reaches (`ranks`, else
-    ranks_per_token), p = experts / ep: forward, the token's r rows gathered (2 r h e) with their
-    p weights and choices (4 r p e) and concatenated (2 r (h + 2 p) e), the receiver's zeroed sums
-    (r h e) and its index-add over r rows a token where one process adds into one (2 (r - 1) h e),
-    the sender's index-add of the r sums into the token ((2 + r) h e): 8 r (h + p) e. Backward: the
-    gather's scatter into zeros ((3 + r) h e), the split's concatenation (2 r (h + 2 p) e), the
-    sender's index-add's gather (2 r h e), the experts' rows gathered from r rows a token where one
-    process gathers from one (3 (r - 1) h e): (8 r h + 4 r p) e. A few bytes a token per expert
-    (the choices' scatters, nonzero) and the int64 indices (about 35 bytes a row beyond a token's
-    first) are left out: traced at r = 1 to 3, tests/test_moe.py. Kept: the r sums received back, which the
-    sender's index-add keeps (autograd keeps an index-add's source), and their token indices
-    (int64, in one storage with their ranks': nonzero's): r (h e + 16). Zeros without expert
-    parallelism."""
+    expert_parallel_comm; planner.layers.layer_cost prices it), r the ranks a token reaches
+    (`ranks`, else ranks_per_token), p = experts / ep: forward, the token's r rows gathered
+    (2 r h e) with their p weights and choices (4 r p e) and concatenated (2 r (h + 2 p) e), the
+    receiver's zeroed sums (r h e) and its index-add over r rows a token where one process adds
+    into one (2 (r - 1) h e), the sender's index-add of the r sums into the token ((2 + r) h e):
+    8 r (h + p) e. Backward: the gather's scatter into zeros ((3 + r) h e), the split's
+    concatenation (2 r (h + 2 p) e), the sender's index-add's gather (2 r h e), the experts' rows
+    gathered from r rows a token where one process gathers from one (3 (r - 1) h e):
+    (8 r h + 4 r p) e. A few bytes a token per expert (the choices' scatters, nonzero) and the
+    int64 indices (about 35 bytes a row beyond a token's first) are left out: traced at r = 1 to
+    3, tests/test_moe.py. Kept: the r sums received back, which the sender's index-add keeps
+    (autograd keeps an index-add's source), and their token indices (int64, in one storage with
+    their ranks': nonzero's): r (h e + 16). Zeros without expert parallelism."""
     if m.moe is None or (ep == 1 and ranks is None):
         return 0.0, 0.0, 0.0
     r = ranks_per_token(m, ep) if ranks is None else ranks

@@ -9,8 +9,9 @@ are sorted by expert and each expert, a SwiGLU MLP of its own parameters (as Hug
 Mixtral holds them), multiplies its contiguous run: a loop over the experts. (torch 2.13's
 torch._grouped_mm runs on CPU too, but stacking the experts' weights for it each forward made the
 tiny MoE blocks slower here, 51-52 against 44-46 ms; weights held stacked [experts, ...] would, in
-a loop, make the backward hold every expert's gradient twice while it stacks them.) With a shared expert (Qwen2-MoE) every token also goes through one SwiGLU MLP scaled by a
-sigmoid gate. Routing is dropless: an expert takes every row sent to it.
+a loop, make the backward hold every expert's gradient twice while it stacks them.) With a shared
+expert (Qwen2-MoE) every token also goes through one SwiGLU MLP scaled by a sigmoid gate. Routing
+is dropless: an expert takes every row sent to it.
 
 Load balancing (training.moe_aux_loss, attach_routing): each block adds alpha (n / k) sum_i f_i P_i
 to the loss, f_i the share of the micro-batch's tokens routed to expert i, P_i its mean router
