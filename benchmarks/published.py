@@ -24,8 +24,9 @@ MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3), bf16, 
 activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 runs of Llama 2
 13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
 built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-Core's Mixtral
-8x7B with expert parallelism (heldout_moe.csv); and NeMo AutoModel's Llama 3 70B with context
-parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv).
+8x7B with expert parallelism (heldout_moe.csv); NeMo AutoModel's Llama 3 70B with context
+parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv); and
+FP8 runs of Megatron-Bridge (H100, B200, GB200) and torchtitan (H200) (heldout_fp8.csv).
 Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a cluster
 trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 tests/test_published.py runs every file and keeps each within the errors the README reports.
@@ -95,6 +96,28 @@ MOE_CSV = ROOT / "benchmarks" / "heldout_moe.csv"
 # elementwise kernels), grouped-GEMM experts, DeepEP's dispatcher, fake_balanced_gate: true (the
 # balanced routing trident prices by default).
 NEMO_AUTOMODEL_CSV = ROOT / "benchmarks" / "heldout_nemo_automodel.csv"
+# FP8 runs (planner.fp8; heldout_fp8.csv). Megatron-Bridge's pre-training tables (docs/performance-
+# summary-archive.md of github.com/NVIDIA-NeMo/Megatron-Bridge at 067f987df, lines 106, 204-217,
+# 578-591, 628): Llama 3 8B, 70B and 3.1 405B on DGX H100, DGX B200 and GB200 NVL72, degrees, GBS
+# and MBS as printed, step time = GBS x 8192 / (tokens/s/GPU x GPUs); the latest release of each H100
+# configuration, the only B200 one (25.11), and 26.04.01's GB200 rows but its 70B FP8 one (it
+# offloads 40 layers' activations to the CPU, unpriced), a rack giving 64 of its 72 GPUs to a run
+# (the devices_per_node column: inferred). Their release configs (scripts/performance/configs at
+# r0.1.0, v0.2.0, v0.4.2, v0.5.0): the distributed optimizer (ZeRO 1) overlapping its reductions and
+# gathers, no recomputation, FP8 current scaling ("FP8-CS"; "FP8" from 26.02 on, the only FP8
+# presets) or MXFP8, with FP8 parameters (fp8_param_gather), attention in BF16, TE's fused kernels,
+# gradient accumulation fused into 16-bit buffers (grad_reduce_in_fp32 False: configs/llama3/
+# llama3_llm_pretrain.py at v0.2.0, line 47: fused-16bit), TP communication beside the GEMMs
+# (tp_comm_overlap=True, src/megatron/bridge/recipes/llama/llama3.py at v0.2.0, lines 302 and 416:
+# TE userbuffers); the 25.09 H100 8B row ran Megatron-FSDP (ZeRO 3), its recipe unprinted:
+# DelayedScaling, the launcher's default then (scripts/performance/argument_parser.py at r0.1.0).
+# torchtitan's Trainy runs (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md at b5bcd76c):
+# Llama 3 8B on 32 and 64 H200s, FSDP over all, local batch 2, torch.compile, Float8 tensorwise
+# with float8 all-gathers, per-op selective checkpointing (priced as selective: it also recomputes
+# every second matmul, torchtitan's _apply_ac_to_transformer_block), tps per GPU. torchtitan's H100
+# tables ran 500 W-capped 96 GB H100s, a part no profile describes: their speedups are compared
+# instead (benchmarks/fp8_speedup.py).
+FP8_CSV = ROOT / "benchmarks" / "heldout_fp8.csv"
 # BigScience's BLOOM (github.com/bigscience-workshop/bigscience at 9e64ede, train/tr11-176B-ml/):
 # every "Sec/it" row of chronicles-prequel.md with NHIDDEN 14336 and 64 heads (February 2022,
 # fp16; each the second iteration of a run, as that file says), its rows with the final 70 layers
@@ -146,6 +169,10 @@ SOURCES = {
     "megatron-core-v0.8": dict(zeros=(1,)),
     "megatron-core-v0.9": dict(zeros=(1,)),
     "nemo-automodel-2026": dict(fsdp_copies=True, zeros=(3,)),
+    "torchtitan-trainy-2025": dict(fsdp_copies=True, zeros=(3,)),
+    "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,)),
+    "torchtitan-2025-06": dict(fsdp_copies=True, zeros=(3,)),
+    "torchao-2025-03": dict(fsdp_copies=True, zeros=(3,)),
 }
 
 
@@ -213,6 +240,11 @@ for _src in ("korthikanti-2022-table5", "korthikanti-2022-section6"):
 # GroupedLinear "support Gradient Accumulation Fusion", the same README; Megatron-LM's default for bf16)
 for _src in ("megatron-core-v0.8", "megatron-core-v0.9"):
     RUN_SETTINGS[(_src, "mixtral-8x7b")] = dict(virtual_stages=8, overlap_grad_reduce=True, grad_accumulation="fused")
+for _src, _m in (("megatron-bridge-25.09", "llama3-8b"), ("megatron-bridge-25.11", "llama3-8b"),
+                 ("megatron-bridge-25.11", "llama3-70b"), ("megatron-bridge-26.04.01", "llama3-70b"),
+                 ("megatron-bridge-25.11", "llama3.1-405b"), ("megatron-bridge-26.06", "llama3.1-405b"),
+                 ("megatron-bridge-26.04.01", "llama3.1-405b")):
+    RUN_SETTINGS[(_src, _m)] = dict(overlap_grad_reduce=True, grad_accumulation="fused-16bit", tp_comm_overlap=True)
 
 
 def row_model(row) -> ModelConfig:
@@ -240,16 +272,20 @@ def candidates(row, model, gpus, framework: bool = True):
     vs = [1]
     if sched == "interleaved-1f1b" and pp > 1:
         vs = [v for v in range(1, 9) if pp * v <= model.num_layers_total]
-    vs = [known["virtual_stages"]] if "virtual_stages" in known else vs
-    how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation")
+    vs = [known["virtual_stages"]] if "virtual_stages" in known else [int(row["vp"])] if row.get("vp") else vs
+    how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation",
+                                 "tp_comm_overlap")
            if k in known and framework}
     how.update(recv_buffers="in-flight", sent_outputs="freed")
+    if row.get("tp_comm_overlap"):  # a column of its own (benchmarks/fp8_speedup.py's pairs)
+        how["tp_comm_overlap"] = row["tp_comm_overlap"] == "true"
     src = source_settings(row["source"], row["arch"])
     how["elementwise_kernels"] = src["elementwise_kernels"] if framework else "eager"
     how["fsdp_copies"] = src["fsdp_copies"] if framework else True
-    how.update(attention=src["attention"], dropout=src["dropout"])
+    how.update(attention=src["attention"], dropout=src["dropout"], fp8=row.get("fp8") or None,
+               fp8_param_gather=row.get("fp8_param_gather") == "true")
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
-    zeros = src["zeros"]
+    zeros = [int(row["zero"])] if row.get("zero") else src["zeros"]
     for b, v, rec, zero in itertools.product(mbs, vs, recs, zeros):
         if sched == "interleaved-1f1b" and pp > 1 and (per_dp // b) % pp:
             continue
@@ -260,13 +296,14 @@ def candidates(row, model, gpus, framework: bool = True):
 def predict_row(row, framework: bool = True):
     model = row_model(row)
     gpus = int(row["gpus"])
-    cluster = load_cluster(row["cluster"], nodes=gpus // 8)
+    per_node = int(row.get("devices_per_node") or 8)  # the GPUs a node gives the run (an NVL72 rack: 64)
+    cluster = load_cluster(row["cluster"], nodes=gpus // per_node)
     best = None
     for c in candidates(row, model, gpus, framework):
         try:
             dtype = RUN_SETTINGS.get((row["source"], row["model"]), {}).get("dtype") or row["dtype"]
-            plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=gpus // 8,
-                              devices_per_node=8, seq_len=int(row["seq_len"]), dtype=dtype,
+            plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=gpus // per_node,
+                              devices_per_node=per_node, seq_len=int(row["seq_len"]), dtype=dtype,
                               sequence_parallel=row["sequence_parallel"] == "true", **c)
         except ConfigError:
             continue
@@ -303,7 +340,7 @@ def predict_rows(rows) -> list[dict]:
         err = (est.step_time_s - pub) / pub
         out.append(dict(source=row["source"], model=row["model"], gpus=int(row["gpus"]),
                         tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], ep=c["ep"], micro_batch=c["micro_batch"], v=c["virtual_stages"],
-                        recompute=c["recompute"], sp=row["sequence_parallel"] == "true", zero=c["zero"],
+                        recompute=c["recompute"], sp=row["sequence_parallel"] == "true", zero=c["zero"], fp8=c["fp8"] or "",
                         published_step_s=pub, predicted_step_s=est.step_time_s,
                         published_tflops=(float(row["published_tflops_per_gpu"]) if row["published_tflops_per_gpu"]
                                           else published_flops(row, model) / pub / int(row["gpus"]) / 1e12),
@@ -320,7 +357,7 @@ def summary(out) -> tuple[float, float]:
 def show(out, title: str, targets: str):
     import pandas as pd
     df = pd.DataFrame(out)
-    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "cp", "ep", "micro_batch", "v", "recompute", "sp", "zero",
+    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "cp", "ep", "micro_batch", "v", "recompute", "sp", "zero", "fp8",
                         "published_step_s", "predicted_step_s", "published_tflops", "predicted_tflops",
                         "bubble", "fits", "error", "note") if c in df]
     print(title)
@@ -335,7 +372,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
     ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV, MOE_CSV,
-                                                          NEMO_AUTOMODEL_CSV)],
+                                                          NEMO_AUTOMODEL_CSV, FP8_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")

@@ -10,7 +10,7 @@ from planner.args import MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list,
 from planner.cost import estimate
 from planner.model import ATTENTION_KERNELS, ConfigError
 from planner.model_files import load_model
-from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
+from planner.plan import GRAD_ACCUMULATION, SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
 from planner.training_args import add_optimizer_args, add_training_args, training_settings
@@ -100,7 +100,9 @@ def cmd_plan(args) -> int:
         sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep,
         **training_settings(args))
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
-                           (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1")):
+                           (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1"),
+                           (args.tp_comm_overlap and not args.sequence_parallel,
+                            "--tp-comm-overlap has no effect without --sequence-parallel")):
         if asked:
             print(f"trident: note: {ignored}", file=sys.stderr)
     plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args), keep_timeline=bool(args.plot))
@@ -197,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-tp-allreduce", action="store_true",
                    help="the backward's TP all-reduces run alongside the weight-gradient GEMMs (Megatron-LM "
                         "since 2021-09; prediction only)")
-    p.add_argument("--grad-accumulation", choices=("separate-fp32", "separate-16bit", "fused"), default="separate-fp32",
+    p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATION, default="separate-fp32",
                    help="how micro-batch gradients add up: a pass over fp32 gradients (the runtime), over 16-bit "
                         "ones (Megatron-LM fp16, DeepSpeed), or inside the weight-gradient GEMM (Megatron-LM "
                         "gradient accumulation fusion); the last two for prediction only")

@@ -45,6 +45,30 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
     return 2 * ar, 2 * ar
 
 
+def overlapped_sp_comm(cluster: ClusterSpec, act_bytes: float, tp_ranks: list, linear_s: list,
+                       regather: int = 0) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of a dense block's sequence-parallel collectives under
+    training.tp_comm_overlap: each runs beside the GEMM of its linear layer (`linear_s`: the forward
+    seconds of QKV, the output projection, the first and the second MLP projections; each backward
+    GEMM takes as long), which hides ASYNC_TP_HIDDEN of the time they share, as for
+    async_tp_allreduce. Forward: the all-gathers before the column-parallel linears, the
+    reduce-scatters after the row-parallel ones (TransformerEngine's ub_overlap_ag and
+    ub_overlap_rs); backward: the reverse collectives beside the input-gradient GEMMs, and the kept
+    shards' all-gathers (`regather`) beside the column-parallel weight-gradient GEMMs (its bulk
+    overlaps). tp_comm's collectives otherwise."""
+    if len(tp_ranks) <= 1:
+        return 0.0, 0.0
+    ag = cluster.collective_time("all_gather", act_bytes, tp_ranks)
+    rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
+    qkv, proj, up, down = linear_s
+
+    def hide(c, g):
+        return c - ASYNC_TP_HIDDEN * min(c, g)
+    fwd = hide(ag, qkv) + hide(rs, proj) + hide(ag, up) + hide(rs, down)
+    bwd = hide(rs, qkv) + hide(ag, proj) + hide(rs, up) + hide(ag, down)
+    return fwd, bwd + regather * (hide(ag, qkv) + hide(ag, up))
+
+
 def cp_comm(cluster: ClusterSpec, kind: str, kv_bytes: float, cp_ranks, recompute: str) -> tuple[float, float]:
     """(forward, backward) seconds of context-parallel communication for one layer and
     micro-batch, all-gathered K and V (Llama 3, Dubey et al. 2024, section 3.3.2: each CP rank

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import clip_norm_comm, runtime_sync, tied_grad_comm
-from planner.layers import layer_cost, partial_grad_params, tied_head
+from planner.fp8 import gathered_bytes_per_param
+from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
 from planner.memory import memory_by_rank
 from planner.model import ConfigError
 from planner.plan import DTYPES, Plan, split_backward
@@ -139,6 +140,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         cpc_f, cpc_b = sum(c.fwd_cp_s for c in costs), sum(c.bwd_cp_s for c in costs)
         epc_f, epc_b = sum(c.fwd_ep_s for c in costs), sum(c.bwd_ep_s for c in costs)
         params, ex = sum(c.params for c in costs), sum(c.expert_params for c in costs)
+        blocks = [c.params - replicated_params(m, "block") for i, c in zip(range(st.start, st.end), costs)
+                  if m.layer_kind(i) == "block"]
+        pe = gathered_bytes_per_param(t, e, params, sum(blocks))  # gathered bytes a parameter
 
         def dp_collective(op: str, per_param: float) -> float:
             """`op` on the stage's parameters' bytes (per_param each) over the shard group, the
@@ -153,7 +157,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         # on the other micro-batches: FSDP2's set_requires_all_reduce), after the last reduce-scatter
         replicas = (cluster.collective_time("all_reduce", (grad_total + ex * gb * (mesh.ep - 1)) / shard, rep_ranks)
                     if mesh.dp_replicate > 1 else 0.0)
-        ag = dp_collective("all_gather", e) if (shard > 1 and st.zero == 3) else 0.0
+        ag = dp_collective("all_gather", pe) if (shard > 1 and st.zero == 3) else 0.0
         if ag:  # gather parameters before forward and again before backward
             zero3_f = max(0.0, ag - comp_f)
             zero3_b = max(0.0, ag - comp_b)
@@ -212,7 +216,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                                **({"fwd_ep_s": epc_f, "bwd_ep_s": epc_b, "expert_params": ex} if mesh.ep > 1 else {}),
                                zero3_gather_exposed_s=(zero3_f + zero3_b + zero3_w) * mbs, grad_sync_s=sync,
                                fsdp_copy_s=(copy_f + copy_b) * mbs, fsdp_copy_step_s=copy_step,
-                               params=params, optimizer_s=sum(c.optimizer_s for c in costs),
+                               params=params, gathered_bytes=pe, optimizer_s=sum(c.optimizer_s for c in costs),
                                measured_dp=measured_dp, costs=costs))
     timed_busy = model_profile.processes if model_profile is not None else 1  # processes computing when timed
     how = dict(overlap_grad_reduce=t.overlap_grad_reduce, lockstep=pipe.lockstep,
@@ -239,8 +243,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             for si in mine:
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     ex = si.get("expert_params", 0.0)
-                    gather += cluster.collective_time("all_gather", (si["params"] - ex) * e, dp_ranks)
-                    gather += cluster.collective_time("all_gather", ex * e, ex_ranks) if ex else 0.0
+                    pe = si["gathered_bytes"]
+                    gather += cluster.collective_time("all_gather", (si["params"] - ex) * pe, dp_ranks)
+                    gather += cluster.collective_time("all_gather", ex * pe, ex_ranks) if ex else 0.0
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         at_norm.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.cluster import ClusterSpec
-from planner.comm import ASYNC_TP_HIDDEN, cp_comm, regathers, tp_comm
+from planner.comm import ASYNC_TP_HIDDEN, cp_comm, overlapped_sp_comm, regathers, tp_comm
+from planner.fp8 import fp8_cast_times, fp8_gemm_time, fp8_rate, is_fp8_product, saved_input_bytes_less
 from planner.model import ModelConfig
 from planner.moe import dispatch_bytes, expert_load_costs, expert_parallel_comm, ffn_params, held_experts
 from planner.plan import DTYPES, Plan, Stage, split_backward
@@ -92,7 +93,13 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     wgrad = 0.0  # weight-gradient GEMMs: one per forward product, of its FLOPs (zbv runs them apart)
     if kind == "block":
         gemms = m.block_gemms(b, s, tp)
-        dense = wgrad = sum(gemm_time(*g, e, grate, bw) for g in gemms[:-2])
+        # the linear products, on FP8 tensor cores under training.fp8 with their operands' casts (planner.fp8)
+        rate8 = fp8_rate(cluster.device) if t.fp8 else None
+        linear_s = [fp8_gemm_time(g, rate8, bw) if t.fp8 and is_fp8_product(m, g) else gemm_time(*g, e, grate, bw)
+                    for g in gemms[:-2]]
+        fp8_f, fp8_b = (fp8_cast_times(m, t, gemms[:-2], cluster.device, plan.pipeline.micro_batches)
+                        if t.fp8 else (0.0, 0.0))
+        dense = wgrad = sum(linear_s)
         if t.attention != "unfused":
             core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, t.attention, t.document_mask))
         else:
@@ -111,6 +118,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
                                    draws=(tp if sp else 1) * cp)
     again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
     tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, again)
+    if t.tp_comm_overlap and sp and kind == "block" and m.moe is None:  # beside the linears' GEMMs
+        tp_f, tp_b = overlapped_sp_comm(cluster, e * b * s * m.hidden, tp_ranks, linear_s, again)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
         # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the
@@ -118,7 +127,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         wg = lambda c, M, N, K: gemm_time(c, K, N, M, e, grate, bw)  # noqa: E731
         if kind == "block":
             ar = tp_b / 2
-            tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, wg(*gemms[i])) for i in (0, 2))
+            tp_b = sum(ar - ASYNC_TP_HIDDEN * min(ar, linear_s[i] if t.fp8 else wg(*gemms[i])) for i in (0, 2))
         else:
             tp_b -= ASYNC_TP_HIDDEN * min(tp_b, wg(1, b * s, math.ceil(m.vocab / tp), m.hidden))
     params = layer_params_on_device(m, index, tp)
@@ -148,6 +157,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         load_w += scaled
         load_kept += kept
     fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s + load_f, mm_b + el_b + accumulate + repeat_s + load_b
+    if kind == "block":
+        fwd_c, bwd_c = fwd_c + fp8_f, bwd_c + fp8_b
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.
     wgrad = (el_b if kind == "embedding" else wgrad) + accumulate + load_w
@@ -166,10 +177,11 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
     cp_f, cp_b, gathered = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
+    fp8_less = saved_input_bytes_less(m, t, b, s, tp, sp, e) if kind == "block" else 0.0  # 8-bit saved inputs
     act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered + repeated if rec == "none" else 0.0)
-    act += load_kept if rec != "full" else 0.0
-    replay = (m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered + repeated + load_kept - act
-              if rec != "none" else 0.0)
+    act += load_kept - fp8_less if rec != "full" else 0.0
+    replay = (m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered + repeated + load_kept - fp8_less
+              - act if rec != "none" else 0.0)
     ep_f, ep_b = expert_parallel_comm(cluster, plan, kind, rec, tp_ranks)
     return LayerCost(fwd_c, bwd_c, tp_f, tp_b, act, replay, params, bwd_weight_s=wgrad, fwd_cp_s=cp_f, bwd_cp_s=cp_b,
                      fwd_ep_s=ep_f, bwd_ep_s=ep_b, expert_params=experts)

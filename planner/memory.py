@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from planner.fp8 import fp8_weight_bytes
 from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups, zero_state_bytes
 from planner.model import ModelConfig
 from planner.moe import ffn_width, largest_ffn_param
@@ -200,9 +201,11 @@ def held_i_to_w_bytes(model: ModelConfig, index: int, tp: int, tokens: float, e:
 # FSDP2's buffers held through the step and gathered for the layer computing, replicate's
 # compute-dtype gradients, the pipeline's transfers (receive buffers, sends torch holds), a tied
 # matrix's extra gradients, the loss's logits and float32 work, a block's replay, a new
-# accumulated gradient and the activation gradients flowing back. (The optimizer step, torch's
-# fused AdamW in place, allocates nothing: planner.precision.optimizer_step_bytes.)
+# accumulated gradient and the activation gradients flowing back; FP8 weight copies kept for the
+# step (planner.fp8.fp8_weight_bytes). (The optimizer step, torch's fused AdamW in place,
+# allocates nothing: planner.precision.optimizer_step_bytes.)
 OTHER_PARTS = dict.fromkeys(("fsdp_buffers", "fsdp_gathers", "replicated_gradients", "pipeline_receive_buffers",
+                             "fp8_weight_copies",
                              "tied_embedding_gradients", "loss_logits", "recompute_replay", "gradient_accumulation",
                              "activation_gradients"), 0.0)
 
@@ -249,7 +252,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                                                           stage_info[i]["costs"], pipe.stages[i].recompute))
                                 for i in ids}}
         grads_of = dict(zero)  # each stage's gradients, which a rank of several chunks gains chunk by chunk
-        p_bytes = g_bytes = o_bytes = other = fsdp_held = replicated = 0.0
+        p_bytes = g_bytes = o_bytes = other = fsdp_held = replicated = fp8_held = 0.0
         recv = recv_buffer_bytes(plan, ids)
         # of the stage computing in its backward, one at a time on a rank: its replay, FSDP2
         # buffers and accumulated gradient
@@ -286,6 +289,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                     [(c.activation_bytes, c.params * gs) for c, k in zip(si["costs"], kinds) if k != "block"])
                 ) + kept[i]
             fsdp_held += held
+            fp8_held += fp8_weight_bytes(t, sum(block_params))
             # replaying one block's forward (under a split backward a full one's replay is held to W: above)
             stage_replay = max((c.replay_bytes for c, r in zip(si["costs"], st.recompute)
                                 if not (two and r == "full")), default=0.0)
@@ -297,7 +301,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 # replicate (FSDP2) holds the gradients autograd produces, in the parameters' compute
                 # dtype, beside the ones it all-reduces and accumulates in the gradients' dtype
                 replicated += P * pb
-        held_other, transient_bytes = fsdp_held + replicated + recv, sum(transient_parts)
+        held_other, transient_bytes = fsdp_held + replicated + recv + fp8_held, sum(transient_parts)
         act_grad = backward_flow_bytes(m, t, tp, any(pipe.stages[i].sequence_parallel for i in ids), dp, plan.rank_micro_batch)
         head_logits, tied, tied_end = 0.0, 0.0, 0.0
         if any(pipe.stages[i].end == m.num_layers_total for i in ids):  # the loss's logits
@@ -318,7 +322,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
         elif v > 1:  # a rank's chunks: those whose first backward has begun, at the worst moment
             grads = grads_held
         held_parts = dict(OTHER_PARTS, fsdp_buffers=fsdp_held, replicated_gradients=replicated,
-                          pipeline_receive_buffers=recv)
+                          pipeline_receive_buffers=recv, fp8_weight_copies=fp8_held)
         if forward > transient_bytes + act_grad:
             moment = dict(loss_logits=head_logits, fsdp_gathers=fsdp_forward)
         else:

@@ -51,12 +51,12 @@ RECV_BUFFERS = ("preallocated", "in-flight")  # see Pipeline.recv_buffers
 RUNTIME_RECV_BUFFERS = "in-flight"  # the runtime's, the default (and so the search's)
 SENT_OUTPUTS = ("kept", "freed")  # see Pipeline.sent_outputs
 P2P_MODES = ("full", "scatter-gather")  # see Pipeline.p2p
-GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused")  # see Training.grad_accumulation
+GRAD_ACCUMULATION = ("separate-fp32", "separate-16bit", "fused", "fused-16bit")  # see Training.grad_accumulation
 SP_SAVED_INPUTS = ("gathered", "shard")  # see Training.sp_saved_inputs
 LR_DECAYS = ("constant", "linear", "cosine")  # see Training.lr_decay
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
-ADDED_OPTIONS = {"training": ("overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
+ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr", "attention_dropout", "document_mask",
                               "eod_mask_loss", "reset_position_ids", "moe_aux_loss", "moe_load_factor"),
@@ -78,6 +78,12 @@ class Training:
     micro_batch: int  # sequences per micro-batch per data-parallel rank
     seq_len: int
     dtype: str = "bf16"  # compute dtype: bf16 | fp16 | fp32
+    # the blocks' linear products on FP8 tensor cores, by scaling recipe (planner.fp8: tensorwise,
+    # current, delayed, mxfp8), the rest in `dtype`; null: none. Prediction only (runtime.run_checks)
+    fp8: str | None = None
+    # the FP8 linears' weights held, and all-gathered by data parallelism, as their 8-bit copies
+    # (Megatron-LM's --fp8-param-gather, torchtitan's enable_fsdp_float8_all_gather; planner.fp8)
+    fp8_param_gather: bool = False
     master_weights: bool = True  # fp32 master copy in the optimizer (mixed precision); ignored for fp32
     optimizer: str = "adamw"
     lr: float = 3e-4
@@ -117,12 +123,17 @@ class Training:
     # that linear's weight-gradient GEMM (Megatron-LM from September 2021, --no-async-tensor-model-
     # parallel-allreduce to disable; planner.cost); DTensor's tensor parallelism, the runtime's, does not
     async_tp_allreduce: bool = False
+    # under sequence parallelism, each dense block's TP all-gathers and reduce-scatters run beside
+    # their linear layers' GEMMs (Megatron-LM's --tp-comm-overlap, TransformerEngine's userbuffers;
+    # torchtitan's async TP; planner.comm.overlapped_sp_comm); prediction only
+    tp_comm_overlap: bool = False
     # how micro-batch gradients add up (planner.cost): "separate-fp32", a pass over float32 gradients
     # (the runtime: autograd adds them into float32 parameters' gradients, and under bf16 FSDP2
     # accumulates its unsharded gradients in float32, its reduce dtype);
     # "separate-16bit", a pass over 16-bit gradients (Megatron-LM fp16 without fp32 accumulation,
     # DeepSpeed fp16); "fused", inside the weight-gradient GEMM (Megatron-LM's
-    # gradient_accumulation_fusion)
+    # gradient_accumulation_fusion) into float32 buffers; "fused-16bit", the same into 16-bit ones
+    # (Megatron-LM with grad_reduce_in_fp32 false, as Megatron-Bridge's performance configs set it)
     grad_accumulation: str = "separate-fp32"
     # memory-bound operations (planner.pointwise): "eager", one PyTorch kernel per operation as the
     # runtime runs them (RMSNorm and rotary embeddings in float32 inside); "fused", one kernel per

@@ -6,6 +6,7 @@ from planner.model import MAX_NAME, RECOMPUTE_MODES, ATTENTION_KERNELS, is_one_l
 from planner.mesh import MESH_DIMS
 from planner.plan import (DTYPES, GRAD_ACCUMULATION, LR_DECAYS, RECV_BUFFERS, SCHEDULES, SENT_OUTPUTS,
                           SP_SAVED_INPUTS, P2P_MODES, _is_int, _need)
+from planner.fp8 import FP8_RECIPES
 from planner.pointwise import ELEMENTWISE_KERNELS
 
 
@@ -59,6 +60,7 @@ def check(plan) -> None:
     _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
     _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
+    _need(isinstance(t.tp_comm_overlap, bool), "training.tp_comm_overlap", "must be true or false")
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")
     _need(isinstance(t.document_mask, bool), "training.document_mask", "must be true or false")
     _need(isinstance(t.eod_mask_loss, bool), "training.eod_mask_loss", "must be true or false")
@@ -76,6 +78,12 @@ def check(plan) -> None:
     most = m.moe.experts / m.moe.experts_per_token if m.moe is not None else 1
     _need(t.moe_load_factor <= most, "training.moe_load_factor",
           f"{t.moe_load_factor:g} is more than experts / experts_per_token ({most:g}): an expert gets at most every token")
+    _need(t.fp8 is None or (isinstance(t.fp8, str) and t.fp8 in FP8_RECIPES), "training.fp8",
+          f"{t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null for none")
+    _need(isinstance(t.fp8_param_gather, bool) and (t.fp8 or not t.fp8_param_gather), "training.fp8_param_gather",
+          f"{t.fp8_param_gather!r}: must be true or false, and true only with training.fp8 set")
+    _need(t.fp8 is None or DTYPES.get(t.dtype) == 2, "training.fp8",
+          "FP8 linears run inside 16-bit mixed precision; set training.dtype to bf16, or fp8 to null")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")

@@ -14,7 +14,7 @@ ADAM_STATE_BYTES = 8  # two float32 moments per parameter
 MASTER_BYTES = 4  # float32 master copy under mixed precision
 # bytes per parameter and micro-batch of adding a micro-batch's gradient to the accumulated one
 # (training.grad_accumulation): read both, write the sum; fused into the weight-gradient GEMM, none
-GRAD_ACCUMULATION_BYTES = {"separate-fp32": 3 * 4, "separate-16bit": 3 * 2, "fused": 0}
+GRAD_ACCUMULATION_BYTES = {"separate-fp32": 3 * 4, "separate-16bit": 3 * 2, "fused": 0, "fused-16bit": 0}
 
 
 def model_state_bytes(t, dp: int = 2) -> tuple[int, int, int]:
@@ -44,10 +44,10 @@ def grad_bytes(t) -> int:
     parallelism. Mixed precision keeps them in float32: the runtime's FSDP2 reduces in float32
     (MixedPrecisionPolicy reduce_dtype) and, between micro-batches, accumulates its unsharded
     gradients in that dtype; Megatron-LM's bf16 runs keep float32 main_grad buffers. They stay in
-    16 bits where they add up in 16 bits (training.grad_accumulation separate-16bit: Megatron-LM
+    16 bits where they add up in 16 bits (training.grad_accumulation separate-16bit or fused-16bit: Megatron-LM
     fp16, DeepSpeed fp16) and in pure 16-bit training (no master weights)."""
     e = DTYPES[t.dtype]
-    if t.grad_accumulation == "separate-16bit" or not t.master_weights:
+    if t.grad_accumulation in ("separate-16bit", "fused-16bit") or not t.master_weights:
         return e
     return max(e, 4)
 

@@ -37,7 +37,7 @@ def describe_plan(plan: Plan) -> str:
             f"mesh pp={mesh.pp} dp={mesh.dp}{hsdp}{f' cp={mesh.cp}' if mesh.cp > 1 else ''} tp={mesh.tp}"
             f"{f' ep={mesh.ep}' if mesh.ep > 1 else ''} (order {'-'.join(mesh.order)}), "
             f"schedule {p.schedule} v={p.virtual_stages}, {p.micro_batches} micro-batches of {t.micro_batch} "
-            f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}{_dropout(t)}"
+            f"x {t.seq_len} tokens, global batch {t.global_batch}, {t.dtype}{f' (FP8 linears, {t.fp8})' if t.fp8 else ''}{_dropout(t)}"
             f"{', documents masked' if t.document_mask else ''}{', positions reset' if t.reset_position_ids else ''}"
             f"{', no loss after end of text' if t.eod_mask_loss else ''}"
             f"{f', load-balancing loss {t.moe_aux_loss:g}' if t.moe_aux_loss else ''}"
@@ -111,7 +111,7 @@ OTHER_LABELS = {"fsdp_buffers": "DP/FSDP2, held all step", "fsdp_gathers": "DP/F
                 "replicated_gradients": "DP gradient copies", "pipeline_receive_buffers": "pipeline transfers",
                 "tied_embedding_gradients": "tied embedding gradients", "loss_logits": "loss logits",
                 "recompute_replay": "recompute replay", "gradient_accumulation": "gradient accumulation",
-                "activation_gradients": "activation gradients"}
+                "activation_gradients": "activation gradients", "fp8_weight_copies": "FP8 weight copies"}
 
 TIME_TERMS = (("compute_s", "compute"), ("tp_comm_s", "TP comm"), ("dp_comm_exposed_s", "DP/FSDP comm"),
               ("fsdp_copy_s", "FSDP copies"), ("pipeline_bubble_s", "bubble"), ("p2p_s", "p2p"),

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from planner.args import non_negative_int, non_negative_number, number_in, probability
+from planner.fp8 import FP8_RECIPES
 from planner.model import ConfigError
 from planner.plan import LR_DECAYS, Training
 from planner.plan_checks import check_optimizer
@@ -31,6 +32,16 @@ def add_training_args(p) -> None:
                    help="no loss where the input is the end-of-text id (Megatron-LM's --eod-mask-loss)")
     p.add_argument("--reset-position-ids", action="store_true",
                    help="positions restart with each document (Megatron-LM's; needs --document-mask)")
+    p.add_argument("--fp8", choices=FP8_RECIPES, default=None,
+                   help="the blocks' linear layers on FP8 tensor cores, by scaling recipe: tensorwise (torchao / "
+                        "torchtitan float8), current or delayed (TransformerEngine), mxfp8 (Blackwell); "
+                        "prediction only (planner.fp8)")
+    p.add_argument("--fp8-param-gather", action="store_true",
+                   help="with --fp8: the FP8 linears' weights held and all-gathered in 8 bits (Megatron-LM's "
+                        "--fp8-param-gather, torchtitan's enable_fsdp_float8_all_gather); prediction only")
+    p.add_argument("--tp-comm-overlap", action="store_true",
+                   help="with --sequence-parallel: TP all-gathers and reduce-scatters beside the linears' GEMMs "
+                        "(Megatron-LM's --tp-comm-overlap, torchtitan's async TP); prediction only")
     p.add_argument("--moe-aux-loss", type=number_in(0, 1), default=0.0,
                    help="MoE models: the load-balancing loss's coefficient (Switch Transformer's 0.01; default 0)")
     p.add_argument("--moe-load-factor", type=number_in(1, 1e6), default=1.0,
@@ -85,4 +96,5 @@ def training_settings(args) -> dict:
         print(f"trident: note: {note}", file=sys.stderr)
     return dict(kw, **{k: getattr(args, k) for k in ("dropout", "attention_dropout", "document_mask", "eod_mask_loss",
                                                       "reset_position_ids", "moe_aux_loss",
-                                                      "moe_load_factor")})
+                                                      "moe_load_factor", "fp8", "fp8_param_gather",
+                                                      "tp_comm_overlap")})

@@ -75,8 +75,11 @@ def changeable_fields(text: str) -> tuple[str, ...]:
 # plan options that describe other frameworks, for predicting their runs: (field, the value the
 # runtime runs, whose engine the other values describe)
 PREDICTION_ONLY = (
+    ("training.fp8", None, "TransformerEngine's or torchao's FP8 linears (planner.fp8)"),
+    ("training.fp8_param_gather", False, "FP8 parameters (Megatron-LM's --fp8-param-gather)"),
     ("training.overlap_grad_reduce", True, "Megatron-LM's local DDP or DeepSpeed's pipeline engine"),
     ("training.async_tp_allreduce", False, "Megatron-LM"),
+    ("training.tp_comm_overlap", False, "TransformerEngine's userbuffers or torchtitan's async TP"),
     ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),
     ("training.elementwise_kernels", "eager", "Megatron-LM's fused kernels"),
     ("training.fsdp_copies", True, "flat-buffer data parallelism (Megatron-LM's DDP, FSDP1)"),

@@ -17,8 +17,10 @@ _SPEC.loader.exec_module(published)
 
 # file: (MAPE, worst |error|) at most; measured at session 53 (README's accuracy table): 1.6% / 4.0%,
 # 7.0% / 25.1%, 8.2% / 10.7%, 1.1%, 20.5% / 23.1% (predicted fast: routing imbalance unpriced),
-# 6.1% / 6.9%; BLOOM's (on a cluster priced faster than it was) 19.4% / 34.4%
+# 6.1% / 6.9%; BLOOM's (on a cluster priced faster than it was) 19.4% / 34.4%; session 54's FP8
+# runs 16.3% / 29.3% (the Blackwell rows 17-29% fast)
 CEILINGS = {
+    "heldout_fp8.csv": (0.17, 0.30),
     "heldout_runs.csv": (0.020, 0.045),
     "heldout_mosaicml.csv": (0.075, 0.26),
     "heldout_torchtitan.csv": (0.09, 0.115),
@@ -27,6 +29,9 @@ CEILINGS = {
     "heldout_nemo_automodel.csv": (0.065, 0.075),
     "heldout_bloom.csv": (0.20, 0.35),
 }
+# rows predicted not to fit though they ran: the two Llama 3.1 405B rows on GB200 (PP 16 x VP 4 and 8
+# in flight, no recomputation: TransformerEngine keeps fewer activations than priced)
+UNFIT = {"heldout_fp8.csv": 2}
 
 
 def _rows(path):
@@ -39,7 +44,8 @@ def test_every_held_out_row_is_predicted_within_what_the_readme_reports(name):
     path = REPO / "benchmarks" / name
     rows = _rows(path)
     out = published.predict_rows(rows)
-    assert len(out) == len(rows) and all(r["error"] is not None and r["fits"] for r in out), name
+    assert len(out) == len(rows) and all(r["error"] is not None for r in out), name
+    assert sum(not r["fits"] for r in out) <= UNFIT.get(name, 0), name
     mape, worst = published.summary(out)
     assert mape <= CEILINGS[name][0] and worst <= CEILINGS[name][1], (name, mape, worst)
 
@@ -59,3 +65,15 @@ def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
     assert got["mape"] <= 0.07 and got["worst"] <= 0.22, (got["mape"], got["worst"])
     others = [abs(r["error"]) for r in rows if r["model"] != "mt-nlg-530b"]
     assert len(others) == 12 and max(others) <= 0.08, max(others)
+
+
+def test_the_fp8_and_async_tp_speedups_are_priced():
+    """benchmarks/fp8_speedup.py: the 9 published pairs (Float8, async TP) each priced a speedup,
+    within the error session 54 measured (mean 5.0%, worst 8.5%)."""
+    spec = importlib.util.spec_from_file_location("fp8_speedup", REPO / "benchmarks" / "fp8_speedup.py")
+    speedup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speedup)
+    out = speedup.price(_rows(speedup.PAIRS_CSV))
+    assert len(out) == 9 and all(r["predicted_speedup"] > 1 for r in out)
+    errs = [abs(r["error"]) for r in out]
+    assert sum(errs) / len(errs) <= 0.055 and max(errs) <= 0.09, errs

@@ -99,6 +99,8 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(pp=2, p2p="scatter-gather"), "pipeline.p2p"),
     (dict(tp=2, async_tp_allreduce=True), "training.async_tp_allreduce"),
     (dict(grad_accumulation="separate-16bit"), "training.grad_accumulation"),
+    (dict(dtype="bf16", fp8="tensorwise"), "training.fp8"),
+    (dict(tp=2, sequence_parallel=True, tp_comm_overlap=True), "training.tp_comm_overlap"),
 ])
 def test_what_the_runtime_cannot_do_is_refused_by_name(tmp_path, capsys, monkeypatch, change, field):
     change = dict(change)

@@ -1,0 +1,155 @@
+"""FP8 linears (planner.fp8): the blocks' products at the FP8 rate, their casts by recipe, the
+weight copies a recipe keeps, and what is refused."""
+import json
+
+import pytest
+
+from planner.build import build_plan
+from planner.cli import main as cli_main
+from planner.cluster import load_cluster
+from planner.cost import estimate
+from planner.fp8 import CAST_BYTES, cast_bytes
+from planner.layers import layer_cost
+from planner.model import ConfigError
+from planner.plan import Plan
+from planner.zoo import ZOO
+
+H100 = load_cluster("dgx-h100-80gb")
+
+
+def plan_for(model="llama3-8b", cluster=H100, **kw):
+    args = dict(cluster_name=cluster.name, device=cluster.device.name, nodes=1, devices_per_node=8, dp=8,
+                global_batch=32, micro_batch=1, seq_len=4096, zero=1)
+    args.update(kw)
+    return build_plan(ZOO[model] if isinstance(model, str) else model, **args)
+
+
+def block(plan, cluster=H100):
+    stage = plan.pipeline.stages[0]
+    return layer_cost(plan, cluster, 1, stage, plan.mesh.group("tp", pp=0, dp=0))
+
+
+def test_the_block_linears_run_at_the_fp8_rate_with_their_casts():
+    """Closed form for a Llama block (tp 1, tokens T = 4096): the linears' FLOPs 2T(hq + 2h kv +
+    h q + 3hf) move from the BF16 rate to the FP8 one, and the casts add their bytes."""
+    m, T = ZOO["llama3-8b"], 4096
+    h, f, q, kv = m.hidden, m.ffn_hidden, m.q_dim, m.kv_dim
+    flops = 2 * T * (h * (q + 2 * kv) + h * q + 3 * h * f)
+    weights = h * (q + 2 * kv) + q * h + 3 * h * f
+    inputs = T * (h + q + h + f)  # QKV's, the output projection's, gate and up's (one), down's
+    grads = T * ((q + 2 * kv) + h + 2 * f + h)
+    bf16, fp8 = H100.device.matmul_flops_per_s("bf16"), 1979e12 * 0.709
+    bw = H100.device.memory_bytes_per_s
+    base = block(plan_for())
+    for recipe, cached in (("tensorwise", False), ("current", True), ("delayed", True), ("mxfp8", True)):
+        c = block(plan_for(fp8=recipe))
+        mbs = 32 // 8  # micro-batches of one sequence a step on each of 8 data-parallel ranks
+        cast_f = CAST_BYTES[recipe] * (inputs + weights / (mbs if cached else 1)) / bw
+        cast_b = CAST_BYTES[recipe] * grads / bw
+        gain = flops / bf16 - flops / fp8  # every product compute-bound at these sizes
+        assert base.fwd_compute_s - c.fwd_compute_s == pytest.approx(gain - cast_f, rel=1e-6)
+        assert base.bwd_compute_s - c.bwd_compute_s == pytest.approx(2 * gain - cast_b, rel=1e-6)
+        assert base.bwd_weight_s - c.bwd_weight_s == pytest.approx(gain, rel=1e-6)
+        # TransformerEngine's recipes keep the four linears' inputs in 8 bits: a byte an element less
+        less = 0 if recipe == "tensorwise" else T * (2 * h + q + f)
+        assert (base.activation_bytes - c.activation_bytes, c.params) == (less, base.params)
+    assert CAST_BYTES["tensorwise"] == CAST_BYTES["current"] == 6 and CAST_BYTES["delayed"] == 4
+    # fused elementwise kernels compute the amax in the kernel that writes the tensor: its read goes
+    assert [cast_bytes(r, "fused") for r in ("tensorwise", "current", "delayed")] == [4, 4, 4]
+    fused = block(plan_for(fp8="current", elementwise_kernels="fused")), block(plan_for(elementwise_kernels="fused"))
+    cached = 4 * (inputs + weights / (32 // 8)) / bw  # the fused forward's casts, at 4 bytes
+    assert fused[1].fwd_compute_s - fused[0].fwd_compute_s == pytest.approx(flops / bf16 - flops / fp8 - cached)
+
+
+def test_fp8_speeds_a_step_and_keeps_weight_copies_where_the_recipe_caches_them():
+    base = estimate(plan_for(), H100)
+    tensorwise = estimate(plan_for(fp8="tensorwise"), H100)
+    current = estimate(plan_for(fp8="current"), H100)
+    assert current.step_time_s < tensorwise.step_time_s < base.step_time_s
+    parts = lambda e: e.breakdown["memory"]["other_parts"]  # noqa: E731
+    assert parts(base)["fp8_weight_copies"] == parts(tensorwise)["fp8_weight_copies"] == 0
+    blocks = ZOO["llama3-8b"].block_params() * ZOO["llama3-8b"].layers
+    assert parts(current)["fp8_weight_copies"] == pytest.approx(2 * blocks)
+    m, T = ZOO["llama3-8b"], 4096  # one micro-batch's activations at a time (no pipeline)
+    kept_less = m.layers * T * (2 * m.hidden + m.q_dim + m.ffn_hidden)
+    assert current.peak_memory_bytes == pytest.approx(base.peak_memory_bytes + 2 * blocks - kept_less)
+
+
+def test_an_moe_router_stays_in_16_bits():
+    from planner.fp8 import is_fp8_product
+    m = ZOO["mixtral-8x7b"]
+    gemms = m.block_gemms(1, 1024)[:-2]
+    kept = [g for g in gemms if not is_fp8_product(m, g)]
+    assert kept == [(1, 1024, m.moe.experts, m.hidden)] and len(gemms) > 1  # the router alone
+
+
+def test_the_plan_file_keeps_the_recipe(tmp_path):
+    plan = plan_for(fp8="delayed")
+    path = tmp_path / "p.json"
+    plan.write(path)
+    assert json.loads(path.read_text())["training"]["fp8"] == "delayed"
+    assert Plan.read(str(path)).training.fp8 == "delayed"
+    plan_for().write(path)
+    assert "fp8" not in json.loads(path.read_text())["training"]  # an option added later: written when set
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(fp8="e4m3"), "use one of tensorwise, current, delayed, mxfp8"),
+    (dict(fp8="tensorwise", dtype="fp32", master_weights=False), "16-bit mixed precision"),
+])
+def test_a_bad_recipe_is_refused_naming_the_field(change, words):
+    with pytest.raises(ConfigError, match="training.fp8") as err:
+        plan_for(**change)
+    assert words in str(err.value)
+
+
+def test_a_device_without_fp8_is_refused_in_one_line(capsys):
+    a100 = load_cluster("dgx-a100-80gb")
+    with pytest.raises(ConfigError, match=r"training.fp8: .*A100.* no FP8 rate"):
+        estimate(plan_for(cluster=a100, fp8="tensorwise"), a100)
+    code = cli_main(["plan", "--model", "llama3-8b", "--cluster", "dgx-a100-80gb", "--nodes", "1", "--dp", "8",
+                     "--global-batch", "32", "--micro-batch", "1", "--fp8", "tensorwise"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "training.fp8" in err[0]
+
+
+def test_every_shipped_fp8_rate_is_below_its_peak_and_twice_bf16s():
+    from pathlib import Path
+    for path in sorted(Path(__file__).resolve().parent.parent.glob("profiles/hardware/*.json")):
+        dev = load_cluster(str(path)).device
+        if "fp8" not in dev.peak_flops:
+            continue
+        assert dev.peak_flops["fp8"] == 2 * dev.peak_flops["bf16"]  # every datasheet here: FP8 doubles BF16
+        assert 0.6 < dev.matmul_efficiency["fp8"] < 0.8
+
+
+def test_fp8_parameters_are_gathered_in_a_byte_and_held_once():
+    """ZeRO 1 over 16 ranks on two nodes: the all-gather after the optimizer step moves one byte for
+    each FP8 linear's weight (the blocks' parameters but their two norms) and two for the rest;
+    the weights' 8-bit copies are the parameters, no copy beside them."""
+    kw = dict(nodes=2, dp=16, fp8="current")
+    plain, fp8_params = (estimate(plan_for(**kw, fp8_param_gather=g), H100) for g in (False, True))
+    m = ZOO["llama3-8b"]
+    P, F = m.num_parameters(), m.layers * (m.block_params() - 2 * m.hidden)
+    ranks = plan_for(**kw).mesh.shard_group(pp=0, tp=0)
+    gather = lambda n: H100.shaped_as(2, 8).collective_time("all_gather", n, ranks)  # noqa: E731
+    saved = gather(2 * P) - gather(2 * (P - F) + F)
+    assert saved > 0
+    exposed = lambda e: e.breakdown["time"]["dp_comm_exposed_s"]  # noqa: E731
+    assert exposed(plain) - exposed(fp8_params) == pytest.approx(saved, rel=1e-6)
+    parts = lambda e: e.breakdown["memory"]["other_parts"]["fp8_weight_copies"]  # noqa: E731
+    assert parts(fp8_params) == 0 and parts(plain) == pytest.approx(2 * m.layers * m.block_params())
+
+
+def test_gradients_fused_into_16_bit_buffers_take_two_bytes():
+    """Megatron-Bridge's configs: gradient accumulation fusion into bf16 buffers (grad_reduce_in_fp32
+    false): half the float32 buffers' bytes, no accumulation pass."""
+    fused, fused16 = (estimate(plan_for(grad_accumulation=g), H100) for g in ("fused", "fused-16bit"))
+    grads = lambda e: e.breakdown["memory"]["gradients_bytes"]  # noqa: E731
+    assert grads(fused16) == pytest.approx(grads(fused) / 2)
+    assert fused16.breakdown["time"]["compute_s"] == pytest.approx(fused.breakdown["time"]["compute_s"])
+
+
+def test_fp8_parameters_need_fp8():
+    with pytest.raises(ConfigError, match="training.fp8_param_gather: .*only with training.fp8"):
+        plan_for(fp8_param_gather=True)
