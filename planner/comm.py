@@ -21,15 +21,16 @@ SCALAR_BYTES = 8.0  # one float64 partial sum or loss
 
 
 def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_ranks: list, b: int, s: int,
-            regather: int = 0) -> tuple[float, float]:
+            regather: int = 0, gather_bytes: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of TP communication for one layer and micro-batch. `regather`:
     how many times, under sequence parallelism, the backward all-gathers again each input its
     column-parallel linears kept as a shard (training.sp_saved_inputs "shard", runtime.sp_shard;
-    regathers), two inputs a block, one in the head."""
+    regathers), two inputs a block, one in the head. `gather_bytes`: what a block's all-gathers
+    move where not act_bytes (FP8 linears gather 8-bit tensors: planner.fp8.gathered_act_bytes)."""
     if len(tp_ranks) <= 1:
         return 0.0, 0.0
     ar = cluster.collective_time("all_reduce", act_bytes, tp_ranks)
-    ag = cluster.collective_time("all_gather", act_bytes, tp_ranks)
+    ag = cluster.collective_time("all_gather", act_bytes if gather_bytes is None else gather_bytes, tp_ranks)
     rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
     again = ag * regather if sp else 0.0
     if kind == "embedding":  # vocab-parallel lookup: partial sums combined
@@ -46,7 +47,7 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
 
 
 def overlapped_sp_comm(cluster: ClusterSpec, act_bytes: float, tp_ranks: list, linear_s: list,
-                       regather: int = 0) -> tuple[float, float]:
+                       regather: int = 0, gather_bytes: float | None = None) -> tuple[float, float]:
     """(forward, backward) exposed seconds of a dense block's sequence-parallel collectives under
     training.tp_comm_overlap: each runs beside the GEMM of its linear layer (`linear_s`: the forward
     seconds of QKV, the output projection, the first and the second MLP projections; each backward
@@ -55,10 +56,10 @@ def overlapped_sp_comm(cluster: ClusterSpec, act_bytes: float, tp_ranks: list, l
     reduce-scatters after the row-parallel ones (TransformerEngine's ub_overlap_ag and
     ub_overlap_rs); backward: the reverse collectives beside the input-gradient GEMMs, and the kept
     shards' all-gathers (`regather`) beside the column-parallel weight-gradient GEMMs (its bulk
-    overlaps). tp_comm's collectives otherwise."""
+    overlaps). tp_comm's collectives otherwise (`gather_bytes` as there)."""
     if len(tp_ranks) <= 1:
         return 0.0, 0.0
-    ag = cluster.collective_time("all_gather", act_bytes, tp_ranks)
+    ag = cluster.collective_time("all_gather", act_bytes if gather_bytes is None else gather_bytes, tp_ranks)
     rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
     qkv, proj, up, down = linear_s
 

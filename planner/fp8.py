@@ -44,11 +44,10 @@ once here. The cached recipes' weight copies: fp8_weight_bytes. FP8 parameters
 distributed optimizer all-gathers them so; torchtitan's enable_fsdp_float8_all_gather gathers
 them so): fp8_weight_bytes, gathered_bytes_per_param.
 
-Priced as the 16-bit model prices it (on the slow side where it matters): casts fused into a
-preceding norm (TransformerEngine's LayerNormLinear), and tensor parallelism's collectives, which
-TransformerEngine and torchtitan's Float8 TP run in 8 bits for the gathered sequence-parallel
-inputs. The runtime does not train in FP8: `trident run` refuses these plans
-(runtime.run_checks.PREDICTION_ONLY).
+Sequence parallelism's all-gathers move 8-bit tensors (gathered_act_bytes). Priced as the 16-bit
+model prices it (on the slow side where it matters): casts fused into a preceding norm
+(TransformerEngine's LayerNormLinear). The runtime does not train in FP8: `trident run` refuses
+these plans (runtime.run_checks.PREDICTION_ONLY).
 """
 from __future__ import annotations
 
@@ -130,6 +129,19 @@ def gathered_bytes_per_param(t, e: int, params: float, fp8_params: float) -> flo
     if not (t.fp8 and t.fp8_param_gather) or not params:
         return float(e)
     return e - (e - 1) * fp8_params / params
+
+
+def gathered_act_bytes(model, t, kind: str, act_bytes: float, e: int) -> float | None:
+    """What a dense block's sequence-parallel all-gathers move under FP8 linears (None: act_bytes,
+    16-bit): the column-parallel linears' inputs and, in the backward, the row-parallel ones'
+    output gradients, each quantized before it is gathered, a byte an element (MXFP8: and its
+    scales), as TransformerEngine gathers them (gather_along_first_dim with the input's or the
+    gradient's quantizer: module/layernorm_linear.py, module/base.py grad_output_preprocess) and
+    torchtitan's Float8 tensor parallelism does. The reduce-scatters of the GEMMs' 16-bit outputs
+    stay as they are; an MoE block's gathers too (its router reads the input in 16 bits)."""
+    if not t.fp8 or kind != "block" or model.moe is not None:
+        return None
+    return act_bytes / e * (1.0 + (1.0 / 32 if t.fp8 == "mxfp8" else 0.0))
 
 
 def saved_input_bytes_less(model, t, b: float, s: int, tp: int, sp: bool, e: int) -> float:

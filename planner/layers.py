@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 from planner.cluster import ClusterSpec
 from planner.comm import ASYNC_TP_HIDDEN, cp_comm, overlapped_sp_comm, regathers, tp_comm
-from planner.fp8 import fp8_cast_times, fp8_gemm_time, fp8_rate, is_fp8_product, saved_input_bytes_less
+from planner.fp8 import (fp8_cast_times, fp8_gemm_time, fp8_rate, gathered_act_bytes, is_fp8_product,
+                         saved_input_bytes_less)
 from planner.model import ModelConfig
 from planner.moe import dispatch_bytes, expert_load_costs, expert_parallel_comm, ffn_params, held_experts
 from planner.plan import DTYPES, Plan, Stage, split_backward
@@ -117,9 +118,11 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
                                    t.attention, autocast=casts_weights(t, dp), attention_dropout=attn_drop,
                                    draws=(tp if sp else 1) * cp)
     again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
-    tp_f, tp_b = tp_comm(cluster, kind, e * b * s * m.hidden, sp, tp_ranks, b, s, again)
+    act_bytes = e * b * s * m.hidden
+    gather_bytes = gathered_act_bytes(m, t, kind, act_bytes, e)  # 8-bit under FP8 linears
+    tp_f, tp_b = tp_comm(cluster, kind, act_bytes, sp, tp_ranks, b, s, again, gather_bytes)
     if t.tp_comm_overlap and sp and kind == "block" and m.moe is None:  # beside the linears' GEMMs
-        tp_f, tp_b = overlapped_sp_comm(cluster, e * b * s * m.hidden, tp_ranks, linear_s, again)
+        tp_f, tp_b = overlapped_sp_comm(cluster, act_bytes, tp_ranks, linear_s, again, gather_bytes)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
         # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the

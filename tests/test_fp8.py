@@ -153,3 +153,18 @@ def test_gradients_fused_into_16_bit_buffers_take_two_bytes():
 def test_fp8_parameters_need_fp8():
     with pytest.raises(ConfigError, match="training.fp8_param_gather: .*only with training.fp8"):
         plan_for(fp8_param_gather=True)
+
+
+def test_sequence_parallel_gathers_move_a_byte_an_element():
+    """TransformerEngine quantizes a column-parallel linear's input, and the output gradient of a
+    row-parallel one, before it all-gathers them; the reduce-scatters stay 16-bit. Llama 3 8B on
+    one node, TP 8 with sequence parallelism, shards kept: forward two 8-bit all-gathers and two
+    reduce-scatters; backward two 8-bit gathers of output gradients, two regathers, two scatters."""
+    kw = dict(tp=8, dp=1, global_batch=8, sequence_parallel=True)
+    plain, current, mx = (block(plan_for(fp8=r, **kw)) for r in (None, "current", "mxfp8"))
+    act, ranks = 2 * 4096 * ZOO["llama3-8b"].hidden, list(range(8))
+    ag, rs = (H100.collective_time(op, act, ranks) for op in ("all_gather", "reduce_scatter"))
+    ag8, agmx = (H100.collective_time("all_gather", act / 2 * x, ranks) for x in (1, 1 + 1 / 32))
+    assert plain.fwd_tp_s == pytest.approx(2 * (ag + rs)) and plain.bwd_tp_s == pytest.approx(4 * ag + 2 * rs)
+    assert current.fwd_tp_s == pytest.approx(2 * (ag8 + rs)) and current.bwd_tp_s == pytest.approx(4 * ag8 + 2 * rs)
+    assert mx.fwd_tp_s == pytest.approx(2 * (agmx + rs)) and ag8 < agmx < ag
