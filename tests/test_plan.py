@@ -72,6 +72,9 @@ def edit(plan, path, value):
     ("training.fsdp_copies", "no", "training.fsdp_copies"),
     ("training.sp_saved_inputs", "sharded", "training.sp_saved_inputs"),
     ("training.attention", "xformers", "training.attention"),
+    ("training.fp8", "e5m2", "training.fp8"),
+    ("training.fp8_param_gather", "yes", "training.fp8_param_gather"),
+    ("training.tp_comm_overlap", 1, "training.tp_comm_overlap"),
 ])
 def test_validation_names_the_field(path, value, field):
     text = edit(make(), path, value)
@@ -137,7 +140,9 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
     assert "sent_outputs" not in d["pipeline"]
     plan = make(overlap_grad_reduce=False, lockstep=True, recv_buffers="preallocated", p2p="scatter-gather",
                 sent_outputs="freed",
-                async_tp_allreduce=True, grad_accumulation="fused", elementwise_kernels="fused", fsdp_copies=False)
+                async_tp_allreduce=True, grad_accumulation="fused", elementwise_kernels="fused", fsdp_copies=False,
+                fp8="current", fp8_param_gather=True, tp_comm_overlap=True)
+    assert "fp8" not in d["training"] and "tp_comm_overlap" not in d["training"]
     first = plan.to_json()
     back = Plan.from_json(first)
     assert back.training.overlap_grad_reduce is False and back.pipeline.lockstep is True
@@ -145,6 +150,7 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
     assert back.pipeline.sent_outputs == "freed"
     assert back.training.async_tp_allreduce is True and back.training.grad_accumulation == "fused"
     assert back.training.elementwise_kernels == "fused" and back.training.fsdp_copies is False
+    assert (back.training.fp8, back.training.fp8_param_gather, back.training.tp_comm_overlap) == ("current", True, True)
     assert back.to_json() == first
     assert back.content_hash() != default.content_hash()
 
