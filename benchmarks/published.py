@@ -253,7 +253,8 @@ def row_model(row) -> ModelConfig:
     return ModelConfig(name=row["model"], arch=arch, layers=int(row["layers"]), hidden=int(row["hidden"]),
                        ffn_hidden=int(row["ffn_hidden"]), heads=int(row["heads"]), kv_heads=int(row["kv_heads"]),
                        vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), tie_embeddings=(arch == "gpt"), moe=moe,
-                       head_dim=int(row["head_dim"]) if row.get("head_dim") else None, qk_norm=row.get("qk_norm") == "true")
+                       head_dim=int(row["head_dim"]) if row.get("head_dim") else None,
+                       qk_norm=row.get("qk_norm") == "true")
 
 
 def candidates(row, model, gpus, framework: bool = True):
@@ -340,7 +341,8 @@ def predict_rows(rows) -> list[dict]:
         err = (est.step_time_s - pub) / pub
         out.append(dict(source=row["source"], model=row["model"], gpus=int(row["gpus"]),
                         tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], ep=c["ep"], micro_batch=c["micro_batch"], v=c["virtual_stages"],
-                        recompute=c["recompute"], sp=row["sequence_parallel"] == "true", zero=c["zero"], fp8=c["fp8"] or "",
+                        recompute=c["recompute"], sp=row["sequence_parallel"] == "true", zero=c["zero"],
+                        fp8=c["fp8"] or "",
                         published_step_s=pub, predicted_step_s=est.step_time_s,
                         published_tflops=(float(row["published_tflops_per_gpu"]) if row["published_tflops_per_gpu"]
                                           else published_flops(row, model) / pub / int(row["gpus"]) / 1e12),
@@ -357,7 +359,8 @@ def summary(out) -> tuple[float, float]:
 def show(out, title: str, targets: str):
     import pandas as pd
     df = pd.DataFrame(out)
-    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "cp", "ep", "micro_batch", "v", "recompute", "sp", "zero", "fp8",
+    cols = [c for c in ("source", "model", "gpus", "tp", "pp", "dp", "cp", "ep", "micro_batch", "v", "recompute", "sp",
+                        "zero", "fp8",
                         "published_step_s", "predicted_step_s", "published_tflops", "predicted_tflops",
                         "bubble", "fits", "error", "note") if c in df]
     print(title)

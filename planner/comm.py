@@ -46,8 +46,8 @@ def tp_comm(cluster: ClusterSpec, kind: str, act_bytes: float, sp: bool, tp_rank
     return 2 * ar, 2 * ar
 
 
-def overlapped_sp_comm(cluster: ClusterSpec, act_bytes: float, tp_ranks: list, linear_s: list,
-                       regather: int = 0, gather_bytes: float | None = None) -> tuple[float, float]:
+def overlapped_sp_comm(cluster: ClusterSpec, act_bytes: float, gather_bytes: float, tp_ranks: list, linear_s: list,
+                       regather: int = 0) -> tuple[float, float]:
     """(forward, backward) exposed seconds of a dense block's sequence-parallel collectives under
     training.tp_comm_overlap: each runs beside the GEMM of its linear layer (`linear_s`: the forward
     seconds of QKV, the output projection, the first and the second MLP projections; each backward
@@ -56,10 +56,11 @@ def overlapped_sp_comm(cluster: ClusterSpec, act_bytes: float, tp_ranks: list, l
     reduce-scatters after the row-parallel ones (TransformerEngine's ub_overlap_ag and
     ub_overlap_rs); backward: the reverse collectives beside the input-gradient GEMMs, and the kept
     shards' all-gathers (`regather`) beside the column-parallel weight-gradient GEMMs (its bulk
-    overlaps). tp_comm's collectives otherwise (`gather_bytes` as there)."""
+    overlaps). tp_comm's collectives otherwise; the all-gathers move `gather_bytes`, the
+    reduce-scatters `act_bytes` (planner.fp8.gathered_act_bytes)."""
     if len(tp_ranks) <= 1:
         return 0.0, 0.0
-    ag = cluster.collective_time("all_gather", act_bytes if gather_bytes is None else gather_bytes, tp_ranks)
+    ag = cluster.collective_time("all_gather", gather_bytes, tp_ranks)
     rs = cluster.collective_time("reduce_scatter", act_bytes, tp_ranks)
     qkv, proj, up, down = linear_s
 

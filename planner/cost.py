@@ -140,9 +140,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         cpc_f, cpc_b = sum(c.fwd_cp_s for c in costs), sum(c.bwd_cp_s for c in costs)
         epc_f, epc_b = sum(c.fwd_ep_s for c in costs), sum(c.bwd_ep_s for c in costs)
         params, ex = sum(c.params for c in costs), sum(c.expert_params for c in costs)
-        blocks = [c.params - replicated_params(m, "block") for i, c in zip(range(st.start, st.end), costs)
-                  if m.layer_kind(i) == "block"]
-        pe = gathered_bytes_per_param(t, e, params, sum(blocks))  # gathered bytes a parameter
+        fp8_params = (sum(c.params - replicated_params(m, "block") for i, c in zip(range(st.start, st.end), costs)
+                          if m.layer_kind(i) == "block") if t.fp8_param_gather else 0.0)
+        pe = gathered_bytes_per_param(t, e, params, fp8_params)  # gathered bytes a parameter
 
         def dp_collective(op: str, per_param: float) -> float:
             """`op` on the stage's parameters' bytes (per_param each) over the shard group, the

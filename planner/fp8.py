@@ -131,16 +131,16 @@ def gathered_bytes_per_param(t, e: int, params: float, fp8_params: float) -> flo
     return e - (e - 1) * fp8_params / params
 
 
-def gathered_act_bytes(model, t, kind: str, act_bytes: float, e: int) -> float | None:
-    """What a dense block's sequence-parallel all-gathers move under FP8 linears (None: act_bytes,
-    16-bit): the column-parallel linears' inputs and, in the backward, the row-parallel ones'
+def gathered_act_bytes(model, t, kind: str, act_bytes: float, e: int) -> float:
+    """What a layer's sequence-parallel all-gathers move: act_bytes (16-bit), or under FP8 linears
+    a dense block's the column-parallel linears' inputs and, in the backward, the row-parallel ones'
     output gradients, each quantized before it is gathered, a byte an element (MXFP8: and its
     scales), as TransformerEngine gathers them (gather_along_first_dim with the input's or the
     gradient's quantizer: module/layernorm_linear.py, module/base.py grad_output_preprocess) and
     torchtitan's Float8 tensor parallelism does. The reduce-scatters of the GEMMs' 16-bit outputs
     stay as they are; an MoE block's gathers too (its router reads the input in 16 bits)."""
     if not t.fp8 or kind != "block" or model.moe is not None:
-        return None
+        return act_bytes
     return act_bytes / e * (1.0 + (1.0 / 32 if t.fp8 == "mxfp8" else 0.0))
 
 

@@ -92,14 +92,15 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     grate = lambda M, N, K: cluster.device.gemm_flops_per_s(t.dtype, M, N, K)  # noqa: E731
     bw = cluster.device.memory_bytes_per_s
     wgrad = 0.0  # weight-gradient GEMMs: one per forward product, of its FLOPs (zbv runs them apart)
+    fp8_f = fp8_b = 0.0  # FP8 operands' casts (planner.fp8)
     if kind == "block":
         gemms = m.block_gemms(b, s, tp)
         # the linear products, on FP8 tensor cores under training.fp8 with their operands' casts (planner.fp8)
         rate8 = fp8_rate(cluster.device) if t.fp8 else None
         linear_s = [fp8_gemm_time(g, rate8, bw) if t.fp8 and is_fp8_product(m, g) else gemm_time(*g, e, grate, bw)
                     for g in gemms[:-2]]
-        fp8_f, fp8_b = (fp8_cast_times(m, t, gemms[:-2], cluster.device, plan.pipeline.micro_batches)
-                        if t.fp8 else (0.0, 0.0))
+        if t.fp8:
+            fp8_f, fp8_b = fp8_cast_times(m, t, gemms[:-2], cluster.device, plan.pipeline.micro_batches)
         dense = wgrad = sum(linear_s)
         if t.attention != "unfused":
             core_f, core_b = (f / tp / rate for f in attention_core_hw_flops(m, b, s, t.attention, t.document_mask))
@@ -122,7 +123,7 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     gather_bytes = gathered_act_bytes(m, t, kind, act_bytes, e)  # 8-bit under FP8 linears
     tp_f, tp_b = tp_comm(cluster, kind, act_bytes, sp, tp_ranks, b, s, again, gather_bytes)
     if t.tp_comm_overlap and sp and kind == "block" and m.moe is None:  # beside the linears' GEMMs
-        tp_f, tp_b = overlapped_sp_comm(cluster, act_bytes, tp_ranks, linear_s, again, gather_bytes)
+        tp_f, tp_b = overlapped_sp_comm(cluster, act_bytes, gather_bytes, tp_ranks, linear_s, again)
     if t.async_tp_allreduce and tp > 1 and not sp and kind in ("block", "head"):
         # each column-parallel linear's input-gradient all-reduce runs beside its weight-gradient
         # GEMM, (in x tokens) @ (tokens x out): QKV and the first MLP projection in a block, the
@@ -159,9 +160,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         load_b += cluster.device.pointwise_seconds(moved_b) + scaled
         load_w += scaled
         load_kept += kept
-    fwd_c, bwd_c = mm_f + el_f + cast_f + repeat_s + load_f, mm_b + el_b + accumulate + repeat_s + load_b
-    if kind == "block":
-        fwd_c, bwd_c = fwd_c + fp8_f, bwd_c + fp8_b
+    fwd_c = mm_f + el_f + cast_f + repeat_s + load_f + fp8_f
+    bwd_c = mm_b + el_b + accumulate + repeat_s + load_b + fp8_b
     # the weights' share of the backward: their GEMMs and adding them up; an embedding's whole
     # backward is its weight's gradient. Recomputation replays for the input gradients.
     wgrad = (el_b if kind == "embedding" else wgrad) + accumulate + load_w

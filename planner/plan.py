@@ -56,7 +56,8 @@ SP_SAVED_INPUTS = ("gathered", "shard")  # see Training.sp_saved_inputs
 LR_DECAYS = ("constant", "linear", "cosine")  # see Training.lr_decay
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
-ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "overlap_grad_reduce", "async_tp_allreduce", "grad_accumulation", "elementwise_kernels",
+ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "overlap_grad_reduce", "async_tp_allreduce",
+                              "grad_accumulation", "elementwise_kernels",
                               "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr", "attention_dropout", "document_mask",
                               "eod_mask_loss", "reset_position_ids", "moe_aux_loss", "moe_load_factor"),
