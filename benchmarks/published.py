@@ -26,7 +26,8 @@ activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 
 built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-Core's Mixtral
 8x7B with expert parallelism (heldout_moe.csv); NeMo AutoModel's Llama 3 70B with context
 parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv); and
-FP8 runs of Megatron-Bridge (H100, B200, GB200) and torchtitan (H200) (heldout_fp8.csv).
+FP8 runs of Megatron-Bridge (H100, B200, GB200) and torchtitan (H200) (heldout_fp8.csv); and NVIDIA's
+DGX Cloud recipes, BF16 and FP8 runs of the same configurations on H100 and GB200 (heldout_dgxc.csv).
 Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a cluster
 trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 tests/test_published.py runs every file and keeps each within the errors the README reports.
@@ -44,12 +45,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from planner.cluster import load_cluster  # noqa: E402
 from planner.cost import estimate  # noqa: E402
 from planner.model import ConfigError, ModelConfig  # noqa: E402
 from planner.build import build_plan  # noqa: E402
 from planner.moe import MoESpec  # noqa: E402
+from run_settings import RUN_SETTINGS, source_settings  # noqa: E402
 
 DEFAULT_CSV = ROOT.parent / "shared" / "reference" / "published_runs.csv"
 HELDOUT_CSV = ROOT / "benchmarks" / "heldout_runs.csv"
@@ -118,6 +121,17 @@ NEMO_AUTOMODEL_CSV = ROOT / "benchmarks" / "heldout_nemo_automodel.csv"
 # tables ran 500 W-capped 96 GB H100s, a part no profile describes: their speedups are compared
 # instead (benchmarks/fp8_speedup.py).
 FP8_CSV = ROOT / "benchmarks" / "heldout_fp8.csv"
+# NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking): the BF16 and FP8 step
+# times of the same configuration. Release v25.04.01 (commit 85380ff), DGX H100: llama3.1/README.md,
+# Llama 3.1 8B on 8 GPUs (CP 2 x DP 4), 70B on 64 (BF16 TP 4 x PP 4 x CP 2, FP8 TP 4 x PP 8, VP 5),
+# 405B on 512 (TP 8 x PP 8 x CP 2, VP 8), NeMo 25.02.01 (NeMo d2b21556f: the recipes' performance
+# mode, bf16_with_fp8_mixed: delayed scaling with FP8 parameters); nemo_megatron/README_175b.md,
+# GPT-3 175B on 128 (TP 4 x PP 8, VP 6, sequence 2048, dropout 0.1; cfg/gpt3_175b_hydra.yaml: the
+# same FP8 recipe, fp8_params). Release v25.05 (68eaf7e), GB200 NVL72: Llama 3.1 405B on 128 (TP 4 x
+# PP 8 x CP 2, VP 8, GBS 64), NeMo 25.04.01 (NeMo 7a8f1cc7b: fp8_recipe "ds", delayed). Each
+# configuration's smallest GPU count beyond the proxies (the tables weak-scale it); the settings
+# every recipe shares are in run_settings.py.
+DGXC_CSV = ROOT / "benchmarks" / "heldout_dgxc.csv"
 # BigScience's BLOOM (github.com/bigscience-workshop/bigscience at 9e64ede, train/tr11-176B-ml/):
 # every "Sec/it" row of chronicles-prequel.md with NHIDDEN 14336 and 64 heads (February 2022,
 # fp16; each the second iteration of a run, as that file says), its rows with the final 70 layers
@@ -130,121 +144,6 @@ FP8_CSV = ROOT / "benchmarks" / "heldout_fp8.csv"
 # so its network is priced faster than it was. The training run set CUDA_LAUNCH_BLOCKING=1
 # (tr11-176B-ml.slurm), which their own measurement put at up to 7% slower (chronicles-prequel.md).
 BLOOM_CSV = ROOT / "benchmarks" / "heldout_bloom.csv"
-# published/trained before May 2022 (FlashAttention); Korthikanti et al. 2022 (arXiv 2205.05198,
-# May 2022) ran Megatron-LM's own softmax kernels
-BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-2022-table5", "korthikanti-2022-section6",
-                          "bigscience-tr11-2022"}
-# What each source states (or its framework implies) beyond its rows, one entry per source; the
-# defaults, for sources not listed, are in source_settings.
-# - attention: before FlashAttention (BEFORE_FLASH_ATTENTION) a materialized softmax; MosaicML's
-#   benchmark sets the MPT model's attn_impl to its --attn_impl, default "triton"
-#   (submit_benchmarks.py at b2a43a147), the Triton FlashAttention kernel.
-# - dropout: Megatron-LM's default 0.1 for GPT runs, none for Llama; MPT's dropouts (attn_pdrop,
-#   resid_pdrop, emb_pdrop) default to 0.
-# - elementwise_kernels (planner.pointwise): Megatron-LM (and Megatron-DeepSpeed, MT-NLG's model
-#   code) runs fused kernels (megatron/fused_kernels: scale + mask + softmax, layer norm; bias + GeLU
-#   and bias + dropout + add fused by the JIT); MPT's blocks are native LayerNorm (low_precision_
-#   layernorm) and GELU kernels with a fused Wqkv, what `fused` counts; Llama 3 does not say, and a
-#   400 TFLOP/s run fuses its norms and rotary embeddings. torchtitan's blocks are eager PyTorch as
-#   trident's are: rotary embeddings as a complex multiply in float32, SwiGLU as silu and a
-#   product; its train configs at that commit set norm_type "fused_rmsnorm" (a Triton kernel) for
-#   the 13B model and "rmsnorm" (eager) for the 70B ones, which the 70B rows (FSDP only, unlike
-#   those configs' TP 8) may or may not have kept. NeMo AutoModel's recipe compiles the model
-#   (enable_compile): Inductor fuses its norms, rotary embeddings and SwiGLU, what `fused` counts.
-# - fsdp_copies (planner.precision.fsdp_copy_bytes): torchtitan and NeMo AutoModel run FSDP2, as
-#   trident's runtime does; Megatron-LM's DDP, DeepSpeed's ZeRO and PyTorch's FSDP1 (MosaicML) gather into and reduce
-#   from flat buffers.
-# - zeros: Megatron-LM in 2021 had no ZeRO (Narayanan et al. SC'21 compare against ZeRO-3
-#   separately); MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; MosaicML's rows ran FSDP
-#   FULL_SHARD, torchtitan's and NeMo AutoModel's FSDP2 resharding after forward (ZeRO-3); Llama 3
-#   does not say: search.
-SOURCES = {
-    "megatron-sc21-table1": dict(zeros=(0,)),
-    "mt-nlg-530b": dict(zeros=(1,)),
-    "korthikanti-2022-table5": dict(zeros=(0,)),
-    "korthikanti-2022-section6": dict(zeros=(0,)),
-    "mosaicml-llm-foundry-2023": dict(attention="flash-triton", dropout=0.0, zeros=(3,)),
-    "torchtitan-2024": dict(elementwise_kernels="eager", fsdp_copies=True, zeros=(3,)),
-    "bigscience-tr11-2022": dict(zeros=(1,)),
-    "megatron-core-v0.8": dict(zeros=(1,)),
-    "megatron-core-v0.9": dict(zeros=(1,)),
-    "nemo-automodel-2026": dict(fsdp_copies=True, zeros=(3,)),
-    "torchtitan-trainy-2025": dict(fsdp_copies=True, zeros=(3,)),
-    "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,)),
-    "torchtitan-2025-06": dict(fsdp_copies=True, zeros=(3,)),
-    "torchao-2025-03": dict(fsdp_copies=True, zeros=(3,)),
-}
-
-
-def source_settings(source: str, arch: str) -> dict:
-    """attention, dropout, elementwise_kernels, fsdp_copies and the ZeRO levels to try for a source."""
-    return {"attention": "unfused" if source in BEFORE_FLASH_ATTENTION else "flash",
-            "dropout": 0.1 if arch == "gpt" else 0.0, "elementwise_kernels": "fused", "fsdp_copies": False,
-            "zeros": (0, 1, 2, 3), **SOURCES.get(source, {})}
-
-
-# Megatron-LM's scripts for the SC21 paper, examples/sc21/run_table_1.sh at tag v2.6 (commit
-# 3860e99526, 2021-08-27; added in de7dc40f88 "scripts for sc21"): per model size MBS,
-# --num-layers-per-virtual-pipeline-stage (v = layers / pp / that) and --DDP-impl. `torch` is
-# PyTorch DDP, whose bucketed all-reduce overlaps the backward; `local` is Megatron's own DDP,
-# which all-reduces the gradient buffer from train_step after forward_backward_func returns
-# (megatron/training.py and megatron/model/distributed.py at tag v2.5): not overlapped.
-_SC21 = {  # model: (micro_batch, virtual_stages, DDP impl)
-    "gpt-1.7b": (16, 1, "torch"), "gpt-3.6b": (16, 1, "torch"), "gpt-7.5b": (16, 1, "torch"),
-    "gpt-18.4b": (8, 1, "torch"), "gpt-39.1b": (4, 1, "local"), "gpt-76.1b": (2, 3, "local"),
-    "gpt-145.6b": (2, 2, "local"), "gpt-310.1b": (1, 2, "local"), "gpt-529.6b": (1, 3, "local"),
-    "gpt-1008b": (1, 1, "local")}
-# Pipeline transfers: Megatron-LM's --scatter-gather-tensors-in-pipeline is on by default at tag
-# v2.5 (megatron/arguments.py; megatron/p2p_communication.py splits the tensor over the TP ranks and
-# all-gathers it on arrival; SC'21 section 4.1).
-# Gradients of fp16 runs add up in fp16: local DDP's main_grad buffer takes the parameter's dtype
-# unless --accumulate-allreduce-grads-in-fp32 (megatron/model/distributed.py at v2.5), PyTorch DDP
-# accumulates into the fp16 .grad.
-RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=v, overlap_grad_reduce=ddp == "torch",
-                                                  p2p="scatter-gather", grad_accumulation="separate-16bit")
-                for m, (b, v, ddp) in _SC21.items()}
-# MT-NLG trained with DeepSpeed's pipeline engine (Smith et al. 2022, section 2.3): its
-# TrainSchedule issues ReduceGrads after the last micro-batch (not overlapped) and runs the
-# 1F1B steps in lock-step with blocking neighbour send/recv (deepspeed/runtime/pipe/schedule.py
-# and p2p.py at tag v0.5.8, 2021-11-30).
-# Its engine partitions the tensors it sends between stages over the TP group (is_pipe_partitioned
-# and is_grad_partitioned whenever model parallel, deepspeed/runtime/pipe/engine.py at v0.5.8).
-# It trained "with mixed precision using 16-bit bfloat" (Smith et al. 2022, arXiv 2201.11990,
-# "Hardware System"), where the CSV says fp16: DeepSpeed v0.5.8 runs bf16 only under ZeRO, whose
-# stage 1 with a pipeline lets each micro-batch's gradients add up in the bf16 .grad until
-# ReduceGrads (deepspeed/runtime/zero/stage2.py, reduce_gradients), as fp16 ones would, without a
-# loss scale; the A100 runs both at the same rate: the three predictions move by under 0.01%.
-RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, lockstep=True, p2p="scatter-gather",
-                                                     grad_accumulation="separate-16bit", dtype="bf16")
-# BLOOM's runs (BLOOM_CSV): the same engine; fp16 gradients add up in fp16, the BF16 optimizer's in fp32
-for _m, _acc in (("tr11-fp16", "separate-16bit"), ("tr11-bf16", "separate-fp32")):
-    RUN_SETTINGS[("bigscience-tr11-2022", _m)] = dict(RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")],
-                                                       grad_accumulation=_acc, dtype=None)
-# Korthikanti et al. 2022, section 6: "three interleaving stages (m = 3) for the 175B and 530B
-# models" (the 1T model without interleaving), and section 6.3: "we do not use any overlapping of
-# gradient all-reduces with back-propagation". Megatron-LM then (main at 2022-05-15, commit 35a3fa8)
-# runs the backward's TP all-reduces beside the weight-gradient GEMMs by default
-# (--no-async-tensor-model-parallel-allreduce to disable; since 2021-09-02, commit 16c90445e7,
-# after the SC'21 scripts), keeps scatter/gather pipeline transfers on, and for bf16 (which forces
-# fp32 gradient accumulation) adds each micro-batch's weight gradient inside its GEMM
-# (--no-gradient-accumulation-fusion to disable; megatron/arguments.py at that commit).
-for _src in ("korthikanti-2022-table5", "korthikanti-2022-section6"):
-    for _m, _v in (("gpt-22b", 1), ("gpt-175b", 3), ("gpt-530b", 3), ("gpt-1t", 1)):
-        RUN_SETTINGS[(_src, _m)] = dict(virtual_stages=_v, overlap_grad_reduce=False, p2p="scatter-gather",
-                                        async_tp_allreduce=True, grad_accumulation="fused")
-
-
-# Megatron-Core's MoE rows (MOE_CSV): interleaved 1F1B with one block a chunk (VP 8 of 32 blocks
-# over PP 4); the distributed optimizer (ZeRO 1) with --overlap-grad-reduce, as the README's Mixtral
-# training example sets; gradient accumulation fused into the weight-gradient GEMMs (TransformerEngine's
-# GroupedLinear "support Gradient Accumulation Fusion", the same README; Megatron-LM's default for bf16)
-for _src in ("megatron-core-v0.8", "megatron-core-v0.9"):
-    RUN_SETTINGS[(_src, "mixtral-8x7b")] = dict(virtual_stages=8, overlap_grad_reduce=True, grad_accumulation="fused")
-for _src, _m in (("megatron-bridge-25.09", "llama3-8b"), ("megatron-bridge-25.11", "llama3-8b"),
-                 ("megatron-bridge-25.11", "llama3-70b"), ("megatron-bridge-26.04.01", "llama3-70b"),
-                 ("megatron-bridge-25.11", "llama3.1-405b"), ("megatron-bridge-26.06", "llama3.1-405b"),
-                 ("megatron-bridge-26.04.01", "llama3.1-405b")):
-    RUN_SETTINGS[(_src, _m)] = dict(overlap_grad_reduce=True, grad_accumulation="fused-16bit", tp_comm_overlap=True)
 
 
 def row_model(row) -> ModelConfig:
@@ -375,7 +274,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
     ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV, MOE_CSV,
-                                                          NEMO_AUTOMODEL_CSV, FP8_CSV)],
+                                                          NEMO_AUTOMODEL_CSV, FP8_CSV, DGXC_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")

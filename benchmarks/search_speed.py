@@ -122,7 +122,8 @@ def speed(args) -> int:
 
 
 def quality(args) -> int:
-    from benchmarks.published import BEFORE_FLASH_ATTENTION, predict_row
+    from benchmarks.published import predict_row
+    from benchmarks.run_settings import BEFORE_FLASH_ATTENTION
     from planner.cluster import load_cluster
     from planner.search import search
 

@@ -10,9 +10,11 @@ layers, whose output layer is not a TransformerEngine module; torchao's convert_
 as torchtitan calls it, its filter leaving out the output projection). An MoE block's router and
 shared-expert gate stay in 16 bits too (their outputs are a few columns wide).
 
-Priced per FP8 product (planner.layers.layer_cost): the three GEMMs at the device's FP8 rate
-(device.peak_flops.fp8 x matmul_efficiency.fp8: Bekman's MAMF table for H100, H200, B200, B300 and
-GB200; an A100 has no FP8 tensor cores and refuses the option), reading 8-bit operands; and the
+Priced per FP8 product (planner.layers.layer_cost): the three GEMMs at the device's FP8 rate for
+their shape (fp8_rate: the sustained curve device.matmul_flops_by_size.fp8 where the profile has
+one, Azure's cuBLASLt sweeps after 10,000 warm-up products for H100, H200 and GB200; else
+peak_flops.fp8 x matmul_efficiency.fp8, Bekman's MAMF table, for B200 and B300; an A100 has no FP8
+tensor cores and refuses the option), reading 8-bit operands; and the
 casts of its three operands, the input (once where two products share it: SwiGLU's gate and up),
 the weight and the output gradient, memory-bound kernels moving CAST_BYTES[recipe] bytes per
 16-bit element (cast_bytes):
@@ -65,13 +67,15 @@ def cast_bytes(recipe: str, elementwise_kernels: str) -> float:
     return CAST_BYTES[recipe] - (AMAX_PASS[recipe] if elementwise_kernels == "fused" else 0.0)
 
 
-def fp8_rate(device) -> float:
-    """The device's sustained FP8 GEMM rate; a ConfigError naming the field where it has none."""
+def fp8_rate(device):
+    """The device's FP8 GEMM rate, a function (M, N, K) -> FLOP/s (DeviceSpec.gemm_flops_per_s:
+    its sustained curve where the profile has one, else peak x matmul_efficiency); a ConfigError
+    naming the field where the device has no FP8 rate."""
     if "fp8" not in device.peak_flops:
         raise ConfigError(f"training.fp8: the profile's device ({device.name or 'unnamed'}) gives no FP8 rate "
                           "(device.peak_flops.fp8; FP8 tensor cores start with Hopper); plan without --fp8, or "
                           "add peak_flops.fp8 and matmul_efficiency.fp8 to the profile")
-    return device.matmul_flops_per_s("fp8")
+    return lambda M, N, K: device.gemm_flops_per_s("fp8", M, N, K)
 
 
 def is_fp8_product(model, gemm: tuple) -> bool:
@@ -87,12 +91,14 @@ def shared_input(model, gemm: tuple) -> int:
     return 2 if model.arch == "llama" and gemm[0] % 2 == 0 else 1
 
 
-def fp8_gemm_time(gemm: tuple, rate: float, bw: float) -> float:
-    """Roofline time of a forward product (count, M, N, K) on FP8 tensor cores at `rate` (fp8_rate):
-    8-bit operands in, a 16-bit output. The backward's two products each take as long (the
-    caller's rule for every product)."""
+def fp8_gemm_time(gemm: tuple, rate, bw: float) -> float:
+    """Roofline time of a forward product (count, M, N, K) on FP8 tensor cores at `rate` (FLOP/s, or
+    fp8_rate's function of the shape, a batched call sized as one product `count` times as tall, as
+    planner.layers.gemm_time): 8-bit operands in, a 16-bit output. The backward's two products
+    each take as long (the caller's rule for every product)."""
     c, M, N, K = gemm
-    return c * max(2.0 * M * N * K / rate, (M * K + K * N + 2.0 * M * N) / bw)
+    r = rate(c * M, N, K) if callable(rate) else rate
+    return c * max(2.0 * M * N * K / r, (M * K + K * N + 2.0 * M * N) / bw)
 
 
 def fp8_cast_times(model, t, gemms: list, device, micro_batches: int) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """FP8 linears (planner.fp8): the blocks' products at the FP8 rate, their casts by recipe, the
 weight copies a recipe keeps, and what is refused."""
 import json
+import math
 
 import pytest
 
@@ -8,7 +9,7 @@ from planner.build import build_plan
 from planner.cli import main as cli_main
 from planner.cluster import load_cluster
 from planner.cost import estimate
-from planner.fp8 import CAST_BYTES, cast_bytes
+from planner.fp8 import CAST_BYTES, cast_bytes, fp8_rate
 from planner.layers import layer_cost
 from planner.model import ConfigError
 from planner.plan import Plan
@@ -29,16 +30,35 @@ def block(plan, cluster=H100):
     return layer_cost(plan, cluster, 1, stage, plan.mesh.group("tp", pp=0, dp=0))
 
 
+# Azure's sustained cuBLASLt FP8 sweep on an ND H100 v5 (m = n = k, TFLOPS; profiles/hardware/
+# dgx-h100-80gb.json, device.matmul_flops_by_size.fp8)
+AZURE_H100_FP8 = [(1024, 274.1), (2048, 1011.3), (4096, 1216.9), (8192, 1290.1), (16384, 1377.3), (32768, 1382.2)]
+
+
+def azure_h100_fp8(M, N, K):
+    """FLOP/s of an M x K by K x N FP8 product on the H100 curve: the cube of equal arithmetic
+    intensity (edge 3MNK / (MK + KN + MN)), linear in log(edge) between the table's sizes."""
+    edge = 3 * M * N * K / (M * K + K * N + M * N)
+    for (e1, r1), (e2, r2) in zip(AZURE_H100_FP8, AZURE_H100_FP8[1:]):
+        if e1 <= edge <= e2:
+            return 1e12 * (r1 + (r2 - r1) * math.log(edge / e1) / math.log(e2 / e1))
+    raise AssertionError(edge)
+
+
 def test_the_block_linears_run_at_the_fp8_rate_with_their_casts():
-    """Closed form for a Llama block (tp 1, tokens T = 4096): the linears' FLOPs 2T(hq + 2h kv +
-    h q + 3hf) move from the BF16 rate to the FP8 one, and the casts add their bytes."""
+    """Closed form for a Llama block (tp 1, tokens T = 4096): each linear's FLOPs move from the
+    BF16 rate to the FP8 one of its shape (QKV T x h x (q + 2kv), the output projection T x q x h,
+    gate and up as one 2T x h x f product, down T x f x h), and the casts add their bytes."""
     m, T = ZOO["llama3-8b"], 4096
     h, f, q, kv = m.hidden, m.ffn_hidden, m.q_dim, m.kv_dim
-    flops = 2 * T * (h * (q + 2 * kv) + h * q + 3 * h * f)
+    products = [(T, q + 2 * kv, h), (T, h, q), (2 * T, f, h), (T, h, f)]  # (M, N, K)
+    flops = sum(2 * M * N * K for M, N, K in products)
+    assert flops == 2 * T * (h * (q + 2 * kv) + h * q + 3 * h * f)
     weights = h * (q + 2 * kv) + q * h + 3 * h * f
     inputs = T * (h + q + h + f)  # QKV's, the output projection's, gate and up's (one), down's
     grads = T * ((q + 2 * kv) + h + 2 * f + h)
-    bf16, fp8 = H100.device.matmul_flops_per_s("bf16"), 1979e12 * 0.709
+    bf16 = H100.device.matmul_flops_per_s("bf16")
+    gain = sum(2 * M * N * K * (1 / bf16 - 1 / azure_h100_fp8(M, N, K)) for M, N, K in products)  # compute-bound
     bw = H100.device.memory_bytes_per_s
     base = block(plan_for())
     for recipe, cached in (("tensorwise", False), ("current", True), ("delayed", True), ("mxfp8", True)):
@@ -46,7 +66,6 @@ def test_the_block_linears_run_at_the_fp8_rate_with_their_casts():
         mbs = 32 // 8  # micro-batches of one sequence a step on each of 8 data-parallel ranks
         cast_f = CAST_BYTES[recipe] * (inputs + weights / (mbs if cached else 1)) / bw
         cast_b = CAST_BYTES[recipe] * grads / bw
-        gain = flops / bf16 - flops / fp8  # every product compute-bound at these sizes
         assert base.fwd_compute_s - c.fwd_compute_s == pytest.approx(gain - cast_f, rel=1e-6)
         assert base.bwd_compute_s - c.bwd_compute_s == pytest.approx(2 * gain - cast_b, rel=1e-6)
         assert base.bwd_weight_s - c.bwd_weight_s == pytest.approx(gain, rel=1e-6)
@@ -58,7 +77,7 @@ def test_the_block_linears_run_at_the_fp8_rate_with_their_casts():
     assert [cast_bytes(r, "fused") for r in ("tensorwise", "current", "delayed")] == [4, 4, 4]
     fused = block(plan_for(fp8="current", elementwise_kernels="fused")), block(plan_for(elementwise_kernels="fused"))
     cached = 4 * (inputs + weights / (32 // 8)) / bw  # the fused forward's casts, at 4 bytes
-    assert fused[1].fwd_compute_s - fused[0].fwd_compute_s == pytest.approx(flops / bf16 - flops / fp8 - cached)
+    assert fused[1].fwd_compute_s - fused[0].fwd_compute_s == pytest.approx(gain - cached)
 
 
 def test_fp8_speeds_a_step_and_keeps_weight_copies_where_the_recipe_caches_them():
@@ -114,13 +133,26 @@ def test_a_device_without_fp8_is_refused_in_one_line(capsys):
 
 
 def test_every_shipped_fp8_rate_is_below_its_peak_and_twice_bf16s():
+    """Peaks from the datasheets, burst rates (MAMF) within 60-80% of them, and the sustained
+    curves (H100, H200, GB200) below the burst rate at every size; B200 and B300, with no curve,
+    run every shape at the burst rate."""
     from pathlib import Path
+    curves = set()
     for path in sorted(Path(__file__).resolve().parent.parent.glob("profiles/hardware/*.json")):
         dev = load_cluster(str(path)).device
         if "fp8" not in dev.peak_flops:
             continue
         assert dev.peak_flops["fp8"] == 2 * dev.peak_flops["bf16"]  # every datasheet here: FP8 doubles BF16
         assert 0.6 < dev.matmul_efficiency["fp8"] < 0.8
+        burst = dev.matmul_flops_per_s("fp8")
+        if dev.matmul_by_size.get("fp8"):
+            curves.add(path.stem)
+            assert all(r < burst for _, r in dev.matmul_by_size["fp8"])
+        else:
+            assert fp8_rate(dev)(8192, 8192, 8192) == fp8_rate(dev)(1024, 2048, 512) == burst
+    assert curves == {"dgx-h100-80gb", "hgx-h200-141gb", "gb200-nvl72-186gb"}
+    assert fp8_rate(H100.device)(8192, 8192, 8192) == pytest.approx(1290.1e12)
+    assert fp8_rate(H100.device)(6144, 12288, 12288) == pytest.approx(azure_h100_fp8(6144, 12288, 12288))
 
 
 def test_fp8_parameters_are_gathered_in_a_byte_and_held_once():
