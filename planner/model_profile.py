@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 from planner.model import ConfigError, ModelConfig
 from planner.model_profile_checks import check_model_profile
 from planner.plan import split_backward
+from planner.unmeasured import unmeasured, unmeasured_delta
 
 if TYPE_CHECKING:  # annotations only: planner.cost and planner.plan import this module's users
     from planner.cluster import ClusterSpec
@@ -303,10 +304,11 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
                 dpm = dict(dpm, optimizer_s=max(0.0, dpm["optimizer_s"] + more / cluster.device.memory_bytes_per_s))
     # the measured step of the layer's parameters, of those the rank holds under expert parallelism
     opt = dpm["optimizer_s"] if dpm else fit.optimizer_s * params / (fit.param_bytes / DTYPES[profile.param_dtype])
-    # measured without any of these
-    if t.dropout > 0 or t.attention_dropout_p > 0 or t.document_mask or t.moe_load_factor != 1 or plan.mesh.ep > 1:
-        fwd, bwd, act, replay = (x + d for x, d in zip((fwd, bwd, act, replay), unmeasured_delta(plan, cluster, index,
-                                                                                                    stage, tp_ranks)))
+    # measured without any of these (planner.unmeasured)
+    if unmeasured(plan):
+        d = unmeasured_delta(plan, cluster, index, stage, tp_ranks)
+        fwd, bwd, act, replay = (x + dx for x, dx in zip((fwd, bwd, act, replay), d))
+        tp_f, tp_b = max(0.0, tp_f + d[4]), max(0.0, tp_b + d[5])
     wshare = 0.0
     if plan.pipeline.schedule == "zbv":  # the weights' share of the measured backward, as the analytic
         analytic = layer_cost(plan, cluster, index, stage, tp_ranks)  # model splits it (measured whole)
@@ -314,24 +316,6 @@ def profiled_layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Sta
     ep_f, ep_b = expert_parallel_comm(cluster, plan, kind, rec, tp_ranks)
     return LayerCost(fwd, bwd, tp_f, tp_b, act, replay, params, opt, dpm, bwd_weight_s=bwd * wshare,
                      fwd_cp_s=cp_f, bwd_cp_s=cp_b, fwd_ep_s=ep_f, bwd_ep_s=ep_b, expert_params=experts)
-
-
-def unmeasured_delta(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ranks: list) -> tuple:
-    """(forward s, backward s, kept bytes, replay bytes) the plan's dropout, document mask, MoE
-    load factor (its busiest expert's rows beyond the mean) and expert parallelism's local copies
-    (planner.moe.dispatch_bytes) add to a layer, as the analytic model prices them
-    (planner.layers.layer_cost with and without): a model profile is measured without any
-    (runtime.profile_model; random weights route about evenly)."""
-    from types import SimpleNamespace
-    from planner.layers import layer_cost
-    without = dict(training=dataclasses.replace(plan.training, dropout=0.0, attention_dropout=0.0, document_mask=False,
-                                                moe_load_factor=1.0), mesh=dataclasses.replace(plan.mesh, ep=1))
-    # a Plan, or the search's stand-in for one (planner.search.Ctx.layers)
-    plain = (dataclasses.replace(plan, **without) if dataclasses.is_dataclass(plan)
-             else SimpleNamespace(**{**vars(plan), **without}))
-    a, b = layer_cost(plan, cluster, index, stage, tp_ranks), layer_cost(plain, cluster, index, stage, tp_ranks)
-    return (a.fwd_compute_s - b.fwd_compute_s, a.bwd_compute_s - b.bwd_compute_s,
-            a.activation_bytes - b.activation_bytes, a.replay_bytes - b.replay_bytes)
 
 
 def dp_at_plan_ranks(dpm: dict, cluster, zero: int, nbytes: tuple, plan_ranks: list, measured_ranks: list) -> dict:

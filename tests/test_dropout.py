@@ -172,7 +172,7 @@ def test_plan_files_and_the_command_line_carry_both_dropouts(tmp_path):
 def test_a_model_profile_measured_without_dropout_gets_its_price(model_profile, cluster_profile, extra, layers):
     """runtime.profile_model measures layers without dropout or a document mask; a plan with them
     priced from it pays their masks and kernels as the analytic model prices them, in the layers
-    they touch (planner.model_profile.unmeasured_delta)."""
+    they touch (planner.unmeasured.unmeasured_delta)."""
     from planner.layers import layer_cost
     from planner.model_profile import load_model_profile, profiled_layer_cost
     mp, cluster = load_model_profile(str(model_profile)), load_cluster(str(cluster_profile))
@@ -204,3 +204,27 @@ def test_a_hugging_face_config_that_trains_with_dropout_gets_a_note(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     assert "trident: note:" in runs[0].stderr and "--dropout 0.1 --attention-dropout 0.05" in runs[0].stderr
     assert "note" not in runs[1].stderr
+
+
+@pytest.mark.parametrize("extra", [dict(elementwise_kernels="fused"), dict(tp_comm_overlap=True)])
+def test_a_model_profile_prices_the_kernels_the_runtime_does_not_run(model_profile, cluster_profile, extra):
+    """runtime.profile_model times the runtime's eager elementwise kernels and its TP collectives
+    after their GEMMs; a plan with fused kernels, or with sequence parallelism's collectives beside
+    the GEMMs, is priced from the profile plus the analytic model's difference, in compute or in TP
+    time, not as if it ran the runtime's (planner.unmeasured)."""
+    from planner.layers import layer_cost
+    from planner.model_profile import load_model_profile, profiled_layer_cost
+    mp, cluster = load_model_profile(str(model_profile)), load_cluster(str(cluster_profile))
+    plans = [build_plan(ZOO["tiny"], cluster_name=cluster.name, device=cluster.device.name, nodes=1, devices_per_node=2,
+                        global_batch=8, micro_batch=2, seq_len=32, tp=2, sequence_parallel=True, dtype="fp32",
+                        **kw) for kw in ({}, extra)]
+    stage, ranks = plans[0].pipeline.stages[0], [0, 1]
+    got = [profiled_layer_cost(p, cluster, 1, stage, ranks, mp) for p in plans]  # a block
+    want = [layer_cost(p, cluster, 1, stage, ranks) for p in plans]
+    moved = 0
+    for field in ("fwd_compute_s", "bwd_compute_s", "fwd_tp_s", "bwd_tp_s", "activation_bytes"):
+        delta = getattr(want[1], field) - getattr(want[0], field)
+        assert delta <= 0 and getattr(got[1], field) - getattr(got[0], field) == pytest.approx(delta), field
+        moved += delta < 0
+    assert moved and estimate(plans[1], cluster, model_profile=mp).step_time_s < estimate(
+        plans[0], cluster, model_profile=mp).step_time_s
