@@ -200,11 +200,14 @@ def test_measured_activations_are_positive_and_grow_with_the_micro_batch(model_p
     """A guard: in the benchmark's profiles (4 processes) garbage of earlier passes freed inside
     the window made points negative (the head at micro-batch 1 in every round), and gloo's
     buffers in flight moved TP points by tens of percent; each point is now the median of
-    several forwards after a garbage collection, with the collector off."""
+    several forwards after a garbage collection, with the collector off. Growth is asserted where
+    the layer keeps more than the heap's noise: a fully recomputed block keeps its input alone, 16
+    KiB a sequence of the tiny model (measured 41 -> 57 KiB from micro-batch 1 to 2, 45 -> 52 at
+    CP 2), and one CI run of session 55 measured it 71 -> 54 KiB."""
     for e in json.loads(model_profile.read_text())["entries"]:
         acts = [p[3] for p in e["points"]]
         assert all(a > 0 for a in acts), (e["layer"], e["tp"], e["recompute"], acts)
-        if e["tp"] == 1:  # no collectives in the forward: the heap moves only with the layer
+        if e["tp"] == 1 and e["recompute"] != "full":  # no collectives in the forward: the heap moves with the layer
             assert acts == sorted(acts) and acts[-1] > acts[0], (e["layer"], e["recompute"], acts)
 
 

@@ -121,7 +121,16 @@ def losses_of(run_json: Path) -> list[float]:
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    """The run exited 0; else its output's end and, where the ranks' errors are longer than that,
+    the first error from its start (the rank that failed first writes it before the others echo
+    the broken connections it leaves)."""
+    if proc.returncode == 0:
+        return
+    err = proc.stderr
+    first = min((i for i in (err.find("Traceback"), err.find("malloc"), err.find("Fatal Python")) if i >= 0),
+                default=-1)
+    head = f"\n-- the first error --\n{err[first:first + 4000]}\n-- the end --" if 0 <= first < len(err) - 6000 else ""
+    raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}{head}\n{err[-6000:]}")
 
 
 def assert_same_losses(got: list[float], want: list[float], what: str) -> None:
