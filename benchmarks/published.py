@@ -25,7 +25,7 @@ activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 
 13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
 built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-Core's Mixtral
 8x7B with expert parallelism (heldout_moe.csv); NeMo AutoModel's Llama 3 70B with context
-parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv); and
+parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv);
 FP8 runs of Megatron-Bridge (H100, B200, GB200) and torchtitan (H200) (heldout_fp8.csv); and NVIDIA's
 DGX Cloud recipes, BF16 and FP8 runs of the same configurations on H100 and GB200 (heldout_dgxc.csv).
 Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a cluster

@@ -113,11 +113,14 @@ for _src in ("korthikanti-2022-table5", "korthikanti-2022-section6"):
 # GroupedLinear "support Gradient Accumulation Fusion", the same README; Megatron-LM's default for bf16)
 for _src in ("megatron-core-v0.8", "megatron-core-v0.9"):
     RUN_SETTINGS[(_src, "mixtral-8x7b")] = dict(virtual_stages=8, overlap_grad_reduce=True, grad_accumulation="fused")
+# Megatron-Bridge's and NeMo's performance configurations (heldout_fp8.csv, heldout_dgxc.csv: the
+# sources in benchmarks/published.py and below)
+_NEMO_PERF = dict(overlap_grad_reduce=True, grad_accumulation="fused-16bit", tp_comm_overlap=True)
 for _src, _m in (("megatron-bridge-25.09", "llama3-8b"), ("megatron-bridge-25.11", "llama3-8b"),
                  ("megatron-bridge-25.11", "llama3-70b"), ("megatron-bridge-26.04.01", "llama3-70b"),
                  ("megatron-bridge-25.11", "llama3.1-405b"), ("megatron-bridge-26.06", "llama3.1-405b"),
                  ("megatron-bridge-26.04.01", "llama3.1-405b")):
-    RUN_SETTINGS[(_src, _m)] = dict(overlap_grad_reduce=True, grad_accumulation="fused-16bit", tp_comm_overlap=True)
+    RUN_SETTINGS[(_src, _m)] = _NEMO_PERF
 # NVIDIA's DGX Cloud benchmarking recipes (DGXC_CSV in benchmarks/published.py): every run with the
 # distributed optimizer (ZeRO 1) overlapping its reductions and gathers, TP communication beside
 # the GEMMs (MegatronCommOverlapCallback tp_comm_overlap=True with userbuffers, in the 70B and 405B
@@ -127,4 +130,4 @@ for _src, _m in (("megatron-bridge-25.09", "llama3-8b"), ("megatron-bridge-25.11
 # llama31_405b.py at NeMo d2b21556f and 7a8f1cc7b), the GPT-3 config grad_sync_dtype bf16
 for _src, _m in (("dgxc-25.04.01", "llama3.1-8b"), ("dgxc-25.04.01", "llama3.1-70b"), ("dgxc-25.04.01", "llama3.1-405b"),
                  ("dgxc-25.04.01", "gpt3-175b"), ("dgxc-25.05", "llama3.1-405b")):
-    RUN_SETTINGS[(_src, _m)] = dict(overlap_grad_reduce=True, grad_accumulation="fused-16bit", tp_comm_overlap=True)
+    RUN_SETTINGS[(_src, _m)] = _NEMO_PERF

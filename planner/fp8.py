@@ -92,13 +92,12 @@ def shared_input(model, gemm: tuple) -> int:
 
 
 def fp8_gemm_time(gemm: tuple, rate, bw: float) -> float:
-    """Roofline time of a forward product (count, M, N, K) on FP8 tensor cores at `rate` (FLOP/s, or
-    fp8_rate's function of the shape, a batched call sized as one product `count` times as tall, as
+    """Roofline time of a forward product (count, M, N, K) on FP8 tensor cores at fp8_rate's `rate`
+    for its shape (a batched call sized as one product `count` times as tall, as
     planner.layers.gemm_time): 8-bit operands in, a 16-bit output. The backward's two products
     each take as long (the caller's rule for every product)."""
     c, M, N, K = gemm
-    r = rate(c * M, N, K) if callable(rate) else rate
-    return c * max(2.0 * M * N * K / r, (M * K + K * N + 2.0 * M * N) / bw)
+    return c * max(2.0 * M * N * K / rate(c * M, N, K), (M * K + K * N + 2.0 * M * N) / bw)
 
 
 def fp8_cast_times(model, t, gemms: list, device, micro_batches: int) -> tuple[float, float]:

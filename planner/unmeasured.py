@@ -6,21 +6,25 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from planner.plan import Training
+
 if TYPE_CHECKING:
     from planner.cluster import ClusterSpec
     from planner.plan import Plan, Stage
 
-# what runtime.profile_model measures a layer with: training fields a plan may set otherwise, the
-# runtime's kernels (no FP8 linears, its eager elementwise kernels, TP collectives after their
-# GEMMs: planner/fp8.py, planner/pointwise.py, planner/comm.py), no dropout or document mask, even
-# routing; and no expert parallelism (the mesh's ep)
-MEASURED_WITH = dict(dropout=0.0, attention_dropout=0.0, document_mask=False, moe_load_factor=1.0, fp8=None,
-                     fp8_param_gather=False, elementwise_kernels="eager", tp_comm_overlap=False,
-                     async_tp_allreduce=False)
+# what runtime.profile_model measures a layer with, training fields a plan may set otherwise, at
+# their defaults (planner.plan.Training: the runtime's): no dropout or document mask, even routing,
+# the runtime's kernels (no FP8 linears, its eager elementwise kernels, TP collectives after their
+# GEMMs: planner/fp8.py, planner/pointwise.py, planner/comm.py); and no expert parallelism (the
+# mesh's ep)
+MEASURED_WITH = {f.name: f.default for f in dataclasses.fields(Training) if f.name in (
+    "dropout", "attention_dropout", "document_mask", "moe_load_factor", "fp8", "fp8_param_gather",
+    "elementwise_kernels", "tp_comm_overlap", "async_tp_allreduce")}
 
 
 def unmeasured(plan) -> bool:
-    """Whether the plan sets anything a model profile is measured without (MEASURED_WITH)."""
+    """Whether the plan sets anything a model profile is measured without (MEASURED_WITH; an
+    attention dropout left to follow the hidden one, by its probability)."""
     t = plan.training
     return plan.mesh.ep > 1 or t.attention_dropout_p > 0 or any(
         getattr(t, k) != v for k, v in MEASURED_WITH.items() if k != "attention_dropout")
