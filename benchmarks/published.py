@@ -27,7 +27,8 @@ built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-
 8x7B with expert parallelism (heldout_moe.csv); NeMo AutoModel's Llama 3 70B with context
 parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv);
 FP8 runs of Megatron-Bridge (H100, B200, GB200) and torchtitan (H200) (heldout_fp8.csv); and NVIDIA's
-DGX Cloud recipes, BF16 and FP8 runs of the same configurations on H100 and GB200 (heldout_dgxc.csv).
+DGX Cloud recipes, BF16 and FP8 runs of the same configurations on H100 and GB200 (heldout_dgxc.csv);
+and Megatron-Core's weak-scaling runs on H100s (heldout_megatron_core.csv).
 Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a cluster
 trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 tests/test_published.py runs every file and keeps each within the errors the README reports.
@@ -144,6 +145,15 @@ DGXC_CSV = ROOT / "benchmarks" / "heldout_dgxc.csv"
 # so its network is priced faster than it was. The training run set CUDA_LAUNCH_BLOCKING=1
 # (tr11-176B-ml.slurm), which their own measurement put at up to 7% slower (chronicles-prequel.md).
 BLOOM_CSV = ROOT / "benchmarks" / "heldout_bloom.csv"
+# Megatron-LM's H100 weak-scaling table (README.md and images/model_table.png of github.com/NVIDIA/
+# Megatron-LM, added in f2e5db402c, 2024-07-15; the figures' legend: Megatron-Core r0.8.0): GPT models
+# of 1.7B to 462B parameters on 48 to 6,144 H100s, vocabulary 131,072, sequences of 4,096, TP, PP,
+# DP 48 and batch as printed, per-GPU TFLOP/s (their MFU column is that over 989.4). The parameter
+# counts printed are those of untied embeddings and output weights (1.75B, 7.13B, ... 461.5B), GELU
+# MLPs of 4h, learned positions (Megatron's defaults). Micro-batch, virtual stages and recomputation
+# are not printed: searched. TFLOP/s count num_floating_point_operations at core_r0.8.0 (no
+# recomputation), which equals trident's model FLOPs for these shapes.
+MEGATRON_CORE_CSV = ROOT / "benchmarks" / "heldout_megatron_core.csv"
 
 
 def row_model(row) -> ModelConfig:
@@ -151,7 +161,8 @@ def row_model(row) -> ModelConfig:
     moe = MoESpec(int(row["experts"]), int(row["experts_per_token"])) if row.get("experts") else None
     return ModelConfig(name=row["model"], arch=arch, layers=int(row["layers"]), hidden=int(row["hidden"]),
                        ffn_hidden=int(row["ffn_hidden"]), heads=int(row["heads"]), kv_heads=int(row["kv_heads"]),
-                       vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), tie_embeddings=(arch == "gpt"), moe=moe,
+                       vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), moe=moe,
+                       tie_embeddings=row["tie_embeddings"] == "true" if row.get("tie_embeddings") else arch == "gpt",
                        head_dim=int(row["head_dim"]) if row.get("head_dim") else None,
                        qk_norm=row.get("qk_norm") == "true")
 
@@ -173,8 +184,8 @@ def candidates(row, model, gpus, framework: bool = True):
     if sched == "interleaved-1f1b" and pp > 1:
         vs = [v for v in range(1, 9) if pp * v <= model.num_layers_total]
     vs = [known["virtual_stages"]] if "virtual_stages" in known else [int(row["vp"])] if row.get("vp") else vs
-    how = {k: known[k] for k in ("overlap_grad_reduce", "lockstep", "p2p", "async_tp_allreduce", "grad_accumulation",
-                                 "tp_comm_overlap")
+    how = {k: known[k] for k in ("overlap_grad_reduce", "overlap_param_gather", "lockstep", "p2p", "async_tp_allreduce",
+                                 "grad_accumulation", "tp_comm_overlap")
            if k in known and framework}
     how.update(recv_buffers="in-flight", sent_outputs="freed")
     if row.get("tp_comm_overlap"):  # a column of its own (benchmarks/fp8_speedup.py's pairs)
@@ -274,7 +285,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
     ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV, MOE_CSV,
-                                                          NEMO_AUTOMODEL_CSV, FP8_CSV, DGXC_CSV)],
+                                                          NEMO_AUTOMODEL_CSV, FP8_CSV, DGXC_CSV, MEGATRON_CORE_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")

@@ -41,6 +41,7 @@ SOURCES = {
     "bigscience-tr11-2022": dict(zeros=(1,)),
     "megatron-core-v0.8": dict(zeros=(1,)),
     "megatron-core-v0.9": dict(zeros=(1,)),
+    "megatron-core-r0.8-h100": dict(zeros=(1,)),
     "nemo-automodel-2026": dict(fsdp_copies=True, zeros=(3,)),
     "torchtitan-trainy-2025": dict(fsdp_copies=True, zeros=(3,)),
     "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,)),
@@ -79,7 +80,9 @@ RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=
 # MT-NLG trained with DeepSpeed's pipeline engine (Smith et al. 2022, section 2.3): its
 # TrainSchedule issues ReduceGrads after the last micro-batch (not overlapped) and runs the
 # 1F1B steps in lock-step with blocking neighbour send/recv (deepspeed/runtime/pipe/schedule.py
-# and p2p.py at tag v0.5.8, 2021-11-30).
+# and p2p.py at tag v0.5.8, 2021-11-30); its ZeRO stage 1 all-gathers the updated parameters inside
+# the optimizer step, right after the update ("gather the updated weights from everyone",
+# deepspeed/runtime/zero/stage2.py).
 # Its engine partitions the tensors it sends between stages over the TP group (is_pipe_partitioned
 # and is_grad_partitioned whenever model parallel, deepspeed/runtime/pipe/engine.py at v0.5.8).
 # It trained "with mixed precision using 16-bit bfloat" (Smith et al. 2022, arXiv 2201.11990,
@@ -87,8 +90,9 @@ RUN_SETTINGS = {("megatron-sc21-table1", m): dict(micro_batch=b, virtual_stages=
 # stage 1 with a pipeline lets each micro-batch's gradients add up in the bf16 .grad until
 # ReduceGrads (deepspeed/runtime/zero/stage2.py, reduce_gradients), as fp16 ones would, without a
 # loss scale; the A100 runs both at the same rate: the three predictions move by under 0.01%.
-RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, lockstep=True, p2p="scatter-gather",
-                                                     grad_accumulation="separate-16bit", dtype="bf16")
+RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")] = dict(overlap_grad_reduce=False, overlap_param_gather=False, lockstep=True,
+                                                     p2p="scatter-gather", grad_accumulation="separate-16bit",
+                                                     dtype="bf16")
 # BLOOM's runs (BLOOM_CSV): the same engine; fp16 gradients add up in fp16, the BF16 optimizer's in fp32
 for _m, _acc in (("tr11-fp16", "separate-16bit"), ("tr11-bf16", "separate-fp32")):
     RUN_SETTINGS[("bigscience-tr11-2022", _m)] = dict(RUN_SETTINGS[("mt-nlg-530b", "mt-nlg-530b")],
@@ -108,7 +112,8 @@ for _src in ("korthikanti-2022-table5", "korthikanti-2022-section6"):
 
 
 # Megatron-Core's MoE rows (MOE_CSV): interleaved 1F1B with one block a chunk (VP 8 of 32 blocks
-# over PP 4); the distributed optimizer (ZeRO 1) with --overlap-grad-reduce, as the README's Mixtral
+# over PP 4); the distributed optimizer (ZeRO 1) with --overlap-grad-reduce and --overlap-param-gather
+# (the parameters gathered in the next forward), as the README's Mixtral
 # training example sets; gradient accumulation fused into the weight-gradient GEMMs (TransformerEngine's
 # GroupedLinear "support Gradient Accumulation Fusion", the same README; Megatron-LM's default for bf16)
 for _src in ("megatron-core-v0.8", "megatron-core-v0.9"):
@@ -131,3 +136,11 @@ for _src, _m in (("megatron-bridge-25.09", "llama3-8b"), ("megatron-bridge-25.11
 for _src, _m in (("dgxc-25.04.01", "llama3.1-8b"), ("dgxc-25.04.01", "llama3.1-70b"), ("dgxc-25.04.01", "llama3.1-405b"),
                  ("dgxc-25.04.01", "gpt3-175b"), ("dgxc-25.05", "llama3.1-405b")):
     RUN_SETTINGS[(_src, _m)] = _NEMO_PERF
+# Megatron-LM's H100 weak-scaling runs (heldout_megatron_core.csv): its README names
+# --overlap-grad-reduce --overlap-param-gather (which needs the distributed optimizer: ZeRO 1) and
+# --tp-comm-overlap (which needs sequence parallelism); bf16 forces fp32 gradient accumulation and
+# reduction, and gradient accumulation fusion is on by default (megatron/training/arguments.py at
+# core_r0.8.0)
+for _m in ("gpt-1.7b", "gpt-7.1b", "gpt-16b", "gpt-32b", "gpt-70b", "gpt-119b", "gpt-177b", "gpt-314b", "gpt-462b"):
+    RUN_SETTINGS[("megatron-core-r0.8-h100", _m)] = dict(overlap_grad_reduce=True, grad_accumulation="fused",
+                                                         tp_comm_overlap=True)

@@ -1,6 +1,7 @@
 """The default search against a variant of it, on random problems.
 
-    python benchmarks/search_variants.py --variant hsdp|rank-splits [--seed N] [--problems N]
+    python benchmarks/search_variants.py --variant hsdp|rank-splits|quick-rank-split|thorough [--seed N]
+        [--problems N] [--one-plan]
 
 Each problem (a model, a cluster, a number of nodes, a global batch and a sequence length; the
 clusters are shipped profiles and profiles derived from them with fewer or slower NICs, as
@@ -11,7 +12,14 @@ replicas where that is faster, planner.hsdp.with_hsdp):
 - `hsdp`: the default (flat plans found, split afterwards) against `--dp-replicate all` (the
   replica count a dimension of the search, planner.configs.allowed_replicas);
 - `rank-splits`: the search without the full sweep's rank-balanced splits of ranks of several
-  chunks (SearchSpace.rank_splits False, as before session 43) against the default.
+  chunks (SearchSpace.rank_splits False, as before session 43) against the default;
+- `quick-rank-split`: the quick pass without the rank-balanced split at the best bottleneck
+  (SearchSpace.quick_rank_split False, as before session 56) against the default;
+- `thorough`: the default against `--thorough` (SearchSpace.thorough: every configuration its
+  bound cannot rule out split in full).
+
+`--one-plan`: each search asked for one flat plan alone, as `trident search --dp-replicate 1 --top 1`
+runs it (the quick key prunes more than with HSDP's pool).
 
 The table gives each one's best step time and mesh (tp, pp, replicas x shards, schedule), their
 ratio (first / second: above 1, the second is faster) and the two wall times; then how many
@@ -54,14 +62,18 @@ def cluster(name: str, nodes: int):
     return cluster_from_dict(derived, source=name).with_nodes(nodes)
 
 
-def best_of(model, cl, space, **kw):
-    """(the best plan's Found or None, seconds), as `trident search` finds it in `space`."""
+def best_of(model, cl, space, one_plan=False, **kw):
+    """(the best plan's Found or None, seconds), as `trident search` finds it in `space` (with
+    `one_plan`, as `--dp-replicate 1 --top 1`)."""
     from planner.hsdp import HSDP_POOL, with_hsdp
     from planner.model import ConfigError
     from planner.search import search
     t = time.perf_counter()
     try:
-        found = with_hsdp(search(model, cl, top=HSDP_POOL, space=space, **kw).results, cl)
+        if one_plan:
+            found = search(model, cl, top=1, space=space, **kw).results
+        else:
+            found = with_hsdp(search(model, cl, top=HSDP_POOL, space=space, **kw).results, cl)
     except ConfigError:
         found = []
     return (found[0] if found else None), time.perf_counter() - t
@@ -71,12 +83,17 @@ def spaces(variant: str):
     from planner.search import SearchSpace
     if variant == "hsdp":
         return SearchSpace(), SearchSpace(dp_replicate=None)
+    if variant == "quick-rank-split":
+        return SearchSpace(quick_rank_split=False), SearchSpace()
+    if variant == "thorough":
+        return SearchSpace(), SearchSpace(thorough=True)
     return SearchSpace(rank_splits=False), SearchSpace()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", choices=("hsdp", "rank-splits"), required=True)
+    ap.add_argument("--variant", choices=("hsdp", "rank-splits", "quick-rank-split", "thorough"), required=True)
+    ap.add_argument("--one-plan", action="store_true", help="one flat plan a search (--dp-replicate 1 --top 1)")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--problems", type=int, default=40)
     args = ap.parse_args(argv)
@@ -93,7 +110,7 @@ def main(argv=None) -> int:
         m, c = rng.choice(MODELS), rng.choice(sorted(CLUSTERS))
         nodes, gb, seq = rng.choice([1, 2, 3, 4, 8, 16]), rng.choice([32, 64, 128, 256, 512]), rng.choice([2048, 4096])
         model, cl = load_model(m), cluster(c, nodes)
-        (a, ta), (b, tb) = (best_of(model, cl, space, global_batch=gb, seq_len=seq)
+        (a, ta), (b, tb) = (best_of(model, cl, space, one_plan=args.one_plan, global_batch=gb, seq_len=seq)
                             for space in (first_space, second_space))
         ratio = a.estimate.step_time_s / b.estimate.step_time_s if a and b else None
         if ratio is not None:

@@ -106,7 +106,9 @@ class Bounds:
         alphas, betas = [], []
         for z in self.zeros:
             a_s, b_s = ab(lambda g: g[1] if z == 0 else lambda n: g[2](n) + rep(n / dp)) if dp > 1 else (0.0, 0.0)
-            a_g, b_g = ab(lambda g: g[0]) if (dp > 1 and z in (1, 2)) else (0.0, 0.0)
+            # ZeRO-1/2's gather after the step; beside the next forward its exposed part may be 0
+            a_g, b_g = (ab(lambda g: g[0]) if (dp > 1 and z in (1, 2) and not ctx.train.overlap_param_gather)
+                        else (0.0, 0.0))
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
             betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
                          + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
@@ -287,7 +289,8 @@ class Bounds:
             ag = s_ag * e if z == 3 else 0.0
             sync = (s_ar if z == 0 else s_rs) * ctx.gb
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
-            step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) else 0.0)
+            gathers = z in (1, 2) and not ctx.train.overlap_param_gather  # else possibly hidden (config_bound)
+            step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if gathers else 0.0)
             if cfg.v == 1:  # evaluate counts the sync of a rank's first stage (HSDP: and the replicas')
                 step += sync + (s_rep if z >= 1 else 0.0)
             w = ctx.work  # in a forward or backward, as work (planner.menus: shared compute)

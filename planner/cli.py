@@ -94,7 +94,8 @@ def cmd_plan(args) -> int:
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
         recv_buffers=args.recv_buffers, p2p=args.p2p, sent_outputs=args.sent_outputs,
-        overlap_grad_reduce=not args.no_overlap_grad_reduce, async_tp_allreduce=args.async_tp_allreduce,
+        overlap_grad_reduce=not args.no_overlap_grad_reduce, overlap_param_gather=not args.no_overlap_param_gather,
+        async_tp_allreduce=args.async_tp_allreduce,
         grad_accumulation=args.grad_accumulation,
         attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
         sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep,
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce data-parallel gradients after the whole backward (Megatron-LM v2 local DDP, DeepSpeed pipeline)")
+    p.add_argument("--no-overlap-param-gather", action="store_true",
+                   help="ZeRO 1/2: all-gather the updated parameters after the optimizer step, not in the next forward "
+                        "(DeepSpeed's ZeRO 1, Megatron-LM's distributed optimizer without --overlap-param-gather)")
     p.add_argument("--lockstep", action="store_true",
                    help="1f1b ranks advance in lock-step with blocking exchanges (DeepSpeed's pipeline engine); prediction only")
     p.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="in-flight",

@@ -51,6 +51,9 @@ class SearchSpace:
     # with several chunks a rank the full sweep also tries rank-balanced splits
     # (planner.rank_split); False leaves them out (benchmarks/search_variants.py)
     rank_splits: bool = True
+    # with several chunks a rank the quick pass tries the rank-balanced split at the best
+    # bottleneck too (session 56); False: its stage-level split alone, as before
+    quick_rank_split: bool = True
 
 
 @dataclass(frozen=True)

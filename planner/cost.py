@@ -244,8 +244,10 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                 if si["zero"] in (1, 2):  # once a step: the runtime keeps them gathered until then
                     ex = si.get("expert_params", 0.0)
                     pe = si["gathered_bytes"]
-                    gather += cluster.collective_time("all_gather", (si["params"] - ex) * pe, dp_ranks)
-                    gather += cluster.collective_time("all_gather", ex * pe, ex_ranks) if ex else 0.0
+                    ag = cluster.collective_time("all_gather", (si["params"] - ex) * pe, dp_ranks)
+                    ag += cluster.collective_time("all_gather", ex * pe, ex_ranks) if ex else 0.0
+                    # in the next step's first forward, as ZeRO 3's forward gathers beside its compute
+                    gather += max(0.0, ag - si["fwd_compute_s"]) if t.overlap_param_gather else ag
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         at_norm.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))

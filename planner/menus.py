@@ -227,6 +227,9 @@ class Menus:
         # HSDP: each stage's reduced shard all-reduced across the replicas once a step (planner.cost)
         replicas = (np.array([self.rep_ar((x + xx * (cfg.ep - 1)) * ctx.gb / dp) for x, xx in zip(Ps, X)])
                     if self.rep_shape else 0.0)
+        # ZeRO 1/2's gather once a step, in the next first forward beside its compute (planner.cost)
+        fwd = np.array([k * blk[0].fwd_compute_s for k in ks]) + sum(x.fwd_compute_s for x in ends)
+        gathered_step = np.maximum(0.0, gathered - fwd) if ctx.train.overlap_param_gather else gathered
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
@@ -257,7 +260,7 @@ class Menus:
                 shift[zi] = copy_b
                 beside_k[zi] = np.where(exposed, beside, np.nan)
             opt = (P + X * (cfg.ep - 1)) / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
-            gather = (gathered if z in (1, 2) else 0.0) + copy_s
+            gather = (gathered_step if z in (1, 2) else 0.0) + copy_s
             # all FSDP2's buffers depend on, and k
             extra = (z, dp, mbs > 1, split, cfg.v > 1, cfg.pp == 1, blk[0].params, groups)
             if len(ctx._fsdp_extra.get(extra, ())) <= max(ks):  # every k up to the largest, at once

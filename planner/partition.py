@@ -15,7 +15,8 @@ candidate. With v > 1 the DP gives each chunk 1/v of its rank's memory (safe, no
 candidate's memory is then checked exactly (the schedule's micro-batches in flight per chunk).
 With v > 1 the full sweep also balances ranks rather than stages (planner.rank_split: a rank's chunks
 summed, under the sweep's first bottlenecks as caps on a stage), which the stage-level min-max
-and the one-block polish do not reach where balancing takes moving blocks across several ranks.
+and the one-block polish do not reach where balancing takes moving blocks across several ranks;
+the quick pass (planner.search's key) tries the one at the best bottleneck too.
 Each candidate gets the lower bound LB of planner.search's docstring.
 """
 from __future__ import annotations
@@ -262,6 +263,13 @@ class Inner(StageCosts):
                 continue
             seen.add(tuple(sz))
             sweep.append(self._assign(opts, sz))
+        if quick and self.cfg.v > 1 and self.ctx.space.quick_rank_split:
+            # several chunks a rank: the stage-level min-max can load a rank with two heavy chunks,
+            # so the split that balances ranks at T* too (one split; polished below if among the best two)
+            sz = rank_split(cost, self.L, self.stages_of, tstar)
+            if sz is not None and tuple(sz) not in seen:
+                seen.add(tuple(sz))
+                sweep.append(self._assign(opts, sz))
         out = [(lb, a) for a, lb in zip(sweep, self.evaluate_many(sweep)) if lb is not None]
         if quick and self.cfg.v == 1:
             return out

@@ -56,11 +56,11 @@ SP_SAVED_INPUTS = ("gathered", "shard")  # see Training.sp_saved_inputs
 LR_DECAYS = ("constant", "linear", "cosine")  # see Training.lr_decay
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
-ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "overlap_grad_reduce", "async_tp_allreduce",
-                              "grad_accumulation", "elementwise_kernels",
-                              "fsdp_copies", "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
-                              "min_lr", "attention_dropout", "document_mask",
-                              "eod_mask_loss", "reset_position_ids", "moe_aux_loss", "moe_load_factor"),
+ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
+                              "async_tp_allreduce", "grad_accumulation", "elementwise_kernels", "fsdp_copies",
+                              "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr",
+                              "attention_dropout", "document_mask", "eod_mask_loss", "reset_position_ids",
+                              "moe_aux_loss", "moe_load_factor"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp", "ep")}
 
 
@@ -120,6 +120,9 @@ class Training:
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
     # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule
     overlap_grad_reduce: bool = True
+    # ZeRO 1/2 gather the updated parameters in the next forward, beside it (FSDP2, Megatron-LM's --overlap-
+    # param-gather); false: after the optimizer step (DeepSpeed's ZeRO 1, Megatron-LM's default); planner.cost
+    overlap_param_gather: bool = True
     # the backward's TP all-reduce of each column-parallel linear's input gradient runs alongside
     # that linear's weight-gradient GEMM (Megatron-LM from September 2021, --no-async-tensor-model-
     # parallel-allreduce to disable; planner.cost); DTensor's tensor parallelism, the runtime's, does not

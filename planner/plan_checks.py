@@ -59,6 +59,7 @@ def check(plan) -> None:
     _one_of(t.attention, ATTENTION_KERNELS, "training.attention")
     _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
     _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
+    _need(isinstance(t.overlap_param_gather, bool), "training.overlap_param_gather", "must be true or false")
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
     _need(isinstance(t.tp_comm_overlap, bool), "training.tp_comm_overlap", "must be true or false")
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")

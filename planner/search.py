@@ -32,10 +32,11 @@ queue's smallest key reaches the K-th best price. All three keys are valid lower
 bounds when the inner problem is enumerated (few layers and options: exact, which the tests check
 against brute force); for large inner problems the dynamic programme first yields the partition
 at the best bottleneck (with several chunks a rank, polished by moving blocks, as the full sweep
-does), whose LB is used as the key before the full threshold sweep (a heuristic: it is not a
-bound on that configuration's other partitions; where that partition does not fit, the key stays
-the configuration's bound). `SearchSpace.thorough` keeps the configuration's bound as its key:
-on 48 problems with top 1 it found 1 plan 1.4% faster, at 1.5x the time (docs/HISTORY.md, session 25).
+does, beside the split balancing ranks at that bottleneck), whose LB is used as the key before
+the full threshold sweep (a heuristic: it is not a bound on that configuration's other
+partitions; where that partition does not fit, the key stays the configuration's bound).
+`SearchSpace.thorough` keeps the configuration's bound as its key: on 48 problems with top 1 it
+found 1 plan 1.4% faster, at 1.5x the time (docs/HISTORY.md, session 25).
 """
 from __future__ import annotations
 

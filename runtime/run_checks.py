@@ -78,6 +78,7 @@ PREDICTION_ONLY = (
     ("training.fp8", None, "TransformerEngine's or torchao's FP8 linears (planner.fp8)"),
     ("training.fp8_param_gather", False, "FP8 parameters (Megatron-LM's --fp8-param-gather)"),
     ("training.overlap_grad_reduce", True, "Megatron-LM's local DDP or DeepSpeed's pipeline engine"),
+    ("training.overlap_param_gather", True, "DeepSpeed's ZeRO 1 or Megatron-LM's distributed optimizer by default"),
     ("training.async_tp_allreduce", False, "Megatron-LM"),
     ("training.tp_comm_overlap", False, "TransformerEngine's userbuffers or torchtitan's async TP"),
     ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),

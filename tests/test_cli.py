@@ -90,10 +90,12 @@ def test_execution_flags_reach_the_plan_and_the_estimate(tmp_path, capsys):
     assert main(base) == 0
     default = json.loads(capsys.readouterr().out)
     out = tmp_path / "plan.json"
-    assert main(base + ["--no-overlap-grad-reduce", "--lockstep", "--sent-outputs", "freed", "-o", str(out)]) == 0
+    assert main(base + ["--no-overlap-grad-reduce", "--no-overlap-param-gather", "--lockstep", "--sent-outputs", "freed",
+                        "-o", str(out)]) == 0
     deepspeed_like = json.loads(capsys.readouterr().out)
     written = json.loads(out.read_text())
     assert written["training"]["overlap_grad_reduce"] is False and written["pipeline"]["lockstep"] is True
+    assert written["training"]["overlap_param_gather"] is False
     assert written["pipeline"]["sent_outputs"] == "freed"
     assert deepspeed_like["peak_memory_bytes"] < default["peak_memory_bytes"]
     assert main(base + ["--recv-buffers", "preallocated"]) == 0  # torch.distributed.pipelining's own buffers

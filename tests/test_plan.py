@@ -62,6 +62,7 @@ def edit(plan, path, value):
     ("model.arch", "bert", "model.arch"),
     ("training.micro_batch", KeyError, "training.micro_batch"),
     ("training.overlap_grad_reduce", "no", "training.overlap_grad_reduce"),
+    ("training.overlap_param_gather", 0, "training.overlap_param_gather"),
     ("pipeline.lockstep", 1, "pipeline.lockstep"),
     ("pipeline.recv_buffers", "reused", "pipeline.recv_buffers"),
     ("pipeline.sent_outputs", "dropped", "pipeline.sent_outputs"),

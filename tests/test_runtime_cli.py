@@ -89,6 +89,7 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
 
 @pytest.mark.parametrize("change, field", [
     (dict(overlap_grad_reduce=False), "training.overlap_grad_reduce"),
+    (dict(overlap_param_gather=False), "training.overlap_param_gather"),
     (dict(dtype="bf16", master_weights=False), "training.master_weights"),
     (dict(attention="unfused"), "training.attention"),
     (dict(attention="flash-triton"), "training.attention"),

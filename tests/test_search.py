@@ -259,7 +259,7 @@ EP_SPACES = {  # a ZeRO level a stage, or ZB-V with the EP group across nodes (d
             plan_level((1, 3), ("none", "full")))}
 
 
-@pytest.mark.parametrize("kind,limit,spread", [("stage", 1.45, True), ("stage", 1.5, True), ("stage", 1.6, False),
+@pytest.mark.parametrize("kind,limit,spread", [("stage", 1.45, True), ("stage", 1.5, True), ("stage", 2.0, False),
                                                ("zbv", 1.3, None), ("zbv", 1.4, True), ("zbv", 1.6, True),
                                                ("zbv", 80.0, False)])
 def test_expert_parallel_degrees_equal_exhaustive_enumeration(kind, limit, spread):
