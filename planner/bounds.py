@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from planner.comm import gather_beside_forward
 from planner.layers import tied_head
 from planner.memory import held_i_to_w_bytes
 from planner.schedule import interleaved_sequence, rank_order
@@ -107,8 +108,8 @@ class Bounds:
         for z in self.zeros:
             a_s, b_s = ab(lambda g: g[1] if z == 0 else lambda n: g[2](n) + rep(n / dp)) if dp > 1 else (0.0, 0.0)
             # ZeRO-1/2's gather after the step; beside the next forward its exposed part may be 0
-            a_g, b_g = (ab(lambda g: g[0]) if (dp > 1 and z in (1, 2) and not ctx.train.overlap_param_gather)
-                        else (0.0, 0.0))
+            after = dp > 1 and z in (1, 2) and not gather_beside_forward(ctx.train, ctx.cluster)
+            a_g, b_g = ab(lambda g: g[0]) if after else (0.0, 0.0)
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
             betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
                          + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
@@ -289,7 +290,7 @@ class Bounds:
             ag = s_ag * e if z == 3 else 0.0
             sync = (s_ar if z == 0 else s_rs) * ctx.gb
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
-            gathers = z in (1, 2) and not ctx.train.overlap_param_gather  # else possibly hidden (config_bound)
+            gathers = z in (1, 2) and not gather_beside_forward(ctx.train, ctx.cluster)  # else possibly hidden
             step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if gathers else 0.0)
             if cfg.v == 1:  # evaluate counts the sync of a rank's first stage (HSDP: and the replicas')
                 step += sync + (s_rep if z >= 1 else 0.0)

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
-from planner.comm import clip_norm_comm, runtime_sync, tied_grad_comm
+from planner.comm import clip_norm_comm, gather_beside_forward, runtime_sync, tied_grad_comm
 from planner.fp8 import gathered_bytes_per_param
 from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
 from planner.memory import memory_by_rank
@@ -247,7 +247,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                     ag = cluster.collective_time("all_gather", (si["params"] - ex) * pe, dp_ranks)
                     ag += cluster.collective_time("all_gather", ex * pe, ex_ranks) if ex else 0.0
                     # in the next step's first forward, as ZeRO 3's forward gathers beside its compute
-                    gather += max(0.0, ag - si["fwd_compute_s"]) if t.overlap_param_gather else ag
+                    gather += max(0.0, ag - si["fwd_compute_s"]) if gather_beside_forward(t, cluster) else ag
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         at_norm.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))

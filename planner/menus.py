@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner.comm import gather_beside_forward
 from planner.layers import tied_head
 from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups
 from planner.memory import (accumulation_bytes, document_mask_bytes, first_backward_bytes, held_i_to_w_bytes,
@@ -229,7 +230,7 @@ class Menus:
                     if self.rep_shape else 0.0)
         # ZeRO 1/2's gather once a step, in the next first forward beside its compute (planner.cost)
         fwd = np.array([k * blk[0].fwd_compute_s for k in ks]) + sum(x.fwd_compute_s for x in ends)
-        gathered_step = np.maximum(0.0, gathered - fwd) if ctx.train.overlap_param_gather else gathered
+        gathered_step = np.maximum(0.0, gathered - fwd) if gather_beside_forward(ctx.train, ctx.cluster) else gathered
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder

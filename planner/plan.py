@@ -120,8 +120,8 @@ class Training:
     # data-parallel gradient reduction overlaps the backward (FSDP2 / replicate hooks); false: it runs
     # after the whole backward (Megatron-LM v2.x local DDP, DeepSpeed's pipeline engine), planner.schedule
     overlap_grad_reduce: bool = True
-    # ZeRO 1/2 gather the updated parameters in the next forward, beside it (FSDP2, Megatron-LM's --overlap-
-    # param-gather); false: after the optimizer step (DeepSpeed's ZeRO 1, Megatron-LM's default); planner.cost
+    # ZeRO 1/2 gather the updated parameters in the next forward, beside it on GPUs (FSDP2, Megatron's --overlap-
+    # param-gather); false: after the optimizer step (DeepSpeed's ZeRO 1); planner.comm.gather_beside_forward
     overlap_param_gather: bool = True
     # the backward's TP all-reduce of each column-parallel linear's input gradient runs alongside
     # that linear's weight-gradient GEMM (Megatron-LM from September 2021, --no-async-tensor-model-
