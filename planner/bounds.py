@@ -105,11 +105,10 @@ class Bounds:
             lines = [(f(1.0) - (f(2.0) - f(1.0)), f(2.0) - f(1.0)) for f in map(pick, groups)]
             return min(a for a, _ in lines), min(b for _, b in lines)
         alphas, betas = [], []
+        hidden = gather_beside_forward(ctx.train, ctx.cluster)  # ZeRO-1/2's gather: its exposed part may be 0
         for z in self.zeros:
             a_s, b_s = ab(lambda g: g[1] if z == 0 else lambda n: g[2](n) + rep(n / dp)) if dp > 1 else (0.0, 0.0)
-            # ZeRO-1/2's gather after the step; beside the next forward its exposed part may be 0
-            after = dp > 1 and z in (1, 2) and not gather_beside_forward(ctx.train, ctx.cluster)
-            a_g, b_g = ab(lambda g: g[0]) if after else (0.0, 0.0)
+            a_g, b_g = ab(lambda g: g[0]) if (dp > 1 and z in (1, 2) and not hidden) else (0.0, 0.0)
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
             betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
                          + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
@@ -285,13 +284,13 @@ class Bounds:
         rep_shape = ctx.replicas(cfg)[1]  # HSDP: the shard all-reduced across the replicas once a step
         s_rep = ctx.cluster.seconds_per_byte("all_reduce", rep_shape) * ctx.gb / dp if rep_shape else 0.0
         out = []
+        hidden = gather_beside_forward(ctx.train, ctx.cluster)  # ZeRO-1/2's gather (config_bound)
         for z in self.zeros:
             state, (copy_f, copy_b, copy_s) = self._per_param(z)
             ag = s_ag * e if z == 3 else 0.0
             sync = (s_ar if z == 0 else s_rs) * ctx.gb
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
-            gathers = z in (1, 2) and not gather_beside_forward(ctx.train, ctx.cluster)  # else possibly hidden
-            step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if gathers else 0.0)
+            step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) and not hidden else 0.0)
             if cfg.v == 1:  # evaluate counts the sync of a rank's first stage (HSDP: and the replicas')
                 step += sync + (s_rep if z >= 1 else 0.0)
             w = ctx.work  # in a forward or backward, as work (planner.menus: shared compute)

@@ -257,19 +257,17 @@ class Inner(StageCosts):
         if len(Ts) > 12:
             Ts = Ts[np.unique(np.linspace(0, len(Ts) - 1, 12).astype(int))]
         seen, sweep = set(), []
+
+        def add(sz, into):  # a split (block counts) not seen yet, assigned its options
+            if sz is not None and tuple(sz) not in seen:
+                seen.add(tuple(sz))
+                into.append(self._assign(opts, sz))
         for T in [tstar] if quick else [tstar, *Ts]:
-            _, sz = run(T)
-            if sz is None or tuple(sz) in seen:
-                continue
-            seen.add(tuple(sz))
-            sweep.append(self._assign(opts, sz))
+            add(run(T)[1], sweep)
         if quick and self.cfg.v > 1 and self.ctx.space.quick_rank_split:
             # several chunks a rank: the stage-level min-max can load a rank with two heavy chunks,
             # so the split that balances ranks at T* too (one split; polished below if among the best two)
-            sz = rank_split(cost, self.L, self.stages_of, tstar)
-            if sz is not None and tuple(sz) not in seen:
-                seen.add(tuple(sz))
-                sweep.append(self._assign(opts, sz))
+            add(rank_split(cost, self.L, self.stages_of, tstar), sweep)
         out = [(lb, a) for a, lb in zip(sweep, self.evaluate_many(sweep)) if lb is not None]
         if quick and self.cfg.v == 1:
             return out
@@ -291,10 +289,7 @@ class Inner(StageCosts):
             # others (their bounds are loose, planner.search prices a few of them besides)
             ranked = []
             for T in [tstar, *Ts[:3]]:
-                sz = rank_split(cost, self.L, self.stages_of, T)
-                if sz is not None and tuple(sz) not in seen:
-                    seen.add(tuple(sz))
-                    ranked.append(self._assign(opts, sz))
+                add(rank_split(cost, self.L, self.stages_of, T), ranked)
             self.rank_balanced = [(lb, a) for a, lb in zip(ranked, self.evaluate_many(ranked)) if lb is not None]
             if S <= 16 and self.rank_balanced:
                 lb, assign = min(self.rank_balanced, key=lambda x: x[0])
