@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from planner.comm import gather_beside_forward
+from planner.comm import gather_beside_forward, reduce_beside_backward
 from planner.layers import tied_head
 from planner.memory import held_i_to_w_bytes
 from planner.schedule import interleaved_sequence, rank_order
@@ -106,8 +106,9 @@ class Bounds:
             return min(a for a, _ in lines), min(b for _, b in lines)
         alphas, betas = [], []
         hidden = gather_beside_forward(ctx.train, ctx.cluster)  # ZeRO-1/2's gather: its exposed part may be 0
+        synced = dp > 1 and not reduce_beside_backward(ctx.train, ctx.cluster)  # so may the gradients' reduction
         for z in self.zeros:
-            a_s, b_s = ab(lambda g: g[1] if z == 0 else lambda n: g[2](n) + rep(n / dp)) if dp > 1 else (0.0, 0.0)
+            a_s, b_s = ab(lambda g: g[1] if z == 0 else lambda n: g[2](n) + rep(n / dp)) if synced else (0.0, 0.0)
             a_g, b_g = ab(lambda g: g[0]) if (dp > 1 and z in (1, 2) and not hidden) else (0.0, 0.0)
             alphas.append((a_s + a_g) if cfg.v == 1 else 0.0)
             betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
@@ -285,13 +286,14 @@ class Bounds:
         s_rep = ctx.cluster.seconds_per_byte("all_reduce", rep_shape) * ctx.gb / dp if rep_shape else 0.0
         out = []
         hidden = gather_beside_forward(ctx.train, ctx.cluster)  # ZeRO-1/2's gather (config_bound)
+        beside_b = reduce_beside_backward(ctx.train, ctx.cluster)  # and the gradients' reduction
         for z in self.zeros:
             state, (copy_f, copy_b, copy_s) = self._per_param(z)
             ag = s_ag * e if z == 3 else 0.0
             sync = (s_ar if z == 0 else s_rs) * ctx.gb
             beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
             step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) and not hidden else 0.0)
-            if cfg.v == 1:  # evaluate counts the sync of a rank's first stage (HSDP: and the replicas')
+            if cfg.v == 1 and not beside_b:  # evaluate counts a rank's first stage's sync (HSDP: and the replicas')
                 step += sync + (s_rep if z >= 1 else 0.0)
             w = ctx.work  # in a forward or backward, as work (planner.menus: shared compute)
             c = w * (copy_f + copy_b) + step / mbs

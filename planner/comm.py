@@ -108,6 +108,19 @@ def gather_beside_forward(training, cluster: ClusterSpec) -> bool:
     return training.overlap_param_gather and cluster.backend != "gloo"
 
 
+def reduce_beside_backward(training, cluster: ClusterSpec) -> bool:
+    """Whether a stage's data-parallel gradient reduction runs beside its own last backward, block
+    by block as each block's gradients are complete (training.overlap_grad_reduce on a GPU
+    cluster): FSDP2 reduce-scatters each block's gradients in its post-backward hook, Megatron-LM's
+    DDP each bucket of max(40M, 1M x dp) parameters once its gradients are all in (megatron/core/
+    distributed/ at core_r0.8.0: distributed_data_parallel.py's bucket_size, param_and_grad_buffer.py's
+    register_grad_ready), both on a stream of their own. CPU processes (gloo) compute on the host,
+    and the step's reduction starts when the last of the time-sliced processes ends its backward
+    (measured inside w4-dp4's step, docs/HISTORY.md session 21): there it stays after the stage's
+    last backward."""
+    return training.overlap_grad_reduce and cluster.backend != "gloo"
+
+
 def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool, partial_bytes: float = 0.0) -> float:
     """Seconds of the all-reduces the runtime issues once per step before its optimizer step on a
     rank of pipeline rank `pp_rank`: runtime.optim.clip_grad_norm's, one scalar per sharded mesh

@@ -18,12 +18,14 @@ Time of a layer on one device, per micro-batch:
 - recomputation: full replays the block's forward (its compute and its TP communication) before
   the backward; selective replays only the attention core.
 Per stage the per-layer times add up; the pipeline schedule is then played (planner.schedule).
-Data-parallel gradient communication runs after each stage's last backward on a communication
-stream, overlapping the rest of the backward (with training.overlap_grad_reduce false: after the
-whole backward); ZeRO-2 and 3 reduce-scatter every micro-batch's gradients on that stream, which
-slows a backward only where it takes longer; ZeRO-3 gathers parameters before each forward and
-backward, overlapped with compute by prefetching; the optimizer step (AdamW with gradient
-clipping) is memory-bound, and every pipeline rank's waits for the gradient norm over all of them
+Data-parallel gradient communication runs on a communication stream, layer by layer beside
+each stage's last backward as its gradients are complete (planner.comm.reduce_beside_backward; on
+CPU processes after that backward), overlapping the rest of the backward (with
+training.overlap_grad_reduce false: after the whole backward); ZeRO-2 and 3 reduce-scatter every
+micro-batch's gradients on that stream, which slows a backward only where it takes longer; ZeRO-3
+gathers parameters before each forward and backward, overlapped with compute by prefetching; the
+optimizer step (AdamW with gradient clipping) is memory-bound, and every pipeline rank's waits for
+the gradient norm over all of them
 (and, for a tied embedding split from its head, the first and last stages' ranks for the all-reduce
 of its gradient with the copy's: planner.comm.tied_grad_comm).
 Under HSDP (mesh.dp_replicate > 1) all of that runs over the shard group (dp / dp_replicate
@@ -42,7 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
-from planner.comm import clip_norm_comm, gather_beside_forward, runtime_sync, tied_grad_comm
+from planner.comm import clip_norm_comm, gather_beside_forward, reduce_beside_backward, runtime_sync, tied_grad_comm
 from planner.fp8 import gathered_bytes_per_param
 from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
 from planner.memory import memory_by_rank
@@ -91,6 +93,23 @@ class Estimate:
 
 
 # ------------------------------------------------------------------ the estimate
+
+def sync_parts(costs, reduce, replicas: float) -> tuple:
+    """A stage's gradient reduction beside its last backward (planner.comm.reduce_beside_backward):
+    per layer, last layer first as the backward runs, (fraction of the backward done when the
+    layer's gradients are complete, seconds of `reduce(layer cost)`); HSDP's all-reduce across
+    the replicas follows the last. Layers of equal size are priced once."""
+    back = [c.bwd_compute_s + c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s for c in reversed(costs)]
+    total, done, seen, out = sum(back), 0.0, {}, []
+    for c, b in zip(reversed(costs), back):
+        done += b
+        key = (c.params, c.expert_params)
+        if key not in seen:
+            seen[key] = reduce(c)
+        out.append([done / total if total > 0 else 1.0, seen[key]])
+    out[-1] = [1.0, out[-1][1] + replicas]
+    return tuple(map(tuple, out))
+
 
 def _residue(total: float, part: float) -> float:
     """total - part, 0 where it is float rounding (1e-15 s of bubble on a one-stage plan)."""
@@ -144,11 +163,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                           if m.layer_kind(i) == "block") if t.fp8_param_gather else 0.0)
         pe = gathered_bytes_per_param(t, e, params, fp8_params)  # gathered bytes a parameter
 
-        def dp_collective(op: str, per_param: float) -> float:
-            """`op` on the stage's parameters' bytes (per_param each) over the shard group, the
-            experts spread by expert parallelism over their own (planner.moe)."""
-            dense = cluster.collective_time(op, (params - ex) * per_param, dp_ranks)
-            return dense + (cluster.collective_time(op, ex * per_param, ex_ranks) if ex else 0.0)
+        def dp_collective(op: str, per_param: float, p: float = params, x: float = ex) -> float:
+            """`op` on the bytes of p parameters (per_param each; the stage's by default) over the
+            shard group, the x of them experts spread by expert parallelism over their own
+            (planner.moe)."""
+            dense = cluster.collective_time(op, (p - x) * per_param, dp_ranks)
+            return dense + (cluster.collective_time(op, x * per_param, ex_ranks) if x else 0.0)
         grad_total = params * gb
         zero3_f = zero3_b = zero3_w = 0.0
         split = split_backward(pipe.schedule, pp)  # its backward is two operations, I and W
@@ -185,6 +205,10 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             sync = rs + replicas
             if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
                 zero3_b = max(0.0, ag + rs - comp_b)
+        parts = ()
+        if sync and not measured_dp and reduce_beside_backward(t, cluster):
+            parts = sync_parts(costs, lambda c: dp_collective("all_reduce" if st.zero == 0 else "reduce_scatter",
+                                                              gb, c.params, c.expert_params), replicas)
         if split and st.zero >= 2 and dp > 1:
             # runtime.pipeline: I and W each gather the chunk's blocks before computing (ZeRO 3), and
             # W reduce-scatters the micro-batch's gradients after its own computation (measured: I's)
@@ -207,7 +231,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         stage_times.append(StageTimes(fwd_s=comp_f + tpc_f + cpc_f + epc_f + zero3_f + copy_f + pipe_op,
                                       bwd_s=comp_b + tpc_b + cpc_b + epc_b + zero3_b + zero3_w + copy_b
                                       + pipe_op * (2 if split else 1),
-                                      send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync,
+                                      send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync, grad_sync_parts=parts,
                                       bwd_weight_s=sum(c.bwd_weight_s for c in costs) + zero3_w
                                       + (pipe_op if split else 0.0)))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.comm import gather_beside_forward
+from planner.comm import gather_beside_forward, reduce_beside_backward
 from planner.layers import tied_head
 from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups
 from planner.memory import (accumulation_bytes, document_mask_bytes, first_backward_bytes, held_i_to_w_bytes,
@@ -231,6 +231,7 @@ class Menus:
         # ZeRO 1/2's gather once a step, in the next first forward beside its compute (planner.cost)
         fwd = np.array([k * blk[0].fwd_compute_s for k in ks]) + sum(x.fwd_compute_s for x in ends)
         gathered_step = np.maximum(0.0, gathered - fwd) if gather_beside_forward(ctx.train, ctx.cluster) else gathered
+        beside_b = reduce_beside_backward(ctx.train, ctx.cluster)
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
@@ -245,7 +246,8 @@ class Menus:
             state, copies = self._per_param(z)
             ag = gathered if z == 3 else np.zeros(nk)
             reduced = all_reduced if z == 0 else scattered
-            sync = reduced + replicas
+            # beside the stage's last backward its exposed part may be none (planner.cost.sync_parts)
+            sync = np.zeros(nk) if beside_b else reduced + replicas
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
             beside = w * (ag + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag)
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)

@@ -26,10 +26,12 @@ stage's activations are held from its F to its W.
 
 Gradient synchronisation of a stage's data-parallel group starts when that stage's last
 backward finishes and runs on the rank's communication stream, overlapping whatever backward
-work the rank still has. With `overlap_grad_reduce=False` every stage's reduction waits for the
-rank's whole backward, as Megatron-LM v2.x's local DDP (`allreduce_gradients()` called from
-`train_step` after `forward_backward_func`, megatron/training.py at tag v2.5) and DeepSpeed's
-pipeline engine (`ReduceGrads` issued after the last step of `TrainSchedule`) do.
+work the rank still has; where the stage gives it in parts (StageTimes.grad_sync_parts), each part
+starts once that much of the stage's last backward is done and the stream is free. With
+`overlap_grad_reduce=False` every stage's reduction waits for the rank's whole backward, as
+Megatron-LM v2.x's local DDP (`allreduce_gradients()` called from `train_step` after
+`forward_backward_func`, megatron/training.py at tag v2.5) and DeepSpeed's pipeline engine
+(`ReduceGrads` issued after the last step of `TrainSchedule`) do.
 
 Devices that share compute (`sharing`: processes on shared CPU cores, ClusterSpec.compute_slots)
 run an operation at rate min(1, slots / busy processes): a rank's F or B is work that the rank
@@ -65,6 +67,10 @@ class StageTimes:
     send_bwd_s: float = 0.0  # transfer of this stage's input gradient to the previous stage
     grad_sync_s: float = 0.0  # data-parallel gradient communication after its last backward
     bwd_weight_s: float = 0.0  # the part of bwd_s that computes the weight gradients
+    # where that communication runs beside the last backward (planner.comm.reduce_beside_backward):
+    # its parts in the order issued, each (fraction of that backward done when its gradients are
+    # complete, seconds)
+    grad_sync_parts: tuple = ()
 
     def duration(self, kind: str) -> float:
         """Seconds of operation `kind`: F, B (the whole backward), I (input gradient) or W (weights)."""
@@ -311,13 +317,22 @@ def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_r
         comm_free, intervals = 0.0, []
         last_b = {}
         for o in ops[r]:
-            if o.kind in ("B", "W"):  # a stage's gradients are complete after its last B (or W)
-                last_b[o.stage] = max(last_b.get(o.stage, 0.0), o.end_s)
-        for s, t in sorted(last_b.items(), key=lambda kv: kv[1]):
-            if stages[s].grad_sync_s > 0:
-                start = max(comm_free, t if overlap_grad_reduce else free[r])
-                comm_free = start + stages[s].grad_sync_s
-                intervals.append((s, start, comm_free))
+            if o.kind in ("B", "W") and (o.stage not in last_b or o.end_s >= last_b[o.stage].end_s):
+                last_b[o.stage] = o  # a stage's gradients are complete after its last B (or W)
+        for s, o in sorted(last_b.items(), key=lambda kv: kv[1].end_s):
+            st = stages[s]
+            if st.grad_sync_s <= 0:
+                continue
+            if overlap_grad_reduce and st.grad_sync_parts:  # block by block, beside that backward
+                start = None
+                for done, seconds in st.grad_sync_parts:
+                    begin = max(comm_free, o.start_s + done * (o.end_s - o.start_s))
+                    start = begin if start is None else start
+                    comm_free = begin + seconds
+            else:
+                start = max(comm_free, o.end_s if overlap_grad_reduce else free[r])
+                comm_free = start + st.grad_sync_s
+            intervals.append((s, start, comm_free))
         comm.append(intervals)
         end.append(max(free[r], comm_free))
     busy = [sum(o.end_s - o.start_s for o in ops[r]) for r in range(pp)]

@@ -12,8 +12,10 @@ Every plan's step time under planner.cost.estimate is at least
     LB = max_r ( m W_r + sync_r ,  sum_{s<r} (f_s + b_s + p2p) + m W_r + sync_0 ) + max_r tail_r
 with m micro-batches, W_r the per-micro-batch work of pipeline rank r (its stages' forward and
 backward, and its own sends when they block), f_s, b_s those of stage s, tail = optimizer +
-ZeRO-1/2 gather: rank r works serially, cannot start before micro-batch 0 has come through stages
-0..r-1, and its last backward still has to flow back through them before rank 0 can finish (the
+ZeRO-1/2 gather, sync its first stage's gradient synchronisation (none where that runs beside
+its last backward: planner.comm.reduce_beside_backward): rank r works serially, cannot start
+before micro-batch 0 has come through stages 0..r-1, and its last backward still has to flow
+back through them before rank 0 can finish (the
 second term less rank r's last send back, when sends block: m W_r has it already); every rank's
 optimizer step waits for the gradient norm over all of them (planner.cost).
 With v > 1 chunks a rank (interleaved 1F1B), also LB >= sum_s (f_s + b_s): micro-batch 0 goes

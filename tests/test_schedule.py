@@ -58,6 +58,44 @@ def test_grad_sync_overlaps_remaining_backward():
     assert tl.end_s[0] == pytest.approx(tl.compute_end_s[0] + 1.0)
 
 
+def test_grad_sync_in_parts_runs_beside_the_last_backward():
+    # one stage, 2 micro-batches of F 1 and B 2: the last B runs over [4, 6]. Parts (done, seconds):
+    # (0.25, 1.0) ready at 4.5, ends 5.5; (0.5, 0.25) ready at 5.0, queued to 5.75; (1.0, 0.5) ready
+    # at 6.0, ends 6.5: 0.5 exposed where the whole 1.75 after the backward ends at 7.75
+    parts = ((0.25, 1.0), (0.5, 0.25), (1.0, 0.5))
+    tl = simulate("1f1b", 1, 1, 2, [StageTimes(1.0, 2.0, grad_sync_s=1.75, grad_sync_parts=parts)])
+    assert tl.compute_end_s[0] == 6.0 and tl.end_s[0] == pytest.approx(6.5) and tl.comm_intervals[0] == [(0, 4.5, 6.5)]
+    whole = simulate("1f1b", 1, 1, 2, [StageTimes(1.0, 2.0, grad_sync_s=1.75)])
+    off = simulate("1f1b", 1, 1, 2, [StageTimes(1.0, 2.0, grad_sync_s=1.75, grad_sync_parts=parts)],
+                   overlap_grad_reduce=False)
+    assert whole.end_s[0] == off.end_s[0] == pytest.approx(7.75)
+
+
+def test_a_gpu_stage_reduces_its_gradients_layer_by_layer_beside_its_last_backward():
+    """FSDP2 and Megatron-LM's DDP reduce each block's (bucket's) gradients once complete, beside
+    the rest of the backward: on a GPU cluster a data-parallel plan without a pipeline exposes
+    about the last layers' reductions (the embedding's, its backward next to nothing, queued after
+    the first block's), not the whole stage's; CPU processes (gloo) reduce after the backward
+    (planner.comm.reduce_beside_backward)."""
+    import dataclasses
+    from planner.build import build_plan
+    from planner.cluster import load_cluster
+    from planner.cost import estimate
+    from planner.zoo import ZOO
+    from planner.layers import layer_params_on_device
+    a100 = load_cluster("dgx-a100-80gb", nodes=1)
+    plan = build_plan(ZOO["llama2-7b"], cluster_name=a100.name, device=a100.device.name, nodes=1, devices_per_node=8,
+                      global_batch=8, micro_batch=1, seq_len=4096, zero=1, overlap_param_gather=False)
+    gpu, cpu = estimate(plan, a100), estimate(plan, dataclasses.replace(a100, backend="gloo"))
+    st = gpu.stages[0]
+    emb, blk = (a100.collective_time("reduce_scatter", layer_params_on_device(plan.model, i, 1) * 4, range(8))
+                for i in (0, 1))
+    other = cpu.breakdown["time"]["dp_comm_exposed_s"] - st["grad_sync_s"]  # the rest of the DP time, the same on both
+    exposed = gpu.breakdown["time"]["dp_comm_exposed_s"] - other
+    assert emb < exposed < emb + blk < st["grad_sync_s"] / 10
+    assert cpu.step_time_s - gpu.step_time_s == pytest.approx(st["grad_sync_s"] - exposed, rel=1e-6)
+
+
 def test_without_a_pipeline_one_micro_batch_is_held_at_a_time():
     # gradient accumulation runs forward and backward of each micro-batch in turn
     assert peak_in_flight("gpipe", 1, 1, 8, 0) == 1
