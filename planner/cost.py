@@ -103,6 +103,8 @@ def sync_parts(costs, reduce, replicas: float) -> tuple:
     total, done, seen, out = sum(back), 0.0, {}, []
     for c, b in zip(reversed(costs), back):
         done += b
+        if not c.params:  # nothing to reduce (a head tied to its embedding on the same stage)
+            continue
         key = (c.params, c.expert_params)
         if key not in seen:
             seen[key] = reduce(c)

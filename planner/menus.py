@@ -114,7 +114,7 @@ class Menus:
             held_iw += karr[kid] * held(1) + emb * held(0) + head * held(self.L + 1) + cb2 * blk[2].replay_bytes
 
         nz, nk = len(self.zeros), len(ks)
-        sc, shift, beside_k, copy_bk, gather_f, w_sync = self._menu_scalars(ks, emb, head, ends, cb_min)
+        sc, shift, beside_k, copy_bk, gather_f, w_sync, beside_sync = self._menu_scalars(ks, emb, head, ends, cb_min)
         more = self._by_mode(comp_f + tp_f, comp_w)  # what dominance also compares (blocks)
 
         # per ZeRO level: the options kept and their backward
@@ -149,6 +149,11 @@ class Menus:
         # the ZeRO-3 gather beyond the compute, and FSDP2's copies (the scalar "f" so far)
         ag = np.repeat(gather_f.T.reshape(nk * nz), runs)
         scal[0] += comp_f[rows] + tp_f[rows] + np.maximum(0.0, ag - comp_f[rows])
+        if beside_sync is not None:  # the reduction beside the last backward: what it cannot hide
+            two, back0, whole, back_last = beside_sync
+            share = b / np.maximum(base[rows], 1e-300)  # of the backward, a second of its compute
+            scal[1] = np.maximum.reduce([scal[1], np.repeat(two.T.reshape(nk * nz), runs) - share * back0[kr],
+                                         np.repeat(whole.T.reshape(nk * nz), runs) - b + share * back_last[kr]])
         c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
         cols = dict(zip(SCALARS, scal))
         cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
@@ -195,7 +200,14 @@ class Menus:
         option's backward, what runs beside the backward where it is exposed beside some options'
         (NaN elsewhere: those options re-sort), FSDP2's backward copies, the ZeRO-3 forward's
         gather, and under a split backward the reduce-scatter W's weight gradients run beside (NaN
-        elsewhere)."""
+        elsewhere). Where the gradients' reduction runs beside the stage's last backward
+        (planner.comm.reduce_beside_backward; else None last) the scalar "sync" is its last part,
+        the stage's first layer's, which waits for that backward's end, and last come (the last two
+        parts, the backward of the layer before the last part at most, all the parts, the backward of
+        the first part's layer at least): the parts run one after another, each once the compute's
+        share of the backward up to its layer is done, so the step ends at least that much after
+        that backward's end, what an option's backward cannot hide (planner.cost.sync_parts,
+        planner.schedule; _build_menus)."""
         ctx, lc, cfg = self.ctx, self.lc, self.cfg
         split, model = self.split, ctx.model
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
@@ -231,7 +243,25 @@ class Menus:
         # ZeRO 1/2's gather once a step, in the next first forward beside its compute (planner.cost)
         fwd = np.array([k * blk[0].fwd_compute_s for k in ks]) + sum(x.fwd_compute_s for x in ends)
         gathered_step = np.maximum(0.0, gathered - fwd) if gather_beside_forward(ctx.train, ctx.cluster) else gathered
-        beside_b = reduce_beside_backward(ctx.train, ctx.cluster)
+        beside_sync = None
+        if reduce_beside_backward(ctx.train, ctx.cluster) and dp > 1:  # each layer's, as planner.cost.sync_parts
+            layers = [blk[0], *ends]  # a block, then the stage's embedding and head where it has them
+            _, by_ar, by_rs = times(self.dp_shape, (self.ag, self.ar, self.rs),
+                                    [x.params - x.expert_params for x in layers])
+            if self.experts:
+                _, x_ar, x_rs = times(self.experts[3], self.experts[:3], [x.expert_params for x in layers])
+                by_ar, by_rs = by_ar + x_ar, by_rs + x_rs
+            # the stage's first two layers (the backward's last two; indices into layers, -1 none),
+            # the backward of its first at most and of its last (the head, else a block) at least:
+            # the compute's share of the backward places the parts
+            back = lambda x: x.bwd_compute_s + x.bwd_tp_s  # noqa: E731 (with CP and EP: planner.search)
+            hi, lo = max(back(x) for x in blk), min(back(x) for x in blk)
+            order = [[1] * emb + [0] * min(k, 2) + [len(layers) - 1] * head for k in ks]
+            l0 = np.array([o[0] for o in order])
+            l1 = np.array([o[1] if len(o) > 1 else -1 for o in order])
+            back0 = np.array([back(ends[0]) if emb else hi if k else back(ends[-1]) for k in ks])
+            back_last = np.array([back(ends[-1]) if head else lo if k else back(ends[0]) for k in ks])
+            beside_sync = (np.zeros((nz, nk)), back0, np.zeros((nz, nk)), back_last)
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
@@ -246,8 +276,12 @@ class Menus:
             state, copies = self._per_param(z)
             ag = gathered if z == 3 else np.zeros(nk)
             reduced = all_reduced if z == 0 else scattered
-            # beside the stage's last backward its exposed part may be none (planner.cost.sync_parts)
-            sync = np.zeros(nk) if beside_b else reduced + replicas
+            sync = reduced + replicas
+            if beside_sync is not None:  # beside the last backward: the first layer's part at least
+                red = by_ar if z == 0 else by_rs
+                sync = red[l0] + replicas
+                beside_sync[0][zi] = sync + np.where(l1 >= 0, red[l1], 0.0)  # the last two
+                beside_sync[2][zi] = np.array(ks, dtype=float) * red[0] + red[1:].sum() + replicas  # all
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
             beside = w * (ag + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag)
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
@@ -286,7 +320,7 @@ class Menus:
                 fixed = fixed + tied_bytes
             logits = np.full(nk, self.head_logits if head else 0.0)
             sc[:, zi] = (copy_f, sync, opt, gather, fixed, np.full(nk, z), transient, end, fsdp, logits)
-        return sc, shift, beside_k, copy_bk, gather_f, w_sync
+        return sc, shift, beside_k, copy_bk, gather_f, w_sync, beside_sync
 
 
 class Menu(dict):
