@@ -256,6 +256,7 @@ class Menus:
             # the compute's share of the backward places the parts
             back = lambda x: x.bwd_compute_s + x.bwd_tp_s  # noqa: E731 (with CP and EP: planner.search)
             hi, lo = max(back(x) for x in blk), min(back(x) for x in blk)
+            kf = np.array(ks, dtype=float)
             order = [[1] * emb + [0] * min(k, 2) + [len(layers) - 1] * head for k in ks]
             l0 = np.array([o[0] for o in order])
             l1 = np.array([o[1] if len(o) > 1 else -1 for o in order])
@@ -281,7 +282,7 @@ class Menus:
                 red = by_ar if z == 0 else by_rs
                 sync = red[l0] + replicas
                 beside_sync[0][zi] = sync + np.where(l1 >= 0, red[l1], 0.0)  # the last two
-                beside_sync[2][zi] = np.array(ks, dtype=float) * red[0] + red[1:].sum() + replicas  # all
+                beside_sync[2][zi] = kf * red[0] + red[1:].sum() + replicas  # all
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
             beside = w * (ag + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag)
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)

@@ -323,15 +323,16 @@ def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_r
             st = stages[s]
             if st.grad_sync_s <= 0:
                 continue
-            if overlap_grad_reduce and st.grad_sync_parts:  # block by block, beside that backward
-                start = None
-                for done, seconds in st.grad_sync_parts:
-                    begin = max(comm_free, o.start_s + done * (o.end_s - o.start_s))
-                    start = begin if start is None else start
-                    comm_free = begin + seconds
-            else:
-                start = max(comm_free, o.end_s if overlap_grad_reduce else free[r])
-                comm_free = start + st.grad_sync_s
+            # its parts, each once its share of that backward is done (block by block beside it), or
+            # the whole once that backward ends (without overlap: once the rank's whole backward ends)
+            whole = ((1.0, st.grad_sync_s),)
+            parts = st.grad_sync_parts if overlap_grad_reduce and st.grad_sync_parts else whole
+            t0, t1 = (o.start_s, o.end_s) if overlap_grad_reduce else (free[r], free[r])
+            start = None
+            for done, seconds in parts:
+                begin = max(comm_free, t1 if done >= 1.0 else t0 + done * (t1 - t0))
+                start = begin if start is None else start
+                comm_free = begin + seconds
             intervals.append((s, start, comm_free))
         comm.append(intervals)
         end.append(max(free[r], comm_free))
