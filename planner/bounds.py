@@ -114,6 +114,16 @@ class Bounds:
             betas.append((b_s * ctx.gb if cfg.v == 1 else 0.0) + b_g * ctx.e
                          + ctx.osb / ctx.bw / (dp if z >= 1 else 1))
         lb = (mbs * wtot + p * min(alphas) + P * min(betas)) / p
+        if cfg.v == 1 and not synced and dp > 1 and cfg.ep == 1 and ctx.steal > 0:
+            # the reduction beside each stage's last backward slows it (planner.menus: by steal x the
+            # parts before the last, or that backward's rest if shorter); of a stage of n blocks at
+            # least n - 1 blocks' parts and n - 1 blocks' backward (one may hold the last part and
+            # the layer before the first part), summed over the ranks at least (L - p) of the least
+            # of a block's part and backward, averaged as LB2
+            back = min(x.bwd_compute_s + x.bwd_tp_s for x in (lc["blk"][r] for r in self.modes))
+            part = min(ctx.shard_time(cfg, "all_reduce" if z == 0 else "reduce_scatter",
+                                      lc["blk"]["none"].params * ctx.gb) for z in self.zeros)
+            lb += ctx.steal * max(0, self.L - p) * min(part, back) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))
         elif cfg.v > 1:  # micro-batch 0 runs forward through every stage, and (not split) back

@@ -155,7 +155,8 @@ def show(c, digest: str = "") -> str:
     lines += [f"device: {dv.name}, {dv.memory_bytes / GiB:.2f} GiB, {dpn} a node",
               f"  peak TFLOP/s: {peak}; matmul efficiency: {eff}",
               f"  memory bandwidth {dv.memory_bandwidth_bytes_per_s / 1e12:.3g} TB/s "
-              f"x {dv.memory_bandwidth_efficiency:g}"]
+              f"x {dv.memory_bandwidth_efficiency:g}",
+              f"  compute beside a collective: {c.overlap_slowdown:g}x as long (overlap_slowdown)"]
     for tier in TIERS:
         t = c.tiers.get(tier)
         if t:

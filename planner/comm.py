@@ -108,6 +108,24 @@ def gather_beside_forward(training, cluster: ClusterSpec) -> bool:
     return training.overlap_param_gather and cluster.backend != "gloo"
 
 
+def overlap_steal(cluster: ClusterSpec) -> float:
+    """The share of a device's compute rate that a collective takes while it runs beside the
+    compute: 1 - 1 / cluster.overlap_slowdown (compute time with communication beside it over the
+    time alone; the profiles' source). A collective kernel occupies SMs and memory bandwidth the
+    compute would use: Lee et al. 2025 (arXiv 2507.03114) measured compute overlapped with
+    communication 18.9% slower on average (40% at most) over GPT and Llama training on A100, H100,
+    MI250 and MI210, the figure the shipped GPU profiles carry."""
+    return 1.0 - 1.0 / cluster.overlap_slowdown
+
+
+def exposed_beside(comm_s: float, compute_s: float, steal: float) -> float:
+    """Seconds that `comm_s` of communication running beside `compute_s` of compute adds to it,
+    where the compute runs at 1 - `steal` of its rate while the communication runs: the
+    communication's excess over the compute, or the compute it slows, whichever is more (both run
+    to their ends: max(comm, compute + steal x comm) - compute)."""
+    return max(0.0, comm_s - compute_s, steal * comm_s)
+
+
 def reduce_beside_backward(training, cluster: ClusterSpec) -> bool:
     """Whether a stage's data-parallel gradient reduction runs beside its own last backward, block
     by block as each block's gradients are complete (training.overlap_grad_reduce on a GPU

@@ -44,7 +44,8 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
-from planner.comm import clip_norm_comm, gather_beside_forward, reduce_beside_backward, runtime_sync, tied_grad_comm
+from planner.comm import (clip_norm_comm, exposed_beside, gather_beside_forward, overlap_steal, reduce_beside_backward,
+                          runtime_sync, tied_grad_comm)
 from planner.fp8 import gathered_bytes_per_param
 from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
 from planner.memory import memory_by_rank
@@ -144,6 +145,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     e = DTYPES[t.dtype]
     gb = model_state_bytes(t)[1]
     bw = cluster.device.memory_bytes_per_s
+    steal = overlap_steal(cluster)  # of the compute rate, while a collective runs beside it
     stage_times, stage_info = [], []
     pipe_op = model_profile.pipeline_overhead(pipe.schedule) if (extras and pp > 1) else 0.0
     for si, st in enumerate(pipe.stages):
@@ -181,8 +183,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                     if mesh.dp_replicate > 1 else 0.0)
         ag = dp_collective("all_gather", pe) if (shard > 1 and st.zero == 3) else 0.0
         if ag:  # gather parameters before forward and again before backward
-            zero3_f = max(0.0, ag - comp_f)
-            zero3_b = max(0.0, ag - comp_b)
+            zero3_f = exposed_beside(ag, comp_f, steal)
+            zero3_b = exposed_beside(ag, comp_b, steal)
         # FSDP2's copies out of its gather buffers and into its reduce buffers, on the compute stream
         # (measured with the data-parallel wrapping where the model profile has it)
         copy_f = copy_b = copy_step = 0.0
@@ -206,7 +208,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             rs = dp_collective("reduce_scatter", gb)
             sync = rs + replicas
             if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
-                zero3_b = max(0.0, ag + rs - comp_b)
+                zero3_b = exposed_beside(ag + rs, comp_b, steal)
         parts = ()
         if sync and not measured_dp and reduce_beside_backward(t, cluster):
             parts = sync_parts(costs, lambda c: dp_collective("all_reduce" if st.zero == 0 else "reduce_scatter",
@@ -214,7 +216,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         if split and st.zero >= 2 and dp > 1:
             # runtime.pipeline: I and W each gather the chunk's blocks before computing (ZeRO 3), and
             # W reduce-scatters the micro-batch's gradients after its own computation (measured: I's)
-            zero3_w = ag if measured_dp else ag + max(0.0, rs - sum(c.bwd_weight_s for c in costs))
+            zero3_w = ag if measured_dp else ag + exposed_beside(rs, sum(c.bwd_weight_s for c in costs), steal)
             zero3_b = zero3_b if measured_dp else ag
         # point-to-point: this stage's output to the next stage (sharded under sequence parallelism);
         # scatter-gather sends 1/tp from each TP rank and the receiving TP group all-gathers it
@@ -246,7 +248,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                                measured_dp=measured_dp, costs=costs))
     timed_busy = model_profile.processes if model_profile is not None else 1  # processes computing when timed
     how = dict(overlap_grad_reduce=t.overlap_grad_reduce, lockstep=pipe.lockstep,
-               sharing=Sharing.of(cluster.compute_slots, mesh.world_size, tp * dp, timed_busy))
+               sharing=Sharing.of(cluster.compute_slots, mesh.world_size, tp * dp, timed_busy),
+               steal=steal)
     tl = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=True, **how)
     tl0 = simulate(pipe.schedule, pp, v, mbs, stage_times, p2p=False, **how) if pp > 1 else tl
 
@@ -273,7 +276,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                     ag = cluster.collective_time("all_gather", (si["params"] - ex) * pe, dp_ranks)
                     ag += cluster.collective_time("all_gather", ex * pe, ex_ranks) if ex else 0.0
                     # in the next step's first forward, as ZeRO 3's forward gathers beside its compute
-                    gather += max(0.0, ag - si["fwd_compute_s"]) if gather_beside_forward(t, cluster) else ag
+                    gather += (exposed_beside(ag, si["fwd_compute_s"], steal) if gather_beside_forward(t, cluster)
+                               else ag)
         copies = sum(si["fsdp_copy_step_s"] for si in mine)
         at_norm.append(tl.end_s[r] + norm_comm)
         per_rank.append((opt_s, gather, copies, norm_comm))
@@ -306,10 +310,11 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         f = tl0.busy_s[r] / busy
         compute, tp_time, cp_time, ep_time, zero3, copies, pipe_overhead, busy = (
             x * f for x in (compute, tp_time, cp_time, ep_time, zero3, copies, pipe_overhead, busy))
-    bubble = _residue(tl0.compute_end_s[r], busy)
+    slowed = tl0.slowed_s[r]  # the reduction beside the rank's last backwards slowed them (planner.schedule)
+    bubble = _residue(tl0.compute_end_s[r] - slowed, busy)
     p2p = _residue(tl.compute_end_s[r], tl0.compute_end_s[r])
     # then the slowest rank's optimizer step and what follows it
-    dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + zero3 + per_rank[slow][1]
+    dp_exposed = (tl.end_s[r] - tl.compute_end_s[r]) + slowed + zero3 + per_rank[slow][1]
     optimizer = per_rank[slow][0] + per_rank[r][3]  # with the collectives before the step
     time_breakdown = {"compute_s": compute, "tp_comm_s": tp_time, **({"cp_comm_s": cp_time} if mesh.cp > 1 else {}),
                       **({"ep_comm_s": ep_time} if mesh.ep > 1 else {}),

@@ -115,6 +115,7 @@ class Menus:
 
         nz, nk = len(self.zeros), len(ks)
         sc, shift, beside_k, copy_bk, gather_f, w_sync, beside_sync = self._menu_scalars(ks, emb, head, ends, cb_min)
+        steal = self.ctx.steal  # planner.comm.exposed_beside: what runs beside a compute slows it
         more = self._by_mode(comp_f + tp_f, comp_w)  # what dominance also compares (blocks)
 
         # per ZeRO level: the options kept and their backward
@@ -123,11 +124,12 @@ class Menus:
             exposed = ~np.isnan(beside_k[zi])
             b = base + shift[zi][kid]
             if not np.isnan(w_sync[zi]).all():  # split: what W's weight gradients leave of the reduce-scatter
-                b += np.maximum(0.0, w_sync[zi][kid] - comp_w)
+                b += np.maximum.reduce([np.zeros(len(kid)), w_sync[zi][kid] - comp_w, steal * w_sync[zi][kid]])
             keep = plain[~exposed[kid[plain]]]
             if exposed.any():  # those k re-sorted by their shifted backward, per k and replay class
                 on = np.flatnonzero(exposed[kid])
-                bx = base[on] + np.maximum(0.0, beside_k[zi][kid[on]] - comp_b[on]) + copy_bk[zi][kid[on]]
+                bk = beside_k[zi][kid[on]]
+                bx = base[on] + np.maximum(bk - comp_b[on], steal * bk) + copy_bk[zi][kid[on]]
                 b[on] = bx
                 rid = np.unique(replay[on], return_inverse=True)[1]
                 if self.fb:  # and by the largest mode, as blocks() classes them
@@ -148,12 +150,17 @@ class Menus:
         # the forward: its compute and TP time (by mode where a model profile measured them apart),
         # the ZeRO-3 gather beyond the compute, and FSDP2's copies (the scalar "f" so far)
         ag = np.repeat(gather_f.T.reshape(nk * nz), runs)
-        scal[0] += comp_f[rows] + tp_f[rows] + np.maximum(0.0, ag - comp_f[rows])
+        scal[0] += comp_f[rows] + tp_f[rows] + np.maximum.reduce([np.zeros(len(rows)), ag - comp_f[rows], steal * ag])
         if beside_sync is not None:  # the reduction beside the last backward: what it cannot hide
             two, back0, whole, back_last = beside_sync
             share = b / np.maximum(base[rows], 1e-300)  # of the backward, a second of its compute
-            scal[1] = np.maximum.reduce([scal[1], np.repeat(two.T.reshape(nk * nz), runs) - share * back0[kr],
-                                         np.repeat(whole.T.reshape(nk * nz), runs) - b + share * back_last[kr]])
+            every = np.repeat(whole.T.reshape(nk * nz), runs)
+            rest = b - share * back_last[kr]  # the backward's compute from the first part's gradients on
+            # and the parts before the last slow that compute while they run beside it (at least
+            # as much of them as it lasts: planner.schedule.beside_backward)
+            scal[1] = np.maximum.reduce([scal[1] + steal * np.minimum(every - scal[1], rest),
+                                         np.repeat(two.T.reshape(nk * nz), runs) - share * back0[kr],
+                                         every - rest])
         c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
         cols = dict(zip(SCALARS, scal))
         cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
@@ -242,7 +249,8 @@ class Menus:
                     if self.rep_shape else 0.0)
         # ZeRO 1/2's gather once a step, in the next first forward beside its compute (planner.cost)
         fwd = np.array([k * blk[0].fwd_compute_s for k in ks]) + sum(x.fwd_compute_s for x in ends)
-        gathered_step = np.maximum(0.0, gathered - fwd) if gather_beside_forward(ctx.train, ctx.cluster) else gathered
+        gathered_step = (np.maximum.reduce([np.zeros(nk), gathered - fwd, ctx.steal * gathered])
+                         if gather_beside_forward(ctx.train, ctx.cluster) else gathered)
         beside_sync = None
         if reduce_beside_backward(ctx.train, ctx.cluster) and dp > 1:  # each layer's, as planner.cost.sync_parts
             layers = [blk[0], *ends]  # a block, then the stage's embedding and head where it has them
@@ -293,9 +301,10 @@ class Menus:
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
                 shift[zi] = 2 * w * ag + copy_b
                 w_sync[zi] = w * reduced
-            else:  # the same shift for every option, or where exposed beside some options' backward
-                exposed = (beside > cb_min) & (not split)
-                shift[zi] = copy_b
+            else:  # the same shift for every option (the compute it slows), or where exposed beside
+                # some options' backward (planner.comm.exposed_beside)
+                exposed = ((1 - ctx.steal) * beside > cb_min) & (not split)
+                shift[zi] = copy_b + np.where(exposed, 0.0, ctx.steal * beside)
                 beside_k[zi] = np.where(exposed, beside, np.nan)
             opt = (P + X * (cfg.ep - 1)) / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (gathered_step if z in (1, 2) else 0.0) + copy_s

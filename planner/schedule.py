@@ -27,7 +27,12 @@ stage's activations are held from its F to its W.
 Gradient synchronisation of a stage's data-parallel group starts when that stage's last
 backward finishes and runs on the rank's communication stream, overlapping whatever backward
 work the rank still has; where the stage gives it in parts (StageTimes.grad_sync_parts), each part
-starts once that much of the stage's last backward is done and the stream is free. With
+starts once that much of the stage's last backward is done and the stream is free. While a part
+runs beside that backward, the backward computes at 1 - `steal` of its rate (planner.comm.
+overlap_steal: the collective's kernels share the device), so it ends later, and so does every
+operation waiting for it (beside_backward); a part that runs beside the rank's later operations
+(another chunk's, under interleaving) delays the rank's end by the same share of their overlap.
+With
 `overlap_grad_reduce=False` every stage's reduction waits for the rank's whole backward, as
 Megatron-LM v2.x's local DDP (`allreduce_gradients()` called from `train_step` after
 `forward_backward_func`, megatron/training.py at tag v2.5) and DeepSpeed's pipeline engine
@@ -81,6 +86,33 @@ class StageTimes:
         return self.bwd_s - self.bwd_weight_s if kind == "I" else self.bwd_s
 
 
+def beside_backward(work: float, parts, steal: float, busy_until: float = 0.0) -> tuple[float, list]:
+    """A stage's last backward of `work` seconds alone with its gradient reduction's parts beside it
+    ((fraction of the backward done when the part's gradients are complete, seconds) in the order
+    issued; StageTimes.grad_sync_parts) on a communication stream busy until `busy_until`: the
+    backward runs at 1 - `steal` of its rate while the stream is busy. Returns (the seconds the
+    backward takes, [(begin, end) of each part]), from the backward's start."""
+    slow = 1.0 - steal
+    now = done = 0.0  # the backward's time and the work it has done by then
+    comm, pieces = busy_until, []
+
+    def reach(target):  # when the backward has done `target` of its work
+        nonlocal now, done
+        if now < comm and target > done:  # the stream is busy from now until comm
+            more = slow * (comm - now)
+            if done + more >= target:
+                now, done = now + (target - done) / slow, target
+                return now
+            now, done = comm, done + more
+        now, done = now + max(0.0, target - done), max(done, target)
+        return now
+    for frac, seconds in parts:
+        begin = max(comm, reach(min(frac, 1.0) * work))
+        comm = begin + seconds
+        pieces.append((begin, comm))
+    return reach(work), pieces
+
+
 @dataclass(frozen=True)
 class Sharing:
     """Processes sharing `slots` compute units (see the module doc)."""
@@ -123,6 +155,9 @@ class Timeline:
     end_s: list  # per rank: end including gradient synchronisation
     busy_s: list  # per rank: sum of F and B durations
     comm_intervals: list = field(default_factory=list)  # per rank: [(stage, start, end)] of grad sync
+    # per rank: what the reductions beside its stages' last backwards added to them (beside_backward;
+    # in compute_end_s; what they add beside its later operations is in end_s only)
+    slowed_s: list = field(default_factory=list)
 
     @property
     def step_time_s(self) -> float:
@@ -227,12 +262,13 @@ def _zbv_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
 
 def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
              stages: list[StageTimes], p2p: bool = True, blocking_p2p: bool = BLOCKING_P2P,
-             overlap_grad_reduce: bool = True, lockstep: bool = False, sharing: Sharing | None = None) -> Timeline:
+             overlap_grad_reduce: bool = True, lockstep: bool = False, sharing: Sharing | None = None,
+             steal: float = 0.0) -> Timeline:
     """Play the schedule; `stages` has pp * virtual_stages entries in model order. With
     `blocking_p2p` a rank waits for its own send to complete before its next operation, as
     torch.distributed.pipelining (which waits on batched send/recv work), Megatron-LM and DeepSpeed
     do; otherwise sends run in the background and only the receiver waits. `overlap_grad_reduce`
-    `lockstep` and `sharing`: see the module doc."""
+    `lockstep`, `sharing` and `steal`: see the module doc."""
     n_stages = pp * virtual_stages
     if len(stages) != n_stages:
         raise ValueError(f"{len(stages)} stage times for {n_stages} stages")
@@ -240,14 +276,15 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
         if schedule != "1f1b" or virtual_stages != 1:
             raise ValueError(f"lock-step execution plays 1F1B without interleaving, not {schedule} v={virtual_stages}")
         from planner.lockstep import play_lockstep
-        ops, free = play_lockstep(pp, micro_batches, stages, p2p)
+        ops, free = play_lockstep(pp, micro_batches, stages, p2p)  # its backwards are not slowed
         return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
     orders = [rank_order(schedule, pp, virtual_stages, micro_batches, r) for r in range(pp)]
     if sharing is not None:
         from planner.shared_play import play_shared
-        ops, free = play_shared(orders, stages, p2p, blocking_p2p, sharing)
+        ops, free = play_shared(orders, stages, p2p, blocking_p2p, sharing)  # nor these (CPU processes)
         return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
-    plays = prepared_ops(orders, stages, p2p, blocking_p2p)
+    slowed = _slowed_last_backward(orders, stages, micro_batches, overlap_grad_reduce, steal)
+    plays = prepared_ops(orders, stages, p2p, blocking_p2p, slowed)
     done: dict[tuple[str, int, int], float] = {}
     pos = [0] * pp
     free = [0.0] * pp
@@ -277,14 +314,28 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={virtual_stages}, m={micro_batches})")
     ops = [[Op(*op, start, end) for op, (start, end) in zip(order, t)] for order, t in zip(orders, times)]
-    return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce)
+    return _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce, steal, slowed)
 
 
-def prepared_ops(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
+def _slowed_last_backward(orders, stages: list, micro_batches: int, overlap_grad_reduce: bool, steal: float) -> dict:
+    """{operation: seconds added}: each stage's last backward (its last micro-batch's B, or W under a
+    split backward), slowed by the parts of its reduction that run beside it (beside_backward)."""
+    if not (steal > 0 and overlap_grad_reduce):
+        return {}
+    kind = "W" if any(op[0] == "W" for order in orders for op in order) else "B"
+    out = {}
+    for s, st in enumerate(stages):
+        if st.grad_sync_s > 0 and st.grad_sync_parts:
+            work = st.duration(kind)
+            out[(kind, s, micro_batches - 1)] = beside_backward(work, st.grad_sync_parts, steal)[0] - work
+    return out
+
+
+def prepared_ops(orders, stages: list, p2p: bool, blocking_p2p: bool, slowed: dict | None = None) -> list:
     """Per rank, its operations as (key, dependency, transfer lag, duration, own send): a forward
     needs the previous stage's, a backward (B, or a split one's I) the next stage's, a W its own
     stage's I; a forward sends its output on, a backward (B or I) its input gradient back, a W
-    nothing (a step plays thousands: computed once)."""
+    nothing (a step plays thousands: computed once). `slowed`: seconds added to some operations."""
     last = len(stages) - 1
     dur = [{kind: x.duration(kind) for kind in "FBIW"} for x in stages]
     fwd_lag = [x.send_fwd_s if p2p else 0.0 for x in stages]
@@ -305,39 +356,60 @@ def prepared_ops(orders, stages: list, p2p: bool, blocking_p2p: bool) -> list:
                 dep, lag = (kind, s + 1, j), bwd_lag[s + 1]
             else:
                 dep, lag = ("F", s, j), 0.0
-            play.append((op, dep, lag, dur[s][kind], sends[s][kind]))
+            play.append((op, dep, lag, dur[s][kind] + (slowed.get(op, 0.0) if slowed else 0.0), sends[s][kind]))
         plays.append(play)
     return plays
 
 
-def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce) -> Timeline:
+def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_reduce, steal=0.0,
+            slowed=None) -> Timeline:
     """Add each rank's gradient synchronisation after its operations and build the Timeline."""
-    end, comm = [], []
+    end, comm, slowed_by_rank = [], [], []
+    slowed = slowed or {}
     for r in range(pp):
-        comm_free, intervals = 0.0, []
+        comm_free, intervals, later = 0.0, [], 0.0
         last_b = {}
-        for o in ops[r]:
-            if o.kind in ("B", "W") and (o.stage not in last_b or o.end_s >= last_b[o.stage].end_s):
-                last_b[o.stage] = o  # a stage's gradients are complete after its last B (or W)
-        for s, o in sorted(last_b.items(), key=lambda kv: kv[1].end_s):
+        for i, o in enumerate(ops[r]):
+            if o.kind in ("B", "W") and (o.stage not in last_b or o.end_s >= last_b[o.stage][1].end_s):
+                last_b[o.stage] = (i, o)  # a stage's gradients are complete after its last B (or W)
+        for s, (i, o) in sorted(last_b.items(), key=lambda kv: kv[1][1].end_s):
             st = stages[s]
             if st.grad_sync_s <= 0:
                 continue
             # its parts, each once its share of that backward is done (block by block beside it), or
             # the whole once that backward ends (without overlap: once the rank's whole backward ends)
-            whole = ((1.0, st.grad_sync_s),)
-            parts = st.grad_sync_parts if overlap_grad_reduce and st.grad_sync_parts else whole
-            t0, t1 = (o.start_s, o.end_s) if overlap_grad_reduce else (free[r], free[r])
-            start = None
-            for done, seconds in parts:
-                begin = max(comm_free, t1 if done >= 1.0 else t0 + done * (t1 - t0))
-                start = begin if start is None else start
-                comm_free = begin + seconds
-            intervals.append((s, start, comm_free))
+            if overlap_grad_reduce and st.grad_sync_parts:
+                t0 = o.start_s
+                work = o.end_s - t0 - slowed.get((o.kind, o.stage, o.micro_batch), 0.0)
+                _, pieces = beside_backward(work, st.grad_sync_parts, steal, max(0.0, comm_free - t0))
+                pieces = [(t0 + a, t0 + b) for a, b in pieces]
+                if steal > 0 and pieces[-1][1] > o.end_s:  # beside the rank's later operations too
+                    later += steal * _overlap(pieces, ops[r][i + 1:], o.end_s)
+            else:
+                t0 = o.end_s if overlap_grad_reduce else free[r]
+                pieces = [(max(comm_free, t0), max(comm_free, t0) + st.grad_sync_s)]
+            comm_free = pieces[-1][1]
+            intervals.append((s, pieces[0][0], comm_free))
         comm.append(intervals)
-        end.append(max(free[r], comm_free))
+        end.append(max(free[r] + later, comm_free))
+        mine = {o.stage for o in ops[r]} if slowed else ()
+        slowed_by_rank.append(sum(x for (_, s, _), x in slowed.items() if s in mine))
     busy = [sum(o.end_s - o.start_s for o in ops[r]) for r in range(pp)]
-    return Timeline(pp, virtual_stages, micro_batches, ops, free, end, busy, comm)
+    return Timeline(pp, virtual_stages, micro_batches, ops, free, end, busy, comm, slowed_by_rank)
+
+
+def _overlap(pieces, later_ops, since: float) -> float:
+    """Seconds the communication `pieces` ((begin, end), in order) overlap the operations
+    `later_ops` (in order, from `since` on)."""
+    total, stop = 0.0, pieces[-1][1]
+    for o in later_ops:
+        if o.start_s >= stop:
+            break
+        a0, a1 = max(o.start_s, since), o.end_s
+        for b, e in pieces:
+            if e > a0 and b < a1:
+                total += min(e, a1) - max(b, a0)
+    return total
 
 
 def peak_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int,

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from planner.cluster import ClusterSpec
+from planner.comm import overlap_steal
 from planner.cost import Estimate, estimate
 from planner.layers import layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
@@ -118,6 +119,7 @@ class Ctx:
         sharing = (Sharing.of(cluster.compute_slots, cluster.world_size, 1, model_profile.processes)
                    if model_profile is not None else None)
         self.work = sharing.work(1.0) if sharing is not None else 1.0
+        self.steal = overlap_steal(cluster)  # of the compute rate, while a collective runs beside it
         dev = cluster.device
         self.limit = limit
         self.lim_eff = (limit - dev.reserved_bytes) / (1 + dev.allocator_overhead_fraction)
@@ -163,6 +165,13 @@ class Ctx:
             ranks = getattr(_mesh(cfg), group)(pp=0, tp=0)
             self._coll[key] = tuple(_affine(self.cluster, op, ranks) for op in ("all_gather", "all_reduce", "reduce_scatter")) \
                 + (self.cluster.group_shape(ranks),)
+        return self._coll[key]
+
+    def shard_time(self, cfg, op: str, nbytes: float) -> float:
+        """`op` on `nbytes` over pipeline rank 0's shard group, as planner.cost prices it."""
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order, cfg.dp_replicate, op, nbytes)
+        if key not in self._coll:
+            self._coll[key] = self.cluster.collective_time(op, nbytes, _mesh(cfg).shard_group(pp=0, tp=0))
         return self._coll[key]
 
     def replicas(self, cfg):

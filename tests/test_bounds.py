@@ -195,6 +195,24 @@ def test_a_gradient_reduction_beside_the_backward_is_bounded_by_what_the_backwar
     assert len(one) >= 2
 
 
+@pytest.mark.parametrize("fast,slowdown", [(True, 1.189), (False, 1.4)])
+def test_bounds_stay_below_estimates_where_collectives_slow_the_compute_beside_them(fast, slowdown):
+    """A collective beside compute slows it (planner.comm.overlap_steal): the ZeRO-3 gathers and
+    reduce-scatters beside a forward or backward, ZeRO 1's gather beside the next forward, the
+    gradient reduction beside the last backward and, through it, the stages waiting for that
+    backward. Every assignment's LB stays at most its estimate, with the shipped DGX A100 profile
+    (its reductions hide behind the backward) and with 2 GB/s collectives that outlast it."""
+    d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
+    d["overlap_slowdown"] = slowdown
+    if not fast:
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            d["collectives"][op]["intra_node"] = {"alpha_s": 3e-5, "bus_bandwidth_bytes_per_s": 2e9}
+    cluster = cluster_from_dict(d).shaped_as(1, 4)
+    space = SearchSpace(zero=(0, 1, 3), recompute=("none", "full"), schedules=("1f1b", "interleaved-1f1b", "zbv"))
+    train = Training(global_batch=8, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
+    assert assert_bounds_below_estimates(Ctx(shrunk(4), cluster, train, 80 * GiB, space), 8, 1024, per_config=8) >= 200
+
+
 @pytest.mark.parametrize("layers,gpus,gbs,limit,space", [CASES[1], CASES[2]])
 def test_assignments_bounded_together_get_each_its_own_bound(layers, gpus, gbs, limit, space):
     """The search bounds assignments in batches (StageCosts.evaluate_many): each one's LB, or None

@@ -118,7 +118,8 @@ def test_grad_reduce_after_backward_exposes_the_whole_sync():
     # 16 GPUs as tp=4 x pp=2 x dp=2, interleaved with v=2: with overlap off both chunks of a rank
     # reduce after its last backward, one after the other
     kw = dict(nodes=2, tp=4, pp=2, schedule="interleaved-1f1b", virtual_stages=2, global_batch=16)
-    on, off = (estimate(plan_for(overlap_grad_reduce=o, **kw), A100) for o in (True, False))
+    calm = dataclasses.replace(A100, overlap_slowdown=1.0)  # a reduction beside a backward slows no other rank's
+    on, off = (estimate(plan_for(overlap_grad_reduce=o, **kw), calm) for o in (True, False))
     r = off.breakdown["time"]["critical_pp_rank"]
     syncs = sum(s["grad_sync_s"] for s in off.stages if s["pp_rank"] == r)
     assert syncs > 0

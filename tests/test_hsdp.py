@@ -184,7 +184,8 @@ def test_asked_for_replica_counts_the_search_searches_them_beyond_the_flat_plans
     the flat search's best 5 plans were split after the fact: Llama 3 8B on two DGX H100 nodes
     came out at 13.52 s (tp1 pp4 interleaved, 2 x 2) where 2 x 8 with ZeRO 3 and no pipeline takes
     13.33 s, and the tiny model on 6 GPUs, whose best flat plans all replicate (ZeRO 0), had no
-    plan at all (exit 3, 'no plan fits')."""
+    plan at all (exit 3, 'no plan fits'). Since session 58 (a collective beside compute slows it)
+    the searched plan is 13.46 s, the best split 13.50 s."""
     from planner.hsdp import with_hsdp
     from planner.model_files import load_model
     from planner.search import search
@@ -197,7 +198,7 @@ def test_asked_for_replica_counts_the_search_searches_them_beyond_the_flat_plans
     h100 = load_cluster("dgx-h100-80gb").with_nodes(2)
     flat = search(load_model("llama3-8b"), h100, global_batch=256, top=40).results
     split = with_hsdp(flat, h100, allowed=[2])
-    assert split and found["step_time_s"] < split[0].estimate.step_time_s * 0.995
+    assert split and found["step_time_s"] < split[0].estimate.step_time_s
     assert main(["search", "--model", "tiny", "--cluster", "hgx-h200-141gb", "--gpus", "6", "--global-batch", "24",
                  "--dp-replicate", "2", "-o", str(tmp_path / "t.json")]) == 0
     mesh = Plan.from_json((tmp_path / "t.json").read_text()).mesh

@@ -24,17 +24,20 @@ _SPEC.loader.exec_module(published)
 # gathers), which moves the rows predicted fast a little further: Mixtral 21.6% / 24.2%, FP8 13.4% /
 # 30.8%, DGX Cloud 13.1% / 28.5%; and held out Megatron-Core's H100 weak-scaling table, 21.8% / 29.1%.
 # Session 57 priced the gradients' reduction beside the last backward: FP8 14.2% / 30.8%, Megatron-Core
-# 26.4% / 31.5%, torchtitan 14.4% / 17.5%, NeMo AutoModel 8.0% / 9.2%, MosaicML 7.1% / 25.5% (all fast)
+# 26.4% / 31.5%, torchtitan 14.4% / 17.5%, NeMo AutoModel 8.0% / 9.2%, MosaicML 7.1% / 25.5% (all fast).
+# Session 58 priced compute slowed by the collectives beside it: FP8 13.9% / 29.9%, DGX Cloud 12.8% /
+# 28.4%, Megatron-Core 23.6% / 30.6%, torchtitan 12.4% / 15.3%, NeMo AutoModel 5.4% / 7.2%, MosaicML
+# 7.1% / 25.2%, Mixtral 21.4% / 24.0%, Llama 3 CP 1.1%
 CEILINGS = {
-    "heldout_fp8.csv": (0.145, 0.31),
-    "heldout_dgxc.csv": (0.135, 0.29),
-    "heldout_megatron_core.csv": (0.27, 0.32),
+    "heldout_fp8.csv": (0.142, 0.30),
+    "heldout_dgxc.csv": (0.132, 0.287),
+    "heldout_megatron_core.csv": (0.24, 0.31),
     "heldout_runs.csv": (0.020, 0.045),
-    "heldout_mosaicml.csv": (0.075, 0.26),
-    "heldout_torchtitan.csv": (0.15, 0.18),
+    "heldout_mosaicml.csv": (0.075, 0.255),
+    "heldout_torchtitan.csv": (0.127, 0.156),
     "heldout_llama3_cp.csv": (0.015, 0.015),
-    "heldout_moe.csv": (0.22, 0.245),
-    "heldout_nemo_automodel.csv": (0.085, 0.095),
+    "heldout_moe.csv": (0.218, 0.243),
+    "heldout_nemo_automodel.csv": (0.057, 0.075),
     "heldout_bloom.csv": (0.20, 0.35),
 }
 # rows predicted not to fit though they ran: the two Llama 3.1 405B rows on GB200 (PP 16 x VP 4 and 8
@@ -72,15 +75,16 @@ def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
     got = json.loads(capsys.readouterr().out)
     rows = got["rows"]
     assert len(rows) == 15 and all(r["fits"] for r in rows)
-    assert got["mape"] <= 0.075 and got["worst"] <= 0.22, (got["mape"], got["worst"])
+    assert got["mape"] <= 0.073 and got["worst"] <= 0.22, (got["mape"], got["worst"])
     others = [abs(r["error"]) for r in rows if r["model"] != "mt-nlg-530b"]
-    assert len(others) == 12 and max(others) <= 0.085, max(others)
+    assert len(others) == 12 and max(others) <= 0.082, max(others)
 
 
 def test_the_fp8_and_async_tp_speedups_are_priced():
     """benchmarks/fp8_speedup.py: the 9 published pairs (Float8, async TP) each priced a speedup,
-    within the error measured (mean 5.3%, worst 8.1% since session 55's sustained FP8 curves, which
-    took the four FSDP Float8 pairs from 1-4% short to 6-7% short; 4.4% / 8.1% before)."""
+    within the error measured (mean 5.0%, worst 8.6% since session 58; 5.3%, 8.1% since session
+    55's sustained FP8 curves, which took the four FSDP Float8 pairs from 1-4% short to 6-7% short;
+    4.4% / 8.1% before)."""
     spec = importlib.util.spec_from_file_location("fp8_speedup", REPO / "benchmarks" / "fp8_speedup.py")
     speedup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(speedup)

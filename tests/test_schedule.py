@@ -1,7 +1,8 @@
 """The schedule simulator against hand-computed timelines."""
 import pytest
 
-from planner.schedule import Sharing, StageTimes, peak_in_flight, peak_with_gradients, rank_order, simulate
+from planner.schedule import (Sharing, StageTimes, beside_backward, peak_in_flight, peak_with_gradients, rank_order,
+                              simulate)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -71,6 +72,32 @@ def test_grad_sync_in_parts_runs_beside_the_last_backward():
     assert whole.end_s[0] == off.end_s[0] == pytest.approx(7.75)
 
 
+def test_a_reduction_beside_the_last_backward_slows_it_by_the_share_it_takes():
+    # as above with steal 0.5 (a compute slowdown of 2 while a part runs): relative to the last B's
+    # start, part 1 (ready at 0.5 of work) runs [0.5, 1.5], the B reaching 1.0 of work at 1.5 (0.5
+    # at half rate); part 2 runs [1.5, 1.75]; the B reaches 1.125 at 1.75, then 2.0 at 2.625, where
+    # part 3 runs to 3.125. The B ends 0.625 late: half of the 1.25 s the parts overlapped it
+    parts = ((0.25, 1.0), (0.5, 0.25), (1.0, 0.5))
+    took, pieces = beside_backward(2.0, parts, 0.5)
+    assert took == pytest.approx(2.625)
+    assert [x for p in pieces for x in p] == pytest.approx([0.5, 1.5, 1.5, 1.75, 2.625, 3.125])
+    tl = simulate("1f1b", 1, 1, 2, [StageTimes(1.0, 2.0, grad_sync_s=1.75, grad_sync_parts=parts)], steal=0.5)
+    assert tl.compute_end_s[0] == pytest.approx(6.625) and tl.end_s[0] == pytest.approx(7.125)
+    assert tl.slowed_s == pytest.approx([0.625])
+    (stage, begin, end), = tl.comm_intervals[0]
+    assert stage == 0 and begin == pytest.approx(4.5) and end == pytest.approx(7.125)
+    # the stage before waits for it: two stages, the last's reduction slows its last B and so the
+    # first stage's last B starts that much later
+    two = [StageTimes(1.0, 2.0), StageTimes(1.0, 2.0, grad_sync_s=1.75, grad_sync_parts=parts)]
+    fast, slow = (simulate("1f1b", 2, 1, 2, two, p2p=False, steal=x) for x in (0.0, 0.5))
+    assert slow.compute_end_s[0] - fast.compute_end_s[0] == pytest.approx(0.625)
+    assert slow.slowed_s == pytest.approx([0.0, 0.625])
+    # with the reduction after the backward, nothing runs beside it: nothing slows
+    off = simulate("1f1b", 1, 1, 2, [StageTimes(1.0, 2.0, grad_sync_s=1.75, grad_sync_parts=parts)], steal=0.5,
+                   overlap_grad_reduce=False)
+    assert off.end_s[0] == pytest.approx(7.75) and off.compute_end_s[0] == 6.0
+
+
 def test_a_gpu_stage_reduces_its_gradients_layer_by_layer_beside_its_last_backward():
     """FSDP2 and Megatron-LM's DDP reduce each block's (bucket's) gradients once complete, beside
     the rest of the backward: on a GPU cluster a data-parallel plan without a pipeline exposes
@@ -83,7 +110,8 @@ def test_a_gpu_stage_reduces_its_gradients_layer_by_layer_beside_its_last_backwa
     from planner.cost import estimate
     from planner.zoo import ZOO
     from planner.layers import layer_params_on_device
-    a100 = load_cluster("dgx-a100-80gb", nodes=1)
+    shipped = load_cluster("dgx-a100-80gb", nodes=1)
+    a100 = dataclasses.replace(shipped, overlap_slowdown=1.0)  # the reduction slows no compute (below: it does)
     plan = build_plan(ZOO["llama2-7b"], cluster_name=a100.name, device=a100.device.name, nodes=1, devices_per_node=8,
                       global_batch=8, micro_batch=1, seq_len=4096, zero=1, overlap_param_gather=False)
     gpu, cpu = estimate(plan, a100), estimate(plan, dataclasses.replace(a100, backend="gloo"))
@@ -94,6 +122,15 @@ def test_a_gpu_stage_reduces_its_gradients_layer_by_layer_beside_its_last_backwa
     exposed = gpu.breakdown["time"]["dp_comm_exposed_s"] - other
     assert emb < exposed < emb + blk < st["grad_sync_s"] / 10
     assert cpu.step_time_s - gpu.step_time_s == pytest.approx(st["grad_sync_s"] - exposed, rel=1e-6)
+    # the shipped profile's collectives take 1 - 1/1.189 of the compute rate while they run: the
+    # parts that ran beside the backward (all but what was exposed, about) slow it by that share
+    slowed = estimate(plan, shipped)
+    steal = 1 - 1 / shipped.overlap_slowdown
+    extra = slowed.step_time_s - gpu.step_time_s
+    assert steal * (st["grad_sync_s"] - emb - blk) < extra < steal * st["grad_sync_s"]
+    assert slowed.breakdown["time"]["dp_comm_exposed_s"] - gpu.breakdown["time"]["dp_comm_exposed_s"] == \
+        pytest.approx(extra, rel=1e-6)
+    assert slowed.breakdown["time"]["pipeline_bubble_s"] == 0.0
 
 
 def test_without_a_pipeline_one_micro_batch_is_held_at_a_time():
