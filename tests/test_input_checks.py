@@ -63,6 +63,7 @@ PROFILE_CASES = [
     (("overlap_slowdown",), [1], r"overlap_slowdown \[1\] must be a number >= 1"),
     (("overlap_slowdown",), -1, r"overlap_slowdown -1 must be a number >= 1"),
     (("overlap_slowdown",), True, r"overlap_slowdown True must be a number"),
+    (("overlap_slowdown",), INF, r"overlap_slowdown: inf is not a finite number"),
     (AR + ("by_group_size",), [1, 2], r"all_reduce\.intra_node\.by_group_size: expected an object"),
     (AR + ("by_group_size",), {"0": {"alpha_s": 0, "bus_bandwidth_bytes_per_s": 1}}, r"by_group_size\.0: expected"),
     (AR + ("by_group_size",), _segments(1000, 5000), r"segments\[1\]\.up_to_bytes: 5000 on the last segment"),
