@@ -365,11 +365,11 @@ def test_bf16_fsdp_holds_what_the_planner_counts_for_mixed_precision(tmp_path):
     one = build_plan(ZOO["small"], cluster_name="cpu-test", device="cpu", nodes=1, devices_per_node=1,
                      seq_len=SEQ_LEN, dtype="bf16", global_batch=4, micro_batch=2)
     one.write(tmp_path / "one.json")
-    assert_ok(train(1, "--plan", tmp_path / "one.json", "--steps", 3, "--dtype", "bf16",
+    assert_ok(train(1, "--plan", tmp_path / "one.json", "--steps", 2, "--dtype", "bf16",
                     "--out", tmp_path / "one.run.json"))
     out = tmp_path / "runs"
     out.mkdir()
-    assert_ok(train(2, "--plan", *paths, "--steps", 3, "--dtype", "bf16", "--out", out))
+    assert_ok(train(2, "--plan", *paths, "--steps", 2, "--dtype", "bf16", "--out", out))
     want = losses_of(tmp_path / "one.run.json")
     # without data parallelism: float32 weights under autocast, a bf16 cast of each held per micro-batch
     one_peak = json.loads((tmp_path / "one.run.json").read_text())["peak_memory_bytes"]
