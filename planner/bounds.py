@@ -11,7 +11,7 @@ import numpy as np
 from planner.comm import gather_beside_forward, reduce_beside_backward
 from planner.layers import tied_head
 from planner.memory import held_i_to_w_bytes
-from planner.schedule import interleaved_sequence, rank_order
+from planner.orders import interleaved_sequence, rank_order
 
 TOL = 1e-9
 
@@ -20,7 +20,7 @@ def in_flight_counts(schedule: str, pp: int, v: int, micro_batches: int):
     """Per pipeline rank of `schedule`: the micro-batch count vectors after each forward (and I)
     with v > 1, one entry per chunk of its micro-batches from F to B (W), then one per chunk of
     those from I to W (none but under zbv), then one per chunk that is 1 once the chunk's first
-    backward (W) has begun and its gradients exist (planner.schedule.peak_with_gradients; also
+    backward (W) has begun and its gradients exist (planner.orders.peak_with_gradients; also
     the counts just before each first backward); their maxima; and moments[e, r] (E, pp, 3 v):
     rank r's vector at E <= 6 of those moments (where the smallest F-to-W count of a chunk is
     largest, where the smallest I-to-W count is, where a chunk holds the most from F to W, where
@@ -164,7 +164,7 @@ class Bounds:
             F = np.maximum(F - np.array(self.first_b, dtype=float)[None, :, None], 0.0)
         W = moments[:, :, v:2 * v] if moments.shape[2] > v else np.zeros_like(F)  # from I to W
         # with v > 1 chunks a rank has all its gradients only once every chunk's first backward has
-        # begun (planner.schedule.peak_with_gradients): before, a block's state is counted without
+        # begun (planner.orders.peak_with_gradients): before, a block's state is counted without
         # them (a lower bound: a chunk with gradients holds more)
         all_grads = (moments[:, :, 2 * v:] > 0).all(axis=2) if v > 1 else np.ones(F.shape[:2], dtype=bool)
         blk = [lc["blk"][r] for r in self.modes]
@@ -205,7 +205,7 @@ class Bounds:
         # rank r starts once micro-batch 0's forward has come through stages 0..r-1 (its ranks'
         # first chunks: the embedding, and a block each but the first), and all its work follows.
         # Under interleaved 1F1B its last work is its first chunk's backward of the last
-        # micro-batch (planner.schedule.interleaved_sequence), which then runs back through those
+        # micro-batch (planner.orders.interleaved_sequence), which then runs back through those
         # stages before rank 0 ends, and every rank's step terms (c) wait for that (planner.cost:
         # the gradient norm over the pipeline ranks); with one stage a rank c holds its gradient
         # sync, which does not wait

@@ -23,7 +23,8 @@ each stage's last backward as its gradients are complete (planner.comm.reduce_be
 CPU processes after that backward), overlapping the rest of the backward (with
 training.overlap_grad_reduce false: after the whole backward); ZeRO-2 and 3 reduce-scatter every
 micro-batch's gradients on that stream, which slows a backward only where it takes longer; ZeRO-3
-gathers parameters before each forward and backward, overlapped with compute by prefetching; the
+gathers parameters before each forward and backward, overlapped with compute by prefetching; a
+collective beside compute slows that compute (planner.comm.exposed_beside, planner.schedule); the
 optimizer step (AdamW with gradient clipping) is memory-bound, and every pipeline rank's waits for
 the gradient norm over all of them
 (and, for a tied embedding split from its head, the first and last stages' ranks for the all-reduce
@@ -35,7 +36,7 @@ its last reduce-scatter.
 Memory per device follows what the runtime holds: parameters, gradients and optimizer states by
 ZeRO level (Rajbhandari et al., ZeRO, 2020: 2 + 2 + 12 bytes per parameter in mixed precision
 with Adam; gradients in the dtype they add up in, float32 in the runtime's and Megatron-LM's bf16
-runs; planner.precision), activations of the micro-batches in flight (planner.schedule.peak_in_
+runs; planner.precision), activations of the micro-batches in flight (planner.orders.peak_in_
 flight) by recompute mode (planner.model; planner.precision: autocast's, the CPU runtime's norms),
 the replay of one block, activation gradients, communication and receive buffers, FSDP2's (planner.memory)."""
 from __future__ import annotations

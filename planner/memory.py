@@ -13,7 +13,7 @@ from planner.model import ModelConfig
 from planner.moe import ffn_width, largest_ffn_param
 from planner.plan import DTYPES, Plan, split_backward
 from planner.precision import ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes, sharded_param_bytes
-from planner.schedule import peak_with_gradients
+from planner.orders import peak_with_gradients
 from planner.sends import unproven_sends
 
 
@@ -26,7 +26,7 @@ def first_backward_binds(schedule: str, pp: int, v: int, micro_batches: int, ran
     micro-batch without a pipeline, GPipe, 1F1B on a rank whose forwards all come first
     (m <= p - rank). With more micro-batches a forward comes after every gradient exists, as the
     ZeRO paper counts them. A rank of several chunks (interleaved, ZB-V) is priced over its
-    schedule instead (planner.schedule.peak_with_gradients: a chunk's gradients from its first
+    schedule instead (planner.orders.peak_with_gradients: a chunk's gradients from its first
     backward on)."""
     if v > 1:
         return False
@@ -225,7 +225,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
     micro-batch's activations: the gradients shown are those beside every activation at the worst
     moment (first_backward_bytes), not all of them. A rank of several chunks holds a chunk's
     gradients from that chunk's first backward on: its activations and gradients are those of the
-    moment where they add up to the most (planner.schedule.peak_with_gradients). `stage_info`:
+    moment where they add up to the most (planner.orders.peak_with_gradients). `stage_info`:
     per stage, its "params" and per-layer "costs" (planner.layers.LayerCost). Each rank's
     other_parts says what its other holds (OTHER_PARTS)."""
     m, t, mesh, pipe = plan.model, plan.training, plan.mesh, plan.pipeline

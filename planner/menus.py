@@ -115,7 +115,8 @@ class Menus:
 
         nz, nk = len(self.zeros), len(ks)
         sc, shift, beside_k, copy_bk, gather_f, w_sync, beside_sync = self._menu_scalars(ks, emb, head, ends, cb_min)
-        steal = self.ctx.steal  # planner.comm.exposed_beside: what runs beside a compute slows it
+        # planner.comm.exposed_beside: what runs beside a compute slows it (steal x it >= 0: no clip at 0)
+        steal = self.ctx.steal
         more = self._by_mode(comp_f + tp_f, comp_w)  # what dominance also compares (blocks)
 
         # per ZeRO level: the options kept and their backward
@@ -124,7 +125,7 @@ class Menus:
             exposed = ~np.isnan(beside_k[zi])
             b = base + shift[zi][kid]
             if not np.isnan(w_sync[zi]).all():  # split: what W's weight gradients leave of the reduce-scatter
-                b += np.maximum.reduce([np.zeros(len(kid)), w_sync[zi][kid] - comp_w, steal * w_sync[zi][kid]])
+                b += np.maximum(w_sync[zi][kid] - comp_w, steal * w_sync[zi][kid])
             keep = plain[~exposed[kid[plain]]]
             if exposed.any():  # those k re-sorted by their shifted backward, per k and replay class
                 on = np.flatnonzero(exposed[kid])
@@ -150,7 +151,7 @@ class Menus:
         # the forward: its compute and TP time (by mode where a model profile measured them apart),
         # the ZeRO-3 gather beyond the compute, and FSDP2's copies (the scalar "f" so far)
         ag = np.repeat(gather_f.T.reshape(nk * nz), runs)
-        scal[0] += comp_f[rows] + tp_f[rows] + np.maximum.reduce([np.zeros(len(rows)), ag - comp_f[rows], steal * ag])
+        scal[0] += comp_f[rows] + tp_f[rows] + np.maximum(ag - comp_f[rows], steal * ag)
         if beside_sync is not None:  # the reduction beside the last backward: what it cannot hide
             two, back0, whole, back_last = beside_sync
             share = b / np.maximum(base[rows], 1e-300)  # of the backward, a second of its compute
@@ -249,8 +250,8 @@ class Menus:
                     if self.rep_shape else 0.0)
         # ZeRO 1/2's gather once a step, in the next first forward beside its compute (planner.cost)
         fwd = np.array([k * blk[0].fwd_compute_s for k in ks]) + sum(x.fwd_compute_s for x in ends)
-        gathered_step = (np.maximum.reduce([np.zeros(nk), gathered - fwd, ctx.steal * gathered])
-                         if gather_beside_forward(ctx.train, ctx.cluster) else gathered)
+        gathered_step = (np.maximum(gathered - fwd, ctx.steal * gathered) if gather_beside_forward(ctx.train, ctx.cluster)
+                         else gathered)
         beside_sync = None
         if reduce_beside_backward(ctx.train, ctx.cluster) and dp > 1:  # each layer's, as planner.cost.sync_parts
             layers = [blk[0], *ends]  # a block, then the stage's embedding and head where it has them

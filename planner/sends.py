@@ -10,7 +10,7 @@ transfer is then over, so the wait returns at once and cannot deadlock, on any b
 
 Word travels only with the messages: a rank knows what the sender of a message it has consumed
 knew when it sent it, and its own past. Vector clocks over the ranks' compute orders
-(planner.schedule.rank_order, the order torch runs) carry it; each send is posted right after the
+(planner.orders.rank_order, the order torch runs) carry it; each send is posted right after the
 compute action that produces it, and a receive is consumed by the compute action that needs it
 (torch waits for it just before). Late in the step no message comes back to prove delivery, so a
 rank still holds the sends of its last backwards until the step ends; planner.memory prices the
@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from planner.plan import stage_rank
-from planner.schedule import rank_order
+from planner.orders import rank_order
 
 
 def _message(kind: str, s: int, n_stages: int, rank_of, r: int):
@@ -137,7 +137,7 @@ STEADY_ROUNDS = 2
 
 def unproven_sends(schedule: str, pp: int, virtual_stages: int, micro_batches: int, together: bool = True) -> tuple:
     """Per stage, the input gradients its rank holds sent and not yet proven delivered
-    (delivery_proofs over planner.schedule.rank_order) under `schedule`: `together`, those it holds
+    (delivery_proofs over planner.orders.rank_order) under `schedule`: `together`, those it holds
     when its rank holds the most of all its stages' (the rank's worst moment where every stage's
     message is the same size: a third of the stages' own maxima summed on interleaved pp 16 with
     6 chunks), else each stage's own most. Past STEADY_ROUNDS x pp micro-batches, as at that many

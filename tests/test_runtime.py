@@ -310,7 +310,7 @@ def test_ranks_of_two_chunks_have_a_chunks_gradients_from_its_first_backward(tmp
     chunks' forwards before any backward, so its most activations meet none of its gradients and
     a chunk's gradients appear at its own first backward (under ZB-V its first W). Counted with
     every gradient beside the most activations, ranks measured down to 0.87 of their predictions;
-    counted as the schedule creates them (planner.schedule.peak_with_gradients), 0.93-1.01 (CPU
+    counted as the schedule creates them (planner.orders.peak_with_gradients), 0.93-1.01 (CPU
     heap: within 3% of noise, as elsewhere here)."""
     from planner.cluster import load_cluster
     from planner.cost import estimate

@@ -1,8 +1,8 @@
 """The schedule simulator against hand-computed timelines."""
 import pytest
 
-from planner.schedule import (Sharing, StageTimes, beside_backward, peak_in_flight, peak_with_gradients, rank_order,
-                              simulate)
+from planner.orders import peak_in_flight, peak_with_gradients, rank_order
+from planner.schedule import Sharing, StageTimes, beside_backward, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 
 from planner.plan import stage_rank
-from planner.schedule import rank_order
+from planner.orders import rank_order
 from planner.sends import STEADY_ROUNDS, _unproven, delivery_proofs, unproven_sends
 
 CASES = [("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 3, 2, 6), ("interleaved-1f1b", 4, 3, 8),
