@@ -120,6 +120,18 @@ def _residue(total: float, part: float) -> float:
     d = total - part
     return d if d > 1e-9 * abs(total) else 0.0
 
+def _stage_layer_costs(plan: Plan, cluster: ClusterSpec, st, tp_ranks: list, model_profile, extras: bool) -> list:
+    """layer_cost of each of a stage's layers, priced once for each (kind, recompute mode): a layer's
+    cost depends on its index only through those (a stage's blocks alike)."""
+    m, priced, costs = plan.model, {}, []
+    for i in range(st.start, st.end):
+        key = (m.layer_kind(i), st.recompute[i - st.start])
+        if key not in priced:
+            priced[key] = layer_cost(plan, cluster, i, st, tp_ranks, model_profile, extras)
+        costs.append(priced[key])
+    return costs
+
+
 def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None = None,
              keep_timeline: bool = False, model_profile=None, profile_extras: bool = True) -> Estimate:
     """Predict step time, throughput and per-device memory of `plan` on `cluster`.
@@ -154,7 +166,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         tp_ranks = mesh.group("tp", pp=r, dp=0)
         dp_ranks, rep_ranks = mesh.shard_group(pp=r, tp=0), mesh.replicate_group(pp=r, tp=0)
         ex_ranks = mesh.expert_shard_group(pp=r, tp=0)
-        costs = [layer_cost(plan, cluster, i, st, tp_ranks, model_profile, extras) for i in range(st.start, st.end)]
+        costs = _stage_layer_costs(plan, cluster, st, tp_ranks, model_profile, extras)
         if m.tie_embeddings and st.end == m.num_layers_total and st.start == 0:  # one matrix: runtime.tied
             costs[-1] = tied_head(m, costs[-1], tp)
         comp_f = sum(c.fwd_compute_s for c in costs)

@@ -106,6 +106,8 @@ class Mesh:
         """The ranks through `coords` that hold the same experts: the shard group's ranks whose dp
         coordinate is the same modulo ep (ZeRO shards the experts and reduces their gradients over
         them; all of the shard group without expert parallelism)."""
+        if self.ep == 1:
+            return list(self.shard_group(**coords))
         d = coords.get("dp", 0) % self.ep
         return [r for r in self.shard_group(**coords) if self.coords(r)["dp"] % self.ep == d]
 

@@ -264,7 +264,11 @@ def test_gpt2_hub_names_and_missing_directories(tmp_path):
         ModelDir(tmp_path / "empty")
 
 
-def test_the_commands_refuse_bad_input_in_one_line(tmp_path):
+def test_the_commands_refuse_bad_input_in_one_line(tmp_path, capsys):
+    """As processes (`trident run`, `trident export`), then the other cases in this one (the same
+    main, without a Python start-up each)."""
+    from planner.cli import main
+    from test_bad_input import one_line_error
     plan = write_plan(tmp_path, "one")
 
     def cli(*args):
@@ -272,14 +276,20 @@ def test_the_commands_refuse_bad_input_in_one_line(tmp_path):
                               text=True, cwd=REPO)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         return proc.stderr
+
+    def here(*args):
+        code, line = one_line_error(capsys, main, list(map(str, args)))
+        assert code == 2, line
+        return line
     assert "--init-from: " in cli("run", plan, "--init-from", tmp_path / "nowhere")
     assert "no checkpoint there" in cli("export", tmp_path, "-o", tmp_path / "out")
     (tmp_path / "ck" / "step-1").mkdir(parents=True)
     (tmp_path / "ck" / "step-1" / "trident.json").write_text("{}")
-    assert "unreadable or corrupt" in cli("export", tmp_path / "ck", "-o", tmp_path / "out")
-    assert "-o: " in cli("export", tmp_path / "ck", "-o", tmp_path)
-    assert "holds no tokenizer files" in cli("export", tmp_path / "ck", "-o", tmp_path / "o", "--tokenizer", tmp_path)
-    assert "--max-shard-gb: 0.0 must be positive" in cli("export", tmp_path / "ck", "-o", tmp_path / "o", "--max-shard-gb", 0)
+    assert "unreadable or corrupt" in here("export", tmp_path / "ck", "-o", tmp_path / "out")
+    assert "-o: " in here("export", tmp_path / "ck", "-o", tmp_path)
+    assert "holds no tokenizer files" in here("export", tmp_path / "ck", "-o", tmp_path / "o", "--tokenizer", tmp_path)
+    assert "--max-shard-gb: 0.0 must be positive" in here("export", tmp_path / "ck", "-o", tmp_path / "o",
+                                                          "--max-shard-gb", 0)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
