@@ -17,9 +17,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# the tests that start no ranks side by side, a worker a core; then those that do, one at a time
+# the tests that start no ranks side by side, a worker a core (4 at most); then those that do, one at a time
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m in_process -n auto
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m in_process -n auto --maxprocesses 4
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not in_process"
 
 demo: install
