@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from planner.cluster import ClusterSpec
 from planner.model import LOSS_CHUNKS
 
@@ -118,11 +120,14 @@ def overlap_steal(cluster: ClusterSpec) -> float:
     return 1.0 - 1.0 / cluster.overlap_slowdown
 
 
-def exposed_beside(comm_s: float, compute_s: float, steal: float) -> float:
+def exposed_beside(comm_s, compute_s, steal: float):
     """Seconds that `comm_s` of communication running beside `compute_s` of compute adds to it,
     where the compute runs at 1 - `steal` of its rate while the communication runs: the
     communication's excess over the compute, or the compute it slows, whichever is more (both run
-    to their ends: max(comm, compute + steal x comm) - compute)."""
+    to their ends: max(comm, compute + steal x comm) - compute). Numbers, or numpy arrays element
+    by element (planner.menus prices its options so)."""
+    if isinstance(comm_s, np.ndarray) or isinstance(compute_s, np.ndarray):
+        return np.maximum(comm_s - compute_s, steal * comm_s)  # steal x comm >= 0: overlap_slowdown >= 1
     return max(0.0, comm_s - compute_s, steal * comm_s)
 
 

@@ -120,6 +120,7 @@ def _residue(total: float, part: float) -> float:
     d = total - part
     return d if d > 1e-9 * abs(total) else 0.0
 
+
 def _stage_layer_costs(plan: Plan, cluster: ClusterSpec, st, tp_ranks: list, model_profile, extras: bool) -> list:
     """layer_cost of each of a stage's layers, priced once for each (kind, recompute mode): a layer's
     cost depends on its index only through those (a stage's blocks alike)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.comm import gather_beside_forward, reduce_beside_backward
+from planner.comm import exposed_beside, gather_beside_forward, reduce_beside_backward
 from planner.layers import tied_head
 from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups
 from planner.memory import (accumulation_bytes, document_mask_bytes, first_backward_bytes, held_i_to_w_bytes,
@@ -115,8 +115,7 @@ class Menus:
 
         nz, nk = len(self.zeros), len(ks)
         sc, shift, beside_k, copy_bk, gather_f, w_sync, beside_sync = self._menu_scalars(ks, emb, head, ends, cb_min)
-        # planner.comm.exposed_beside: what runs beside a compute slows it (steal x it >= 0: no clip at 0)
-        steal = self.ctx.steal
+        steal = self.ctx.steal  # what runs beside a compute slows it (planner.comm.exposed_beside)
         more = self._by_mode(comp_f + tp_f, comp_w)  # what dominance also compares (blocks)
 
         # per ZeRO level: the options kept and their backward
@@ -125,12 +124,11 @@ class Menus:
             exposed = ~np.isnan(beside_k[zi])
             b = base + shift[zi][kid]
             if not np.isnan(w_sync[zi]).all():  # split: what W's weight gradients leave of the reduce-scatter
-                b += np.maximum(w_sync[zi][kid] - comp_w, steal * w_sync[zi][kid])
+                b += exposed_beside(w_sync[zi][kid], comp_w, steal)
             keep = plain[~exposed[kid[plain]]]
             if exposed.any():  # those k re-sorted by their shifted backward, per k and replay class
                 on = np.flatnonzero(exposed[kid])
-                bk = beside_k[zi][kid[on]]
-                bx = base[on] + np.maximum(bk - comp_b[on], steal * bk) + copy_bk[zi][kid[on]]
+                bx = base[on] + exposed_beside(beside_k[zi][kid[on]], comp_b[on], steal) + copy_bk[zi][kid[on]]
                 b[on] = bx
                 rid = np.unique(replay[on], return_inverse=True)[1]
                 if self.fb:  # and by the largest mode, as blocks() classes them
@@ -151,7 +149,7 @@ class Menus:
         # the forward: its compute and TP time (by mode where a model profile measured them apart),
         # the ZeRO-3 gather beyond the compute, and FSDP2's copies (the scalar "f" so far)
         ag = np.repeat(gather_f.T.reshape(nk * nz), runs)
-        scal[0] += comp_f[rows] + tp_f[rows] + np.maximum(ag - comp_f[rows], steal * ag)
+        scal[0] += comp_f[rows] + tp_f[rows] + exposed_beside(ag, comp_f[rows], steal)
         if beside_sync is not None:  # the reduction beside the last backward: what it cannot hide
             two, back0, whole, back_last = beside_sync
             share = b / np.maximum(base[rows], 1e-300)  # of the backward, a second of its compute
@@ -250,8 +248,8 @@ class Menus:
                     if self.rep_shape else 0.0)
         # ZeRO 1/2's gather once a step, in the next first forward beside its compute (planner.cost)
         fwd = np.array([k * blk[0].fwd_compute_s for k in ks]) + sum(x.fwd_compute_s for x in ends)
-        gathered_step = (np.maximum(gathered - fwd, ctx.steal * gathered) if gather_beside_forward(ctx.train, ctx.cluster)
-                         else gathered)
+        in_forward = gather_beside_forward(ctx.train, ctx.cluster)
+        gathered_step = exposed_beside(gathered, fwd, ctx.steal) if in_forward else gathered
         beside_sync = None
         if reduce_beside_backward(ctx.train, ctx.cluster) and dp > 1:  # each layer's, as planner.cost.sync_parts
             layers = [blk[0], *ends]  # a block, then the stage's embedding and head where it has them

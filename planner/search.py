@@ -167,13 +167,6 @@ class Ctx:
                 + (self.cluster.group_shape(ranks),)
         return self._coll[key]
 
-    def shard_time(self, cfg, op: str, nbytes: float) -> float:
-        """`op` on `nbytes` over pipeline rank 0's shard group, as planner.cost prices it."""
-        key = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.order, cfg.dp_replicate, op, nbytes)
-        if key not in self._coll:
-            self._coll[key] = self.cluster.collective_time(op, nbytes, _mesh(cfg).shard_group(pp=0, tp=0))
-        return self._coll[key]
-
     def replicas(self, cfg):
         """HSDP's all-reduce across the replicas of pipeline rank 0's shards, as a time function,
         and the replica group's shape (None without HSDP)."""
