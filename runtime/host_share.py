@@ -122,6 +122,51 @@ def other_load(seconds: float = LOAD_WINDOW_S) -> float | None:
     return None if float(t) < 0 else float(t)
 
 
+FRESH_S = 30.0  # a launch's host figures this recent stand for the next plan's "before"
+
+
+class HostWatch:
+    """The host figures a launch records around each plan's steps (CPU ranks; GPUs: none): the
+    cores other work kept busy while the ranks slept, before and after the steps (other_load), and
+    compute_slots right before them. A launch trains its plans one after another, so a plan's
+    "before" is the previous plan's "after" and compute_slots the launch's last, when measured at
+    most FRESH_S seconds ago (one plan's set-up away): each is measured once, not twice, a plan;
+    older, they are measured again (a shared or virtual machine changes speed over minutes).
+    `clock`: time.monotonic, or a stand-in."""
+
+    def __init__(self, cpu: bool, world: int, clock=time.monotonic):
+        self.cpu, self.world, self.clock = cpu, world, clock
+        self._other: tuple[float, float | None] | None = None  # (when, busy cores)
+        self._slots: tuple[float, float] | None = None
+
+    def _stale(self) -> tuple[bool, bool]:
+        """Whether other_load and compute_slots are to be measured again: rank 0's clock decides
+        for every rank (each measurement is collective, and the ranks' clocks differ)."""
+        now = self.clock()
+        flags = torch.tensor([float(seen is None or now - seen[0] > FRESH_S) for seen in (self._other, self._slots)])
+        dist.broadcast(flags, 0)
+        return bool(flags[0]), bool(flags[1])
+
+    def before(self) -> tuple[float | None, float | None]:
+        """(other work's busy cores, compute_slots) before a plan's steps; (None, None) on GPUs,
+        compute_slots None for one process."""
+        if not self.cpu:
+            return None, None
+        other, slots = self._stale()
+        if other:
+            self._other = (self.clock(), other_load(0.2))
+        if self.world > 1 and slots:
+            self._slots = (self.clock(), compute_slots())
+        return self._other[1], self._slots[1] if self.world > 1 else None
+
+    def after(self) -> float | None:
+        """Other work's busy cores right after a plan's steps (None on GPUs)."""
+        if not self.cpu:
+            return None
+        self._other = (self.clock(), other_load(0.2))
+        return self._other[1]
+
+
 def host_warning(slots: float | None = None, lead: str = "") -> str | None:
     """On a CPU, every rank at once: the warning (printed by rank 0) when other work keeps the
     cores busy while the ranks sleep (other_load, planner.compare.busy_note) or when the ranks

@@ -34,7 +34,7 @@ from runtime.dropout import attach_dropout, dropout_step
 from runtime.evaluate import Evaluator
 from runtime.hf_weights import initial_weights
 from runtime.loss import IGNORE, cross_entropy
-from runtime.host_share import compute_slots, other_load
+from runtime.host_share import HostWatch
 from runtime.launch import free_port
 from runtime.metrics import MetricsLog, PeakMemory, environment, gather, held_bytes
 from runtime.oneline import fail
@@ -221,7 +221,7 @@ class Trainer:
         return float(torch.stack(losses).double().sum())
 
 
-def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) -> dict:
+def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str, host: HostWatch) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     t = plan.training
     trainer = Trainer(plan, args, device)
@@ -251,10 +251,9 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
     peak = PeakMemory(device, trainer.chunks, trainer.optimizers, lambda: held_tensors(trainer.schedule))
     evaluator, saver = Evaluator(args, plan), ckpt.Saver(args, device.type)
     log = MetricsLog(args.metrics, resumed=start_step > 0)
-    other = [other_load(0.2)] if device.type == "cpu" else []  # cores busy with other work, before and after
-    # how many ranks computed at full speed at once right before the steps (the cluster profile's
-    # compute_slots, measured again: a shared or virtual machine changes speed over minutes)
-    slots = compute_slots() if device.type == "cpu" and world > 1 else None
+    # cores busy with other work before the steps, and how many ranks computed at full speed at once
+    # (the cluster profile's compute_slots, measured again; runtime.host_share.HostWatch)
+    before, slots = host.before()
     losses, times, grad_norms, opt_times, waits, lrs, held, scales, trace = [], [], [], [], [], [], [], [], {}
     for step in range(start_step, args.steps):
         batch = source.batch(step, t.global_batch)
@@ -295,8 +294,7 @@ def train(plan: Plan, plan_path: str, args, device: torch.device, backend: str) 
                        {"next_step": step + 1, "loss_scale": trainer.scaler.state()})
     saver.finish()  # an asynchronous save under way (--async-checkpoint)
     log.close()
-    other += [other_load(0.2)] if device.type == "cpu" else []
-    busy = max((x for x in other if x is not None), default=None)
+    busy = max((x for x in (before, host.after()) if x is not None), default=None)
     note = busy_note(busy, len(os.sched_getaffinity(0)))
     if note and rank == 0:
         print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -368,8 +366,9 @@ def main(argv=None) -> int:
         return fail(str(exc))
     dist.init_process_group(backend, timeout=timedelta(minutes=10))
     try:
+        host = HostWatch(device.type == "cpu", dist.get_world_size())
         for plan, path in plans:
-            result = train(plan, path, args, device, backend)
+            result = train(plan, path, args, device, backend, host)
             if dist.get_rank() == 0 and (note := leak_note(result)):  # as trident compare says it
                 print(f"warning: {note}", file=sys.stderr, flush=True)
             if dist.get_rank() == 0 and args.out:

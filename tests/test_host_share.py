@@ -43,3 +43,8 @@ def test_a_busy_loop_beside_the_sleeping_ranks_is_seen():
     assert out["busy_cores"] >= 0.7 and out["busy_cores"] >= out["idle_cores"] + 0.5
     assert "busy with other work" in out["busy_warning"]
     assert "busy with other work" in proc.stderr  # rank 0 printed it
+    # a launch's plans: the second's "before" is the first's "after" and its compute_slots the
+    # first's (at most FRESH_S old); 40 s on, both are measured again; rank 0's clock decides for both
+    first = [["other_load", 0.0], ["compute_slots", 0.0], ["other_load", 1.0]]
+    assert out["watch"] == [first + [["other_load", 6.0], ["other_load", 45.0], ["compute_slots", 45.0],
+                                     ["other_load", 46.0]]] * 2

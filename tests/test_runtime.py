@@ -124,7 +124,7 @@ def test_pp2_dp2_tp2_on_eight_ranks_trains_like_one_process(plans, reference, tm
     assert_same_losses(run["losses"], reference["ref"], "pp2-dp2-tp2")
     assert run["world_size"] == 8 and len(run["peak_memory_bytes_per_rank"]) == 8
     assert run["peak_memory_bytes"] == max(run["peak_memory_bytes_per_rank"]) > 0
-    assert 1.0 <= run["host_compute_slots"] <= 8  # measured again right before the steps (compare reads it)
+    assert 1.0 <= run["host_compute_slots"] <= 8  # measured again before the steps (compare reads it)
     # each rank's wait for the other pipeline ranks' last backward, every step
     waits = run["pipeline_wait_times_s_per_rank"]
     assert len(waits) == 8 and all(len(w) == len(run["step_times_s"]) and min(w) >= 0 for w in waits)
