@@ -27,17 +27,20 @@ _SPEC.loader.exec_module(published)
 # 26.4% / 31.5%, torchtitan 14.4% / 17.5%, NeMo AutoModel 8.0% / 9.2%, MosaicML 7.1% / 25.5% (all fast).
 # Session 58 priced compute slowed by the collectives beside it: FP8 13.9% / 29.9%, DGX Cloud 12.8% /
 # 28.4%, Megatron-Core 23.6% / 30.6%, torchtitan 12.4% / 15.3%, NeMo AutoModel 5.4% / 7.2%, MosaicML
-# 7.1% / 25.2%, Mixtral 21.4% / 24.0%, Llama 3 CP 1.1%
+# 7.1% / 25.2%, Mixtral 21.4% / 24.0%, Llama 3 CP 1.1%. Session 60 priced H100, H200 and GB200 BF16
+# products at their sustained rate (gpu-fryer, not the MAMF burst): DGX Cloud 9.6% / 22.1%,
+# Megatron-Core 19.0% / 27.1%, Mixtral 16.5% / 19.3%, FP8 13.8% / 29.9% (all fast, less so); Meta's
+# Llama 3 CP row +3.8% and NeMo AutoModel 6.0% / 10.3% (Qwen3 +7.2 -> +10.3%) move the other way
 CEILINGS = {
-    "heldout_fp8.csv": (0.142, 0.30),
-    "heldout_dgxc.csv": (0.132, 0.287),
-    "heldout_megatron_core.csv": (0.24, 0.31),
+    "heldout_fp8.csv": (0.14, 0.30),
+    "heldout_dgxc.csv": (0.098, 0.223),
+    "heldout_megatron_core.csv": (0.192, 0.273),
     "heldout_runs.csv": (0.020, 0.045),
     "heldout_mosaicml.csv": (0.075, 0.255),
     "heldout_torchtitan.csv": (0.127, 0.156),
-    "heldout_llama3_cp.csv": (0.015, 0.015),
-    "heldout_moe.csv": (0.218, 0.243),
-    "heldout_nemo_automodel.csv": (0.057, 0.075),
+    "heldout_llama3_cp.csv": (0.04, 0.04),
+    "heldout_moe.csv": (0.167, 0.195),
+    "heldout_nemo_automodel.csv": (0.062, 0.105),
     "heldout_bloom.csv": (0.20, 0.35),
 }
 # rows predicted not to fit though they ran: the two Llama 3.1 405B rows on GB200 (PP 16 x VP 4 and 8
@@ -64,9 +67,10 @@ def test_every_held_out_row_is_predicted_within_what_the_readme_reports(name):
 
 
 def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
-    """The issue's 15 rows (target MAPE <= 5%, worst <= 12%; measured 7.3% and 21.1%, MT-NLG's three
-    rows 17.7-21.1% fast, the other 12 within 8.2%), where the shared reference lies beside this
-    clone; the command itself on a held-out file either way."""
+    """The issue's 15 rows (target MAPE <= 5%, worst <= 12%; measured 8.0% and 21.1%, MT-NLG's three
+    rows 17.7-21.1% fast, the other 12 within 11.8%: Meta's two Llama 3 rows +11.8 and +9.7% since
+    session 60's sustained H100 BF16 rate, +5.6 and +3.7% at the MAMF burst), where the shared
+    reference lies beside this clone; the command itself on a held-out file either way."""
     assert published.main(["--csv", str(REPO / "benchmarks" / "heldout_torchtitan.csv"), "--no-heldout"]) == 0
     assert "llama3-70b" in capsys.readouterr().out
     if not published.DEFAULT_CSV.exists():
@@ -75,14 +79,15 @@ def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
     got = json.loads(capsys.readouterr().out)
     rows = got["rows"]
     assert len(rows) == 15 and all(r["fits"] for r in rows)
-    assert got["mape"] <= 0.073 and got["worst"] <= 0.22, (got["mape"], got["worst"])
+    assert got["mape"] <= 0.081 and got["worst"] <= 0.22, (got["mape"], got["worst"])
     others = [abs(r["error"]) for r in rows if r["model"] != "mt-nlg-530b"]
-    assert len(others) == 12 and max(others) <= 0.082, max(others)
+    assert len(others) == 12 and max(others) <= 0.12, max(others)
 
 
 def test_the_fp8_and_async_tp_speedups_are_priced():
     """benchmarks/fp8_speedup.py: the 9 published pairs (Float8, async TP) each priced a speedup,
-    within the error measured (mean 5.0%, worst 8.6% since session 58; 5.3%, 8.1% since session
+    within the error measured (mean 3.3%, worst 8.8% since session 60's sustained H100 BF16 rate;
+    5.0%, 8.6% since session 58; 5.3%, 8.1% since session
     55's sustained FP8 curves, which took the four FSDP Float8 pairs from 1-4% short to 6-7% short;
     4.4% / 8.1% before)."""
     spec = importlib.util.spec_from_file_location("fp8_speedup", REPO / "benchmarks" / "fp8_speedup.py")
@@ -91,4 +96,4 @@ def test_the_fp8_and_async_tp_speedups_are_priced():
     out = speedup.price(_rows(speedup.PAIRS_CSV))
     assert len(out) == 9 and all(r["predicted_speedup"] > 1 for r in out)
     errs = [abs(r["error"]) for r in out]
-    assert sum(errs) / len(errs) <= 0.055 and max(errs) <= 0.09, errs
+    assert sum(errs) / len(errs) <= 0.035 and max(errs) <= 0.09, errs
