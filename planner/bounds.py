@@ -121,8 +121,7 @@ class Bounds:
             # the layer before the first part), summed over the ranks at least (L - p) of the least
             # of a block's part and backward, averaged as LB2
             back = min(x.bwd_compute_s + x.bwd_tp_s for x in (lc["blk"][r] for r in self.modes))
-            reduce = ctx.collectives(cfg)
-            part = min(reduce[1 if z == 0 else 2](lc["blk"]["none"].params * ctx.gb) for z in self.zeros)
+            part = min(groups[0][1 if z == 0 else 2](lc["blk"]["none"].params * ctx.gb) for z in self.zeros)
             lb += ctx.steal * max(0, self.L - p) * min(part, back) / p
         if cfg.v == 1 and p > 1:
             lb = max(lb, wtot / (1.0 - (1.0 - 1.0 / mbs) ** p))

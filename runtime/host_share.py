@@ -123,6 +123,7 @@ def other_load(seconds: float = LOAD_WINDOW_S) -> float | None:
 
 
 FRESH_S = 30.0  # a launch's host figures this recent stand for the next plan's "before"
+RUN_WINDOW_S = 0.2  # other_load's window around a plan's steps
 
 
 class HostWatch:
@@ -154,16 +155,17 @@ class HostWatch:
             return None, None
         other, slots = self._stale()
         if other:
-            self._other = (self.clock(), other_load(0.2))
+            self._measure_other()
         if self.world > 1 and slots:
             self._slots = (self.clock(), compute_slots())
         return self._other[1], self._slots[1] if self.world > 1 else None
 
     def after(self) -> float | None:
         """Other work's busy cores right after a plan's steps (None on GPUs)."""
-        if not self.cpu:
-            return None
-        self._other = (self.clock(), other_load(0.2))
+        return self._measure_other() if self.cpu else None
+
+    def _measure_other(self) -> float | None:
+        self._other = (self.clock(), other_load(RUN_WINDOW_S))
         return self._other[1]
 
 
