@@ -24,6 +24,14 @@ BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-20
 #   the 13B model and "rmsnorm" (eager) for the 70B ones, which the 70B rows (FSDP only, unlike
 #   those configs' TP 8) may or may not have kept. NeMo AutoModel's recipe compiles the model
 #   (enable_compile): Inductor fuses its norms, rotary embeddings and SwiGLU, what `fused` counts.
+#   Megatron-LM's loss, where nothing says it was fused, is its default (`fused-fp32-loss`):
+#   vocab_parallel_cross_entropy on the logits cast to float32, op by op (megatron/mpu/
+#   cross_entropy.py and the models' `vocab_parallel_cross_entropy(output.float(), labels)` unless
+#   --fp16-lm-cross-entropy, in 2021-2022 Megatron-LM and Megatron-DeepSpeed; megatron/core/
+#   tensor_parallel/cross_entropy.py, whose fused form only --cross-entropy-loss-fusion turns on:
+#   cross_entropy_loss_fusion defaults to False in megatron/core/model_parallel_config.py). The
+#   Megatron-Core runs' READMEs do not name that flag; NeMo's and Megatron-Bridge's GPT configs
+#   default it to True, and keep `fused`.
 # - fsdp_copies (planner.precision.fsdp_copy_bytes): torchtitan and NeMo AutoModel run FSDP2, as
 #   trident's runtime does; Megatron-LM's DDP, DeepSpeed's ZeRO and PyTorch's FSDP1 (MosaicML) gather into and reduce
 #   from flat buffers.
@@ -31,17 +39,18 @@ BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-20
 #   separately); MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; MosaicML's rows ran FSDP
 #   FULL_SHARD, torchtitan's and NeMo AutoModel's FSDP2 resharding after forward (ZeRO-3); Llama 3
 #   does not say: search.
+_MEGATRON_LOSS = "fused-fp32-loss"  # fused blocks, Megatron-LM's default float32 loss (above)
 SOURCES = {
-    "megatron-sc21-table1": dict(zeros=(0,)),
-    "mt-nlg-530b": dict(zeros=(1,)),
-    "korthikanti-2022-table5": dict(zeros=(0,)),
-    "korthikanti-2022-section6": dict(zeros=(0,)),
+    "megatron-sc21-table1": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(0,)),
+    "mt-nlg-530b": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
+    "korthikanti-2022-table5": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(0,)),
+    "korthikanti-2022-section6": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(0,)),
     "mosaicml-llm-foundry-2023": dict(attention="flash-triton", dropout=0.0, zeros=(3,)),
     "torchtitan-2024": dict(elementwise_kernels="eager", fsdp_copies=True, zeros=(3,)),
-    "bigscience-tr11-2022": dict(zeros=(1,)),
-    "megatron-core-v0.8": dict(zeros=(1,)),
-    "megatron-core-v0.9": dict(zeros=(1,)),
-    "megatron-core-r0.8-h100": dict(zeros=(1,)),
+    "bigscience-tr11-2022": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
+    "megatron-core-v0.8": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
+    "megatron-core-v0.9": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
+    "megatron-core-r0.8-h100": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
     "nemo-automodel-2026": dict(fsdp_copies=True, zeros=(3,)),
     "torchtitan-trainy-2025": dict(fsdp_copies=True, zeros=(3,)),
     "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,)),

@@ -64,7 +64,7 @@ WEIGHTS_CACHED = {"tensorwise": False, "current": True, "delayed": True, "mxfp8"
 def cast_bytes(recipe: str, elementwise_kernels: str) -> float:
     """Bytes a cast to FP8 moves per 16-bit element under `recipe`, the amax's read fused into the
     producer with fused elementwise kernels (module doc)."""
-    return CAST_BYTES[recipe] - (AMAX_PASS[recipe] if elementwise_kernels == "fused" else 0.0)
+    return CAST_BYTES[recipe] - (AMAX_PASS[recipe] if elementwise_kernels != "eager" else 0.0)
 
 
 def fp8_rate(device):

@@ -141,7 +141,7 @@ class Training:
     grad_accumulation: str = "separate-fp32"
     # memory-bound operations (planner.pointwise): "eager", one PyTorch kernel per operation as the
     # runtime runs them (RMSNorm and rotary embeddings in float32 inside); "fused", one kernel per
-    # fused group as Megatron-LM writes them
+    # fused group as Megatron-LM writes them; "fused-fp32-loss", with Megatron-LM's default float32 loss
     elementwise_kernels: str = "eager"
     # data parallelism copies parameters out of its all-gather buffers and gradients into its
     # reduce buffers on the compute stream (FSDP2 and replicate, the runtime's; planner.precision

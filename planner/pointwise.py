@@ -16,7 +16,16 @@ Two implementations, chosen by the plan's `training.elementwise_kernels`:
   dispatch-mode byte counter and checks these counts against it.
 - `fused`: one kernel per fused group as Megatron-LM writes them (bias + GeLU, bias + dropout +
   residual add, scale + mask + softmax, SwiGLU, rotary embeddings, each in one pass): every tensor read and written once; the backward moves 1.5x the forward (three
-  tensors to the forward's two). For predicting frameworks with fused kernels.
+  tensors to the forward's two). For predicting frameworks with fused kernels. Its cross-entropy is
+  one fused kernel too (Megatron-Core's --cross-entropy-loss-fusion, NeMo's and Megatron-Bridge's
+  default): it reads the logits, writes and re-reads float32 exponentials.
+- `fused-fp32-loss`: the fused blocks with Megatron-LM's default cross-entropy,
+  vocab_parallel_cross_entropy on the logits cast to float32 (legacy megatron/mpu/cross_entropy.py,
+  megatron/core/tensor_parallel/cross_entropy.py; --cross-entropy-loss-fusion off): per logit
+  forward the cast (e + 4 bytes; none in float32), the row maximum (4), the in-place subtraction
+  (8), exp in place (8), the row sum (4) and the in-place division into the softmax kept for
+  backward (8); backward the in-place product with the loss gradient (8) and the cast's gradient
+  back to the logits' dtype (4 + e).
 
 All counts are per layer per micro-batch on one device: tensors a TP group holds whole (the
 residual stream) are divided by tp only under sequence parallelism, sharded ones (heads, FFN
@@ -29,14 +38,16 @@ import math
 from planner.model import ModelConfig
 from planner.moe import ffn_width, routing_bytes
 
-ELEMENTWISE_KERNELS = ("eager", "fused")
+ELEMENTWISE_KERNELS = ("eager", "fused", "fused-fp32-loss")
 BWD_ELEMENTWISE_FACTOR = 1.5  # fused: backward of a memory-bound op moves 3 tensors to the forward's 2
 
 
 def fused_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool, e: int,
-                dropout: bool, attention: str, attention_dropout: bool | None = None) -> tuple[float, float]:
+                dropout: bool, attention: str, attention_dropout: bool | None = None,
+                fp32_loss: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes with fused kernels (module doc). `dropout`: on the hidden states;
-    `attention_dropout`: on the attention probabilities (None: as `dropout`)."""
+    `attention_dropout`: on the attention probabilities (None: as `dropout`); `fp32_loss`:
+    Megatron-LM's unfused float32 cross-entropy (fused-fp32-loss)."""
     kind = model.layer_kind(index)
     sbh = s * b * model.hidden
     rep = tp if sp else 1
@@ -44,9 +55,11 @@ def fused_bytes(model: ModelConfig, index: int, b: int, s: int, tp: int, sp: boo
         pos = 3 * e * sbh if model.arch == "gpt" else 0  # add learned positions
         fwd = (2 * e * sbh + pos + ((2 * e + 1) * sbh if dropout else 0)) / rep
     elif kind == "head":
-        vocab = math.ceil(model.vocab / tp)
+        norm, logits = 2 * e * sbh / rep, s * b * math.ceil(model.vocab / tp)
+        if fp32_loss:  # the final norm; Megatron-LM's float32 cross-entropy, kernel by kernel (module doc)
+            return norm + (_cast(e) + 32) * logits, BWD_ELEMENTWISE_FACTOR * norm + (8 + _cast(e)) * logits
         # final norm; cross-entropy reads the logits, writes and re-reads float32 exponentials
-        fwd = 2 * e * sbh / rep + (e + 8) * s * b * vocab
+        fwd = norm + (e + 8) * logits
     else:
         res = (3 * e + 1) if dropout else 3 * e  # residual add (with bias + dropout fused)
         replicated = 2 * (2 * e * sbh) + 2 * res * sbh
@@ -203,7 +216,7 @@ def pointwise_bytes(kernels: str, *args, autocast: bool = False, attention_dropo
     """(forward, backward) bytes of one layer's memory-bound operations with `kernels`."""
     if kernels == "eager":
         return eager_bytes(*args, autocast=autocast, attention_dropout=attention_dropout, draws=draws)
-    return fused_bytes(*args, attention_dropout=attention_dropout)
+    return fused_bytes(*args, attention_dropout=attention_dropout, fp32_loss=kernels == "fused-fp32-loss")
 
 
 def pointwise_seconds(device, kernels: str, model: ModelConfig, index: int, b: int, s: int, tp: int, sp: bool,

@@ -30,16 +30,18 @@ _SPEC.loader.exec_module(published)
 # 7.1% / 25.2%, Mixtral 21.4% / 24.0%, Llama 3 CP 1.1%. Session 60 priced H100, H200 and GB200 BF16
 # products at their sustained rate (gpu-fryer, not the MAMF burst): DGX Cloud 9.6% / 22.1%,
 # Megatron-Core 19.0% / 27.1%, Mixtral 16.5% / 19.3%, FP8 13.8% / 29.9% (all fast, less so); Meta's
-# Llama 3 CP row +3.8% and NeMo AutoModel 6.0% / 10.3% (Qwen3 +7.2 -> +10.3%) move the other way
+# Llama 3 CP row +3.8% and NeMo AutoModel 6.0% / 10.3% (Qwen3 +7.2 -> +10.3%) move the other way.
+# Session 61 priced Megatron-LM's default float32 cross-entropy (fused-fp32-loss): Megatron-Core 18.2% /
+# 22.8%, Mixtral 15.9% / 18.7%, Korthikanti 1.6% / 4.1%, BLOOM 19.1% / 34.3%
 CEILINGS = {
     "heldout_fp8.csv": (0.14, 0.30),
     "heldout_dgxc.csv": (0.098, 0.223),
-    "heldout_megatron_core.csv": (0.192, 0.273),
+    "heldout_megatron_core.csv": (0.184, 0.23),
     "heldout_runs.csv": (0.020, 0.045),
     "heldout_mosaicml.csv": (0.075, 0.255),
     "heldout_torchtitan.csv": (0.127, 0.156),
     "heldout_llama3_cp.csv": (0.04, 0.04),
-    "heldout_moe.csv": (0.167, 0.195),
+    "heldout_moe.csv": (0.161, 0.19),
     "heldout_nemo_automodel.csv": (0.062, 0.105),
     "heldout_bloom.csv": (0.20, 0.35),
 }
@@ -67,8 +69,8 @@ def test_every_held_out_row_is_predicted_within_what_the_readme_reports(name):
 
 
 def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
-    """The issue's 15 rows (target MAPE <= 5%, worst <= 12%; measured 8.0% and 21.1%, MT-NLG's three
-    rows 17.7-21.1% fast, the other 12 within 11.8%: Meta's two Llama 3 rows +11.8 and +9.7% since
+    """The issue's 15 rows (target MAPE <= 5%, worst <= 12%; measured 7.8% and 21.0%, MT-NLG's three
+    rows 17.6-21.0% fast, the other 12 within 11.8%: Meta's two Llama 3 rows +11.8 and +9.7% since
     session 60's sustained H100 BF16 rate, +5.6 and +3.7% at the MAMF burst), where the shared
     reference lies beside this clone; the command itself on a held-out file either way."""
     assert published.main(["--csv", str(REPO / "benchmarks" / "heldout_torchtitan.csv"), "--no-heldout"]) == 0
@@ -79,7 +81,7 @@ def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
     got = json.loads(capsys.readouterr().out)
     rows = got["rows"]
     assert len(rows) == 15 and all(r["fits"] for r in rows)
-    assert got["mape"] <= 0.081 and got["worst"] <= 0.22, (got["mape"], got["worst"])
+    assert got["mape"] <= 0.079 and got["worst"] <= 0.22, (got["mape"], got["worst"])
     others = [abs(r["error"]) for r in rows if r["model"] != "mt-nlg-530b"]
     assert len(others) == 12 and max(others) <= 0.12, max(others)
 

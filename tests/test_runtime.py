@@ -15,7 +15,7 @@ import pytest
 from planner.plan import Stage
 from planner.build import build_plan
 from planner.zoo import ZOO
-from torchrun_helpers import (GLOBAL_BATCH, SEQ_LEN, assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train,
+from torchrun_helpers import (GLOBAL_BATCH, assert_ok, assert_resumes_exactly, assert_same_losses, losses_of, train,
                               write_plan)
 
 
