@@ -61,10 +61,7 @@ def probability(text: str) -> float:
 def number_in(low: float, high: float, unit: str = ""):
     """A parser of a finite number from `low` to `high` (both included)."""
     def parse(text: str) -> float:
-        v = positive_number(text)
-        if not low <= v <= high:
-            raise argparse.ArgumentTypeError(f"{text} must be from {low:g} to {high:g}{unit}")
-        return v
+        return _finite(text, lambda v: low <= v <= high, f" from {low:g} to {high:g}{unit}")
     return parse
 
 

@@ -233,28 +233,27 @@ class Bounds:
 
         def cap(U):
             """Blocks all ranks can take within each work budget of the array U."""
-            U = np.asarray(U, dtype=float)
-            Ut = U[None, :, None, None] - off_t[:, None, None, :]  # (levels, budgets, moments, ranks)
-            best = np.max(np.minimum(Ut[..., None] / t[:, None, None, None, :], room[:, None, :, :, None] / mem[:, None]),
-                          axis=-1)
-            room_b = room[:, None]
-            for i, j in pairs:  # both constraints tight: solve for n_i, n_j
-                ti, tj = t[:, i, None, None, None], t[:, j, None, None, None]
-                mi, mj = mem[:, None, :, :, i], mem[:, None, :, :, j]
-                det = ti * mj - tj * mi
-                with np.errstate(divide="ignore", invalid="ignore"):
+            with np.errstate(all="ignore"):  # a profile's tiny rates overflow to inf: priced as unusable
+                U = np.asarray(U, dtype=float)
+                Ut = U[None, :, None, None] - off_t[:, None, None, :]  # (levels, budgets, moments, ranks)
+                best = np.max(np.minimum(Ut[..., None] / t[:, None, None, None, :],
+                                         room[:, None, :, :, None] / mem[:, None]), axis=-1)
+                room_b = room[:, None]
+                for i, j in pairs:  # both constraints tight: solve for n_i, n_j
+                    ti, tj = t[:, i, None, None, None], t[:, j, None, None, None]
+                    mi, mj = mem[:, None, :, :, i], mem[:, None, :, :, j]
+                    det = ti * mj - tj * mi
                     ni = (Ut * mj - tj * room_b) / det
                     nj = (ti * room_b - Ut * mi) / det
                     ok = (det != 0) & (ni >= 0) & (nj >= 0)  # not ok: an infinite or NaN n_i + n_j goes unused
                     best = np.where(ok, np.maximum(best, ni + nj), best)
-            best = np.maximum(best, 0.0).min(axis=2)  # (levels, budgets, ranks)
-            with np.errstate(divide="ignore", invalid="ignore"):
+                best = np.maximum(best, 0.0).min(axis=2)  # (levels, budgets, ranks)
                 comm = (U[None, :, None] - off_g[:, None, :]) / gb[:, None, None]
-            best = np.where(gb[:, None, None] > 0, np.minimum(best, comm), best)
-            best = np.floor(best * (1 + 1e-9) + 1e-9)  # whole blocks: a block is one stage's
-            best = np.where(best >= n_first * (1 - 1e-9), best, -np.inf)  # its chunks' first blocks
-            best = np.where(holds[:, None, :], best, -np.inf)  # this level cannot hold the ends
-            return best.max(axis=0).sum(axis=1)
+                best = np.where(gb[:, None, None] > 0, np.minimum(best, comm), best)
+                best = np.floor(best * (1 + 1e-9) + 1e-9)  # whole blocks: a block is one stage's
+                best = np.where(best >= n_first * (1 - 1e-9), best, -np.inf)  # its chunks' first blocks
+                best = np.where(holds[:, None, :], best, -np.inf)  # this level cannot hold the ends
+                return best.max(axis=0).sum(axis=1)
 
         need = self.L * (1 - 1e-9)
         top = (np.maximum(t.max(axis=1), gb) * self.L + np.maximum(off_t.max(axis=1), off_g.max(axis=1))).max()

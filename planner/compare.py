@@ -15,6 +15,7 @@ RUN_KEYS = ("losses", "step_times_s", "warmup_steps", "peak_memory_bytes", "peak
 
 MAX_STEP_S = 1e6  # a recorded step longer than this is not a measurement
 MIN_STEP_S = 1e-9  # nor one shorter than this, recorded or priced (a throughput from it would overflow)
+MAX_BYTES = 2.0 ** 64  # nor a byte count above this, measured or predicted
 
 
 def read_run(path) -> dict:
@@ -30,7 +31,8 @@ def read_run(path) -> dict:
     if not _is_count(run["warmup_steps"]):
         raise bad("warmup_steps", "a non-negative integer")
     for key, ok, what in (("step_times_s", lambda x: _is_number(x, 0.0), " above 0"),
-                          ("peak_memory_bytes_per_rank", _nonneg, " of at least 0"), ("losses", _is_number, "")):
+                          ("peak_memory_bytes_per_rank", lambda x: _nonneg(x, MAX_BYTES), f" from 0 to {MAX_BYTES:g}"),
+                          ("losses", _is_number, "")):
         if not isinstance(run[key], list) or not all(ok(x) for x in run[key]):
             raise bad(key, "a list of numbers" + what)
     if any(not MIN_STEP_S <= x <= MAX_STEP_S for x in run["step_times_s"]):
@@ -41,8 +43,8 @@ def read_run(path) -> dict:
     if isinstance(opt, list) and len(opt) == len(run["step_times_s"]) and any(
             o > t for o, t in zip(opt, run["step_times_s"])):
         raise bad("optimizer_times_s", "a list of seconds, each at most its step's time in step_times_s")
-    if not _nonneg(run["peak_memory_bytes"]):
-        raise bad("peak_memory_bytes", "a number of at least 0")
+    if not _nonneg(run["peak_memory_bytes"], MAX_BYTES):
+        raise bad("peak_memory_bytes", f"a number of bytes from 0 to {MAX_BYTES:g}")
     if run.get("traced_step_index") is not None and not _is_count(run["traced_step_index"]):
         raise bad("traced_step_index", "a non-negative integer or null")
     if "world_size" in run and not (_is_count(run["world_size"]) and run["world_size"] > 0):
@@ -81,8 +83,8 @@ def _is_count(v) -> bool:
     return is_int(v) and v >= 0
 
 
-def _nonneg(v) -> bool:
-    return is_real(v) and v >= 0
+def _nonneg(v, top: float = float("inf")) -> bool:
+    return is_real(v) and 0 <= v <= top
 
 
 def _is_number(v, above: float | None = None) -> bool:
@@ -96,8 +98,9 @@ def check_prediction(prediction) -> None:
     if not isinstance(prediction, dict):
         raise ConfigError(f"prediction: {prediction!r} is not an estimate; {fix}")
     for key in ("step_time_s", "peak_memory_bytes"):
-        if not _is_number(prediction.get(key), 0.0):
-            raise ConfigError(f"prediction.{key}: {prediction.get(key)!r} must be a number above 0; {fix}")
+        if not (_is_number(prediction.get(key), 0.0) and prediction[key] <= MAX_BYTES):
+            raise ConfigError(f"prediction.{key}: {prediction.get(key)!r} must be a number above 0 (bytes: at most "
+                              f"{MAX_BYTES:g}); {fix}")
     step = prediction["step_time_s"]
     if not MIN_STEP_S <= step <= MAX_PRICED_STEP_S:
         raise ConfigError(f"prediction.step_time_s: {step!r} must be from {MIN_STEP_S:g} to {MAX_PRICED_STEP_S:g} s; "
@@ -108,8 +111,9 @@ def check_prediction(prediction) -> None:
     if not isinstance(time, dict):
         raise ConfigError(f"prediction.breakdown.time: {time!r} must be an object; {fix}")
     mem = prediction["breakdown"].get("memory_per_pp_rank")
-    if mem is not None and not (isinstance(mem, list) and all(_nonneg(x) for x in mem)):
-        raise ConfigError(f"prediction.breakdown.memory_per_pp_rank: {mem!r} must be a list of bytes >= 0; {fix}")
+    if mem is not None and not (isinstance(mem, list) and all(_nonneg(x, prediction["peak_memory_bytes"]) for x in mem)):
+        raise ConfigError(f"prediction.breakdown.memory_per_pp_rank: {mem!r} must be a list of bytes from 0 to "
+                          f"peak_memory_bytes; {fix}")
     slots = time.get("compute_slots")
     if slots is not None and not _is_number(slots, 0.0):
         raise ConfigError(f"prediction.breakdown.time.compute_slots: {slots!r} must be a number above 0 or null; {fix}")
@@ -164,12 +168,10 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
     return {
         "predicted_step_time_s": pred_step,
         "measured_step_time_s": measured_step,
-        "measured_step_time_min_s": min(timed),
-        "measured_step_time_max_s": max(timed),
+        "measured_step_time_min_s": min(timed), "measured_step_time_max_s": max(timed),
         "timed_steps": len(timed),
         "step_time_error": _err(pred_step, measured_step),
-        "predicted_tokens_per_s": tokens / pred_step,
-        "measured_tokens_per_s": tokens / measured_step,
+        "predicted_tokens_per_s": tokens / pred_step, "measured_tokens_per_s": tokens / measured_step,
         "predicted_peak_memory_bytes": prediction["peak_memory_bytes"],
         "measured_peak_memory_bytes": measured_mem,
         "memory_error": _err(prediction["peak_memory_bytes"], measured_mem),
@@ -178,8 +180,7 @@ def compare(plan: Plan, run: dict, prediction: dict) -> dict:
         "final_loss": run["losses"][-1] if run["losses"] else None,
         "host_note": busy_note(run.get("host_other_busy_cores"), run.get("host_cores")),
         # full-speed slots the ranks computed at together (CPU processes sharing cores): priced, measured
-        "predicted_compute_slots": slots,
-        "measured_compute_slots": run.get("host_compute_slots"),
+        "predicted_compute_slots": slots, "measured_compute_slots": run.get("host_compute_slots"),
         "machine_note": slots_note(run.get("host_compute_slots"), slots),
         "memory_note": leak_note(run),
         **_load_factors(plan, run),

@@ -135,7 +135,8 @@ def configs(ctx, global_batch: int):
         if any(n % tp for _, n in m.tp_split_sizes()) or (sp_.tp and tp not in sp_.tp) or world % tp:
             continue
         for pp, cp in itertools.product(divisors(world // tp), sp_.cp or cp_degrees(ctx.train.seq_len, ctx.train.document_mask)):
-            if pp > total or (sp_.pp and pp not in sp_.pp) or world % (tp * pp * cp) or ctx.train.seq_len % (2 * cp):
+            if pp > total or (sp_.pp and pp not in sp_.pp) or world % (tp * pp * cp) \
+                    or (cp > 1 and ctx.train.seq_len % (2 * cp)):  # CP splits a sequence into 2 cp chunks
                 continue
             dp = world // (tp * pp * cp)
             if global_batch % dp or (sp_.dp and dp not in sp_.dp):
@@ -192,19 +193,24 @@ def no_configuration(ctx, global_batch: int) -> str:
         return (f"--ep: {','.join(map(str, space.ep))} spreads experts under ZeRO 1-3 (the runtime's), which "
                 f"--zero {','.join(map(str, space.zero))} leaves out; allow --zero 1, 2 or 3, or --ep 1")
     # context parallelism and HSDP lifted: every count that could be asked for, not only the default's
-    lift = dict(vars(default), cp=tuple(d for d in divisors(c.world_size) if ctx.train.seq_len % (2 * d) == 0),
-                dp_replicate=None)
+    cps = tuple(d for d in divisors(c.world_size) if d == 1 or ctx.train.seq_len % (2 * d) == 0)
+    lift = dict(vars(default), cp=cps, dp_replicate=None)
+    show = lambda vals: ", ".join("on" if v is True else "off" if v is False else str(v) for v in vals)  # noqa: E731
+    fixes = []  # each constraint that, lifted alone, admits configurations: with the values that work
     for field in given:
         lifted = copy.copy(ctx)  # the search's context (planner.search.Ctx) under the lifted space
         lifted.space = dataclasses.replace(space, **{field: lift[field]})
         cfgs = list(configs(lifted, global_batch))
-        if not cfgs:
-            continue
-        attr = {"schedules": "schedule", "virtual_stages": "v", "sequence_parallel": "sp"}.get(field, field)
-        ok = sorted({getattr(cfg, attr) for cfg in cfgs if field != "virtual_stages" or cfg.v > 1})
-        show = lambda vals: ", ".join("on" if v is True else "off" if v is False else str(v) for v in vals)  # noqa: E731
+        if cfgs:
+            attr = {"schedules": "schedule", "virtual_stages": "v", "sequence_parallel": "sp"}.get(field, field)
+            works = {getattr(cfg, attr) for cfg in cfgs if field != "virtual_stages" or cfg.v > 1}
+            fixes.append((field, sorted(works)))
+    if fixes:
+        (field, ok), rest = fixes[0], fixes[1:]
         return (f"{CONSTRAINTS[field]}: {show(given[field] or ('all',))} admits no configuration of {where} with "
-                f"the other choices; possible: {show(ok) or 'none'}")
+                f"the other choices; possible: {show(ok) or 'none'}"
+                + "".join(f"; or {CONSTRAINTS[f]} {show(o) or 'all'} in place of {show(given[f] or ('all',))}"
+                          for f, o in rest))
     if given:
         opts = " ".join(f"{CONSTRAINTS[f]} {','.join(str(v) for v in vals) if vals is not None else 'all'}"
                         for f, vals in given.items())

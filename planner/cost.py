@@ -308,8 +308,9 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     terms = [x for st in stage_times for x in vars(st).values() if isinstance(x, float)]
     if not all(math.isfinite(x) for x in at_norm + terms) or step > MAX_PRICED_STEP_S:
         raise ConfigError(f"{cluster.name}: the profile prices this plan's step at {step:g} s: one of its rates "
-                          "or bandwidths (device.peak_flops, device.memory_bandwidth_bytes_per_s, a collective's "
-                          "bus bandwidth) is too small to compute with; check the profile")
+                          "or bandwidths (device.peak_flops, matmul_efficiency, matmul_flops_by_size, "
+                          "attention_flops_by_seq, memory_bandwidth_bytes_per_s, a tier's or a collective's "
+                          "bandwidth) is too small to compute with; check the profile")
     r = max(range(pp), key=lambda i: (at_norm[i], -i))  # the last to reach the norm's all-reduce
     mine = [stage_info[i] for i in plan.stages_of_rank(r)]
     compute = sum((si["fwd_compute_s"] + si["bwd_compute_s"]) * mbs for si in mine)

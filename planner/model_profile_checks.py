@@ -17,6 +17,13 @@ MAX_BYTES = 2.0 ** 64
 LAYER_KINDS = ("embedding", "block", "head")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 DP_EXTRAS = ("forward_s", "backward_s", "backward_sync_s", "optimizer_s")
+# the fields `trident profile model` writes (runtime.profile_model): any other is a typo or another file's
+TOP_FIELDS = ("format_version", "name", "model", "seq_len", "dtype", "param_dtype", "sp_saved_inputs", "processes",
+              "cluster_profile", "micro_batches", "entries", "pipeline", "sources")
+ENTRY_FIELDS = ("layer", "tp", "sequence_parallel", "recompute", "cp", "forward_s", "backward_s", "activation_bytes",
+                "optimizer_s", "param_bytes", "grad_bytes", "points", "data_parallel")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+PIPELINE_SETUP = ("pp", "micro_batches", "message_bytes", "layer", "block_s")  # runtime.profile_pipeline's run
 
 
 def is_num(v, high: float = math.inf) -> bool:
@@ -36,6 +43,7 @@ def check_model_profile(d, source: str, format_version: int) -> None:
             raise ConfigError(f"{source}: {fld}: {msg}")
 
     need(isinstance(d, dict), "profile", "expected a JSON object")
+    _known(d, TOP_FIELDS, "", need)
     fv = d.get("format_version")
     need(is_count(fv, format_version) and fv == format_version, "format_version",
          f"{fv!r} is not supported (this trident reads {format_version}); re-run `trident profile model`")
@@ -58,24 +66,37 @@ def check_model_profile(d, source: str, format_version: int) -> None:
     cp = d["cluster_profile"]
     need(isinstance(cp, dict) and isinstance(cp.get("name"), str) and isinstance(cp.get("hash", ""), str),
          "cluster_profile", "expected {\"name\": ..., \"hash\": ...}")
+    _known(cp, ("name", "hash"), "cluster_profile.", need)
     need(isinstance(d["entries"], list) and d["entries"], "entries", "expected a non-empty list of layer measurements")
     seen = set()
     for i, e in enumerate(d["entries"]):
-        key = _check_entry(e, f"entries[{i}]", procs, need)
+        key = _check_entry(e, f"entries[{i}]", procs, mbs, need)
         need(key not in seen, f"entries[{i}]", f"duplicates the measurement of {key}")
         seen.add(key)
     pipe = d.get("pipeline", {})
     need(isinstance(pipe, dict), "pipeline", "expected an object of schedule -> {overhead_per_op_s}")
-    for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zbv"):
-        if sched in pipe:
-            v = pipe[sched].get("overhead_per_op_s") if isinstance(pipe[sched], dict) else None
-            need(is_num(v, MAX_SECONDS) and v >= 0, f"pipeline.{sched}.overhead_per_op_s",
+    _known(pipe, PIPELINE_SCHEDULES + PIPELINE_SETUP, "pipeline.", need)
+    for sched in (k for k in pipe if k in PIPELINE_SCHEDULES):
+        need(isinstance(pipe[sched], dict), f"pipeline.{sched}",
+             "expected {\"step_s\": ..., \"overhead_per_op_s\": ...}")
+        _known(pipe[sched], ("step_s", "overhead_per_op_s"), f"pipeline.{sched}.", need)
+        for fld in ("step_s", "overhead_per_op_s"):
+            v = pipe[sched].get(fld, 0.0)
+            need(is_num(v, MAX_SECONDS) and v >= 0, f"pipeline.{sched}.{fld}",
                  f"{v!r} must be a non-negative number of seconds, at most {MAX_SECONDS:g}")
 
 
-def _check_entry(e, w: str, procs: int, need) -> tuple:
+def _known(d: dict, fields: tuple, where: str, need) -> None:
+    """The first field of `d` not among `fields`, as an error naming it (a typo, or another file)."""
+    extra = [k for k in d if k not in fields]
+    need(not extra, f"{where}{extra[0] if extra else ''}",
+         f"unknown field; {where.rstrip('.') or 'a model profile'} has {', '.join(fields)}")
+
+
+def _check_entry(e, w: str, procs: int, mbs: list, need) -> tuple:
     """Check one layer measurement; returns its key (layer, tp, sequence parallel, recompute, cp)."""
     need(isinstance(e, dict), w, "expected an object")
+    _known(e, ENTRY_FIELDS, f"{w}.", need)
     need(e.get("layer") in LAYER_KINDS, f"{w}.layer", f"{e.get('layer')!r}; use one of {', '.join(LAYER_KINDS)}")
     need(is_count(e.get("tp"), MAX_PROCESSES), f"{w}.tp",
          f"{e.get('tp')!r} must be a positive integer, at most {MAX_PROCESSES}")
@@ -89,9 +110,21 @@ def _check_entry(e, w: str, procs: int, need) -> tuple:
         v = e.get(fld)
         need(isinstance(v, list) and len(v) == 2 and all(is_num(x, high) for x in v), f"{w}.{fld}",
              f"{v!r} must be a fit [a, b] of a + b * micro_batch, each at most {high:g} in size")
-    for fld in ("param_bytes", "grad_bytes"):
-        need(is_num(e.get(fld), MAX_BYTES) and e[fld] >= 0, f"{w}.{fld}",
-             f"{e.get(fld)!r} must be a non-negative number of bytes, at most {MAX_BYTES:g}")
+        # a least-squares line through times measured (not negative) passes through their mean, so it is
+        # not negative at both ends of the micro-batches measured (1 where none is listed); a noisy one
+        # may be at one end, which pricing clamps to 0. A heap's activation count may dip below zero by
+        # what other threads freed meanwhile (runtime.profile_model)
+        low, top = (min(mbs), max(mbs)) if mbs else (1, 1)  # mbs: checked before the entries
+        need(fld == "activation_bytes" or max(v[0] + v[1] * low, v[0] + v[1] * top) >= 0, f"{w}.{fld}",
+             f"{v!r} is negative at the micro-batches measured ({low} to {top}): not a measurement")
+    pts = e.get("points", [])
+    need(isinstance(pts, list) and all(isinstance(p, list) and len(p) == 4 and all(is_num(x, MAX_BYTES) for x in p)
+                                       and min(p[:3]) >= 0 for p in pts), f"{w}.points",
+         "must be a list of [micro_batch, forward_s, backward_s, activation_bytes], the first three not negative")
+    need(is_num(e.get("param_bytes"), MAX_BYTES) and e["param_bytes"] > 0, f"{w}.param_bytes",
+         f"{e.get('param_bytes')!r} must be a positive number of bytes, at most {MAX_BYTES:g}")
+    need(is_num(e.get("grad_bytes"), MAX_BYTES) and e["grad_bytes"] >= 0, f"{w}.grad_bytes",
+         f"{e.get('grad_bytes')!r} must be a non-negative number of bytes, at most {MAX_BYTES:g}")
     opt = e.get("optimizer_s", 0.0)
     need(is_num(opt, MAX_SECONDS) and opt >= 0, f"{w}.optimizer_s",
          f"{opt!r} must be a non-negative number of seconds, at most {MAX_SECONDS:g}")

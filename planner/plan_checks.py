@@ -81,8 +81,10 @@ def check(plan) -> None:
           f"{t.moe_load_factor:g} is more than experts / experts_per_token ({most:g}): an expert gets at most every token")
     _need(t.fp8 is None or (isinstance(t.fp8, str) and t.fp8 in FP8_RECIPES), "training.fp8",
           f"{t.fp8!r}; use one of {', '.join(FP8_RECIPES)}, or null for none")
-    _need(isinstance(t.fp8_param_gather, bool) and (t.fp8 or not t.fp8_param_gather), "training.fp8_param_gather",
-          f"{t.fp8_param_gather!r}: must be true or false, and true only with training.fp8 set")
+    _need(isinstance(t.fp8_param_gather, bool), "training.fp8_param_gather",
+          f"{t.fp8_param_gather!r}: must be true or false")
+    _need(t.fp8 or not t.fp8_param_gather, "training.fp8_param_gather",
+          "true gathers FP8 weights, which need FP8 linears: set training.fp8 (--fp8), or this to false")
     _need(t.fp8 is None or DTYPES.get(t.dtype) == 2, "training.fp8",
           "FP8 linears run inside 16-bit mixed precision; set training.dtype to bf16, or fp8 to null")
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")

@@ -198,7 +198,7 @@ def test_search_without_a_fit_empty_paths_and_derive_onto_shipped_profiles(capsy
                                              "-o", str(PROFILE_DIR / f"{target}.json")])[1]
         assert ("is the base profile" if target == "dgx-a100-80gb" else "is a shipped profile") in line
         assert (PROFILE_DIR / f"{target}.json").read_bytes() == before
-    assert "--nic-gbps: 1e-300 must be from" in one_line_error(
+    assert "--nic-gbps: 1e-300 must be a finite number from" in one_line_error(
         capsys, main, ["cluster", "derive", "dgx-a100-80gb", "--nic-gbps", "1e-300", "-o", str(tmp_path / "x.json")])[1]
 
 

@@ -272,3 +272,20 @@ def test_compare_shows_an_moe_plans_load_factor_priced_and_measured(tmp_path, ca
     assert out["predicted_moe_rank_load_factor"] == pytest.approx(1.1)
     assert out["measured_moe_rank_load_factor"] == pytest.approx(1.2)  # the timed steps' median
     assert _compare(tmp_path) == 0 and "busiest EP rank / mean" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where, key, value", [
+    ("run", "peak_memory_bytes_per_rank", [1e30, 2_900_000]), ("run", "peak_memory_bytes", 1e30),
+    ("prediction", "peak_memory_bytes", 1e30), ("memory", "memory_per_pp_rank", [1e12])])
+def test_memory_no_device_holds_is_refused_in_one_line(tmp_path, capsys, where, key, value):
+    """A byte count above 2^64, measured or predicted, or a stage's predicted peak above the plan's
+    peak, is not a figure to compare against: one line naming it."""
+    prediction = estimate(_plan_and_run(tmp_path), CLUSTER).to_dict()
+    run = json.loads((tmp_path / "run.json").read_text())
+    if where == "run":
+        run[key] = value
+    else:
+        (prediction if where == "prediction" else prediction["breakdown"])[key] = value
+        _plan_and_run(tmp_path, prediction)
+    assert _compare(tmp_path, run=run) == 2
+    assert f"{'run' if where == 'run' else 'prediction'}." in (err := _one_line_err(capsys)) and key in err, err

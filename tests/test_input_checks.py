@@ -242,3 +242,59 @@ def test_the_cli_answers_a_nan_profile_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert re.search(r"bus_bandwidth_bytes_per_s: nan is not a finite number", lines[0])
+
+
+def test_a_rate_too_small_to_price_is_one_line_without_warnings(tmp_path):
+    """An attention rate of 1e-300 FLOP/s overflows the search's bounds: one line naming the rates
+    to check, no numpy warnings before it."""
+    d = copy.deepcopy(A100)
+    d["device"]["attention_flops_by_seq"]["flash"]["64"][0][1] = 1e-300
+    f = tmp_path / "slow.json"
+    f.write_text(json.dumps(d))
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", "search", "--model", "tiny", "--cluster", str(f),
+                           "--gpus", "8", "--global-batch", "16"], capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "attention_flops_by_seq" in lines[0], proc.stderr
+
+
+def _layer(kind: str) -> dict:
+    """One measured layer of a model profile, as `trident profile model` writes it (1 and 2 sequences)."""
+    return {"layer": kind, "tp": 1, "sequence_parallel": False, "recompute": "none", "forward_s": [0.0, 1e-4],
+            "backward_s": [0.0, 2e-4], "activation_bytes": [0.0, 1e6], "optimizer_s": 1e-5, "param_bytes": 1000,
+            "grad_bytes": 1000, "points": [[1, 1e-4, 2e-4, 1e6], [2, 2e-4, 4e-4, 2e6]]}
+
+
+MODEL_PROFILE = {"format_version": 1, "name": "tiny@dgx", "model": ZOO["tiny"].to_dict(), "seq_len": 32,
+                 "dtype": "bf16", "processes": 1, "cluster_profile": {"name": "dgx-a100-80gb", "hash": ""},
+                 "micro_batches": [1, 2], "entries": [_layer(k) for k in ("embedding", "block", "head")],
+                 "pipeline": {"1f1b": {"step_s": 0.01, "overhead_per_op_s": 1e-4}}, "sources": {}}
+
+
+@pytest.mark.parametrize("path, value, words", [
+    ("entries.1.param_bytes", 0, "entries[1].param_bytes: 0 must be a positive number"),  # a division by it
+    ("entries.1.forward_s", [-1, 1e-4], "entries[1].forward_s: [-1, 0.0001] is negative at the micro-batches"),
+    ("entries.2.backward_s", [0.0, -1e-4], "entries[2].backward_s: [0.0, -0.0001] is negative"),
+    ("entries.0.backward", [0.0, 1.0], "entries[0].backward: unknown field"),
+    ("entries.0.points", "1,2", "entries[0].points: must be a list of [micro_batch"),
+    ("entries.0.points", [[1, 1e-4, -2e-4, 1e6]], "entries[0].points: must be a list"),
+    ("sequence_length", 32, "sequence_length: unknown field; a model profile has"),
+    ("cluster_profile.nodes", 2, "cluster_profile.nodes: unknown field"),
+    ("pipeline.1f1b.step", 1.0, "pipeline.1f1b.step: unknown field"),
+    ("pipeline.1f1b.step_s", -1.0, "pipeline.1f1b.step_s: -1.0 must be a non-negative number"),
+    ("pipeline.zero-bubble", {}, "pipeline.zero-bubble: unknown field"),
+])
+def test_a_bad_model_profile_is_a_config_error_naming_the_field(path, value, words):
+    """A model profile whose figures cannot be measurements (a layer without weights, a time negative
+    where it was measured) or with a field `trident profile model` does not write is refused
+    in one line naming it; the profile as written loads."""
+    from planner.model_profile import model_profile_from_dict
+    assert model_profile_from_dict(copy.deepcopy(MODEL_PROFILE)).micro_batches == [1, 2]
+    d = copy.deepcopy(MODEL_PROFILE)
+    *parents, leaf = path.split(".")
+    node = d
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[leaf] = value
+    with pytest.raises(ConfigError) as err:
+        model_profile_from_dict(d, "p.json")
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -33,6 +33,16 @@ def test_cli_search_table(capsys):
     assert "MFU" in text and "tokens/s" in text and "peak GiB" in text
 
 
+def test_an_odd_sequence_length_is_searched_and_a_zero_aux_loss_accepted(tmp_path, capsys):
+    """Only context parallelism splits a sequence into 2 x cp chunks: without it any length is
+    searched (as `trident plan` prices it); --moe-aux-loss takes its default, 0."""
+    base = ["--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16", "--seq-len", "4095", "--json"]
+    assert main(["search", "--model", "llama2-7b", *base, "-o", str(tmp_path / "p.json")]) == 0
+    assert Plan.read(tmp_path / "p.json").training.seq_len == 4095
+    assert main(["search", "--model", "tiny", *base, "--moe-aux-loss", "0"]) == 2  # above tiny's 64 tokens
+    assert "training.seq_len: 4095 exceeds the model's seq_len 64" in capsys.readouterr().err
+
+
 def test_cli_nothing_fits_is_one_line_and_exit_3(capsys):
     rc = main(["search", "--model", "llama2-70b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16"])
     assert rc == 3
