@@ -46,6 +46,7 @@ TIERS = ("intra_node", "inter_node")
 TIER_KEYS = ("alpha_s", "bus_bandwidth_bytes_per_s", "bus_bandwidth_by_size", "by_group_size")
 # the largest node a profile may describe: far above today's largest NVLink domain (72 GPUs, GB200 NVL72)
 MAX_DEVICES_PER_NODE = 1024
+MAX_NODES = 1 << 20  # a profile's nodes (a million nodes; more is not a cluster)
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles" / "hardware"
 
 
@@ -271,6 +272,7 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                 or not (is_real(bw) and bw > 0):
             raise ConfigError(f"{source}: tiers.{tier}: a tier is {' or '.join(TIERS)}, an object with a 'link' "
                               "string and a positive 'bandwidth_bytes_per_s'; fix it or leave it out")
+        check_keys(info, ("link", "bandwidth_bytes_per_s"), f"{source}: tiers.{tier}.")
     if not (is_one_line(d["name"]) and d["name"].strip()):
         raise ConfigError(f"{source}: name must be a non-empty printable string of one line, at most {MAX_NAME} "
                           "characters (plans refer to the cluster by it)")
@@ -299,15 +301,19 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
                 raise ConfigError(f"{wt}: missing; give alpha_s and bus_bandwidth_bytes_per_s")
             check_keys(ab, TIER_KEYS, f"{wt}.")
             by_n, segs = {}, {}
-            if not isinstance(ab.get("by_group_size") or {}, dict):
+            by_group = {} if ab.get("by_group_size") is None else ab["by_group_size"]
+            if not isinstance(by_group, dict):
                 raise ConfigError(f"{wt}.by_group_size: expected an object of group size -> "
                                   "{alpha_s, bus_bandwidth_bytes_per_s}")
-            for n, v in (ab.get("by_group_size") or {}).items():
+            for n, v in by_group.items():
                 wn = f"{wt}.by_group_size.{n}"
                 if not decimal(n) or int(n) < 1 or not isinstance(v, dict):
                     raise ConfigError(f"{wn}: expected a group size mapped to an object with alpha_s and "
                                       "bus_bandwidth_bytes_per_s")
-                check_keys(v, ("alpha_s", "bus_bandwidth_bytes_per_s", "segments"), f"{wn}.")
+                # members_per_node: what a measured group spanning nodes had on each (runtime.profile), a note
+                check_keys(v, ("alpha_s", "bus_bandwidth_bytes_per_s", "segments", "members_per_node"), f"{wn}.")
+                if "members_per_node" in v and not (is_int(v["members_per_node"]) and v["members_per_node"] >= 1):
+                    raise ConfigError(f"{wn}.members_per_node: {v['members_per_node']!r} must be a positive integer")
                 by_n[int(n)] = (_num(v, "alpha_s", wn, positive=False), _num(v, "bus_bandwidth_bytes_per_s", wn))
                 if "segments" in v:
                     if not isinstance(v["segments"], list) or not v["segments"]:
@@ -330,18 +336,19 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
             collectives[op][tier] = AlphaBeta(_num(ab, "alpha_s", wt, positive=False),
                                               _num(ab, "bus_bandwidth_bytes_per_s", wt), by_n, segs, by_size)
     slots = d.get("compute_slots")
-    if slots is not None:
-        slots = _num(d, "compute_slots", source)
+    if slots is not None and not (is_real(slots) and 0.01 <= slots <= MAX_DEVICES_PER_NODE * MAX_NODES):
+        raise ConfigError(f"{source}: compute_slots {slots!r} must be a number from 0.01 (full-speed computations "
+                          "the ranks run at once), or null")
     nodes = d.get("nodes")
-    if nodes is not None and (not is_int(nodes) or nodes < 1):
-        raise ConfigError(f"{source}: nodes {nodes!r} must be a positive integer or null")
+    if nodes is not None and (not is_int(nodes) or not 1 <= nodes <= MAX_NODES):
+        raise ConfigError(f"{source}: nodes {nodes!r} must be a positive integer, at most {MAX_NODES}, or null")
     topo = d.get("topology")
     node_of_rank = None if topo is None else check_node_of_rank(topo, nodes, dpn, f"{source}: topology")
     # compute time while communication overlaps it over the time alone (runtime/profile.py): >= 1
     slow = d.get("overlap_slowdown", 1.0)
-    if not isinstance(slow, (int, float)) or isinstance(slow, bool) or not slow >= 1:
-        raise ConfigError(f"{source}: overlap_slowdown {slow!r} must be a number >= 1 (compute time with "
-                          "communication overlapping it over the time alone); 1 for no slowdown")
+    if not isinstance(slow, (int, float)) or isinstance(slow, bool) or not 1 <= slow <= 100:
+        raise ConfigError(f"{source}: overlap_slowdown {slow!r} must be a number from 1 to 100 (compute time "
+                          "with communication overlapping it over the time alone); 1 for no slowdown")
     # profiles written before the field: CPU processes (a measured "cpu process" device) ran gloo
     backend = d.get("backend", "gloo" if str(device.name).startswith("cpu") else "nccl")
     if backend not in ("nccl", "gloo"):

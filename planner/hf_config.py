@@ -12,6 +12,7 @@ from planner.rope import ROPE_SCALINGS, RopeScaling
 MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096, "gemma": 8192,
                  "gemma2": 8192, "mixtral": 131072, "qwen2_moe": 32768, "qwen3_moe": 32768}
 EXACT_GELUS = ("gelu", "gelu_python")  # transformers' activation_function names of exact GELU
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")  # its tanh approximation's
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe")
 # mixture-of-experts configs (planner.moe): (experts, experts_per_token, expert width, shared expert
 # width) keys with the defaults of transformers' configuration_<model_type>.py
@@ -79,11 +80,19 @@ def from_hf_config(cfg: dict, name: str = "hf-model", where: str = "config.json"
         kw = dict(arch="gpt", layers=pos_int("n_layer"), hidden=h, ffn_hidden=pos_int("n_inner", 4 * h),
                   heads=heads, kv_heads=heads, vocab=pos_int("vocab_size"), seq_len=pos_int("n_positions", 1024),
                   tie_embeddings=flag("tie_word_embeddings", True), norm_eps=eps("layer_norm_epsilon"),
-                  # absent: GPT2Config's default, gelu_new (tanh); other activations priced as GELU
-                  gelu_approximate="none" if cfg.get("activation_function") in EXACT_GELUS else "tanh")
+                  # absent: GPT2Config's default, gelu_new (tanh)
+                  gelu_approximate=gelu_kind(cfg.get("activation_function", "gelu_new"), where))
     else:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; use {', '.join(LLAMA_LIKE)} or gpt2")
     return ModelConfig(name=name, **kw)
+
+
+def gelu_kind(act, where: str) -> str:
+    """gelu_approximate of a GPT-2 config's activation_function: trident's GPT blocks run GELU."""
+    if act in EXACT_GELUS or act in TANH_GELUS:
+        return "none" if act in EXACT_GELUS else "tanh"
+    raise ConfigError(f"{where}: activation_function: {act!r} is not a GELU, which trident's GPT blocks run; use one "
+                      f"of {', '.join(EXACT_GELUS + TANH_GELUS)}")
 
 
 def moe_fields(cfg: dict, mt: str, where: str, pos_int) -> dict:
@@ -126,8 +135,13 @@ def rope_scaling(cfg: dict, where: str) -> RopeScaling | None:
     """A config's rope scaling where the runtime computes it (linear, llama3); None for none and
     for other kinds (dynamic NTK, YaRN, LongRoPE: priced alike, their weights refused by
     runtime.hf_weights)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(cfg.get(key), (dict, type(None))):
+            raise ConfigError(f"{where}: {key}: {cfg[key]!r} must be an object (or null: none)")
     rp = rope_parameters(cfg)
     kind = rp.get("rope_type") or rp.get("type")
+    if not isinstance(kind, (str, type(None))):
+        raise ConfigError(f"{where}: rope_scaling.rope_type: {kind!r} must be a name such as linear or llama3")
     if kind not in ROPE_SCALINGS:
         return None
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from planner.mesh import Mesh
 from planner.model import ConfigError, ModelConfig, is_int as _is_int
-from planner.profile_checks import check_finite, read_input, unreadable
+from planner.profile_checks import check_finite, parse_json, read_input, unreadable
 from planner.values import strict as _strict
 
 FORMAT_VERSION = 1
@@ -339,7 +339,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
         try:
-            data = json.loads(text)
+            data = parse_json(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}); "
                               "regenerate it with `trident plan` or `trident search`") from None

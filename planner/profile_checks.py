@@ -37,13 +37,31 @@ def read_input(path, flag: str) -> bytes:
         raise ConfigError(f"{flag}: cannot read {path} ({exc.strerror or exc}); give a JSON file") from None
 
 
+class DuplicateKey(ValueError):
+    """A JSON object naming one key twice: Python's json keeps the last silently."""
+
+
+def _one_of_each(pairs: list) -> dict:
+    twice = [k for k, n in Counter(k for k, _ in pairs).items() if n > 1]
+    if twice:
+        raise DuplicateKey(f"the key {twice[0]!r} appears twice in one object; keep one of them")
+    return dict(pairs)
+
+
+def parse_json(text):
+    """json.loads, refusing an object that names a key twice (DuplicateKey, a ValueError)."""
+    return json.loads(text, object_pairs_hook=_one_of_each)
+
+
 def read_json(path: Path, flag: str) -> tuple[bytes, object]:
     """(bytes, parsed JSON) of the file at `path`; a one-line ConfigError naming `flag` otherwise."""
     raw = read_input(path, flag)
     try:
-        data = json.loads(raw)
+        data = parse_json(raw)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{flag}: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except DuplicateKey as exc:
+        raise ConfigError(f"{flag}: {path}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{flag}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
                           "save it as UTF-8 JSON") from None
@@ -57,6 +75,8 @@ def unreadable(exc: Exception) -> str:
     """Why json.loads refused a text that is JSON in form: Python's own limits."""
     if isinstance(exc, RecursionError):
         return "nested too deeply"
+    if isinstance(exc, DuplicateKey):
+        return str(exc)
     return "an integer of over 4300 digits" if "digits" in str(exc) else type(exc).__name__
 
 

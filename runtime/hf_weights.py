@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from planner.hf_config import EXACT_GELUS, from_hf_config, moe_type, rope_parameters
+from planner.hf_config import EXACT_GELUS, TANH_GELUS, from_hf_config, moe_type, rope_parameters
 from planner.model import ConfigError, ModelConfig
 from planner.rope import ROPE_SCALINGS
 from runtime.tied import head_weight
@@ -33,7 +33,7 @@ from runtime.tied import head_weight
 WEIGHT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 # GPT-2's activation_function values the runtime computes (transformers' activations.py: gelu and
 # gelu_python exact, the others the tanh approximation written in several ways): planner.hf_config
-GELUS = EXACT_GELUS + ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
+GELUS = EXACT_GELUS + TANH_GELUS
 # tensors of a model directory that are not weights (gpt2's causal-mask buffers in older files)
 _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 

@@ -222,7 +222,7 @@ def _saved(cfg: ModelConfig, path, **config_edits):
     ("llama-gqa", {"model_type": "mistral", "sliding_window": 16}, {},
      r"sliding_window: 16 is below the plan's seq_len 32"),
     ("gpt", {"activation_function": "gelu_new"}, {}, r"has model.gelu_approximate = 'tanh', the plan 'none'"),
-    ("gpt", {"activation_function": "relu"}, {}, r"activation_function: 'relu'; the runtime computes GELU, exact or tanh"),
+    ("gpt", {"activation_function": "relu"}, {}, r"activation_function: 'relu' is not a GELU, which trident's GPT"),
     ("llama-gqa", {"attention_bias": True}, {"qkv_bias": True}, r"no place for: model.layers.0.self_attn.o_proj.bias"),
 ])
 def test_weights_trident_would_compute_otherwise_are_refused_by_name(tmp_path, name, edits, plan_edits, message):

@@ -59,9 +59,16 @@ PROFILE_CASES = [
     (("device", "memory_bytes"), INF, r"device\.memory_bytes: inf is not a finite number"),
     (_every_tier("bus_bandwidth_bytes_per_s", NAN), None, r"bus_bandwidth_bytes_per_s: nan is not a finite"),
     (("sources", "device.memory_bytes"), INF, r"sources\.device\.memory_bytes: inf"),
-    (("overlap_slowdown",), "x", r"overlap_slowdown 'x' must be a number >= 1"),
-    (("overlap_slowdown",), [1], r"overlap_slowdown \[1\] must be a number >= 1"),
-    (("overlap_slowdown",), -1, r"overlap_slowdown -1 must be a number >= 1"),
+    (("overlap_slowdown",), "x", r"overlap_slowdown 'x' must be a number from 1 to 100"),
+    (("overlap_slowdown",), [1], r"overlap_slowdown \[1\] must be a number from 1 to 100"),
+    (("overlap_slowdown",), -1, r"overlap_slowdown -1 must be a number from 1 to 100"),
+    (("overlap_slowdown",), 1e30, r"overlap_slowdown 1e\+30 must be a number from 1 to 100"),
+    (("compute_slots",), 1e-300, r"compute_slots 1e-300 must be a number from 0.01"),
+    (("nodes",), 10**18, r"nodes 1000000000000000000 must be a positive integer, at most 1048576"),
+    (("tiers", "inter_node", "zz"), 1, r"tiers\.inter_node\.zz: unknown field"),
+    (("collectives", "all_reduce", "intra_node", "by_group_size"), 0, r"by_group_size: expected an object"),
+    (("collectives", "all_reduce", "inter_node", "by_group_size"), {"4": {"alpha_s": 1e-5,
+     "bus_bandwidth_bytes_per_s": 1e10, "members_per_node": 0}}, r"by_group_size\.4\.members_per_node: 0 must be"),
     (("overlap_slowdown",), True, r"overlap_slowdown True must be a number"),
     (("overlap_slowdown",), INF, r"overlap_slowdown: inf is not a finite number"),
     (AR + ("by_group_size",), [1, 2], r"all_reduce\.intra_node\.by_group_size: expected an object"),
@@ -159,6 +166,10 @@ MODEL_CASES = [
     ("hf", {"model_type": "gpt2"}, r"missing 'n_embd', which a gpt2 config must have"),
     ("hf", {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "n_inner": 0},
      r"n_inner: is 0"),
+    ("hf", {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "activation_function": "relu"},
+     r"activation_function: 'relu' is not a GELU"),
+    ("hf", {"rope_scaling": "abc"}, r"rope_scaling: 'abc' must be an object \(or null: none\)"),
+    ("hf", {"rope_scaling": {"rope_type": True, "factor": 8.0}}, r"rope_scaling\.rope_type: True must be a name"),
     # ModelConfig fields (model JSON, and a plan's `model` object: ModelConfig.from_dict)
     ("model", {"head_dim": "16"}, r"model\.head_dim: is '16'; it must be a positive integer"),
     ("model", {"head_dim": -16}, r"model\.head_dim: is -16"),
@@ -255,6 +266,24 @@ def test_a_rate_too_small_to_price_is_one_line_without_warnings(tmp_path):
                            "--gpus", "8", "--global-batch", "16"], capture_output=True, text=True, timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "attention_flops_by_seq" in lines[0], proc.stderr
+
+
+def test_a_key_given_twice_is_refused_not_overwritten(tmp_path):
+    """Python's json keeps the last of two values of one key; a model file, cluster profile or plan
+    that names a key twice is refused in one line naming it, whichever value comes first."""
+    from planner.plan import Plan
+    text = json.dumps(ZOO["tiny"].to_dict())
+    for first, second in (('"layers": 0', '"layers": 4'), ('"layers": 4', '"layers": 0')):
+        f = tmp_path / "m.json"
+        f.write_text(text.replace('"layers": 4', f"{first}, {second}", 1))
+        with pytest.raises(ConfigError, match="--model: .*the key 'layers' appears twice in one object"):
+            load_model(str(f))
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(A100).replace('"devices_per_node": 8', '"devices_per_node": 8, "devices_per_node": 4', 1))
+    with pytest.raises(ConfigError, match="the key 'devices_per_node' appears twice"):
+        load_cluster(str(f))
+    with pytest.raises(ConfigError, match="plan: not valid JSON .the key 'format_version' appears twice"):
+        Plan.from_json('{"format_version": 1, "format_version": 1}')
 
 
 def _layer(kind: str) -> dict:

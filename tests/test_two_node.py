@@ -73,6 +73,23 @@ def test_tp2_pp2_across_two_nodes_trains_like_one_process(nodes, tmp_path):
     assert_same_losses(run["losses"], losses_of(tmp_path / "one.run.json"), "tp2 x pp2 on two nodes")
 
 
+def test_a_cluster_profile_measured_across_two_nodes_loads_with_both_tiers(nodes, tmp_path):
+    """`trident profile cluster` across the nodes: the groups spanning them ({0,2}, {1,3} and
+    {0,1,2,3}, two members a node) fit the inter-node tier, and the profile it writes loads (its
+    groups' members_per_node was refused as an unknown field from 2026-11-29 to session 61, so no
+    profile of two nodes of two or more processes was written)."""
+    from planner.cluster import load_cluster
+    out = tmp_path / "two.json"
+    both_ok(torchrun_two_nodes(nodes, ["-m", "runtime.profile", "cluster", "--quick", "-o", out], timeout=180))
+    c = load_cluster(str(out))
+    assert (c.nodes, c.devices_per_node, c.node_of_rank) == (2, 2, [0, 0, 1, 1])
+    raw = json.loads(out.read_text())["collectives"]["all_reduce"]["inter_node"]["by_group_size"]
+    assert raw["4"]["members_per_node"] == 2 and "members_per_node" not in raw["2"]
+    # the shaped link (400 Mbit/s, shared by a node's two ranks) is far slower than loopback
+    intra, inter = (c.collectives["all_reduce"][t].at(2, 16 << 20)[1] for t in ("intra_node", "inter_node"))
+    assert inter < intra / 3, (intra, inter)
+
+
 # -------------------------------------------------------------------- nothing is left behind
 def test_the_namespaces_and_their_processes_go_when_the_block_fails():
     with pytest.raises(ZeroDivisionError):
