@@ -363,7 +363,7 @@ def cluster_from_dict(d: dict, source: str = "cluster") -> ClusterSpec:
 def read_profile(spec, directory: Path, flag: str) -> tuple[Path, object, str]:
     """(path, parsed JSON, "sha256:..." of the bytes) of a profile given as a path or as a name
     of a file in `directory`; one-line ConfigError naming `flag` otherwise."""
-    known = lambda: ", ".join(sorted(p.stem for p in directory.glob("*.json")))  # noqa: E731
+    known = lambda: ", ".join(sorted(p.stem for p in directory.glob("*.json"))) or "none shipped"  # noqa: E731
     if not str(spec).strip():
         raise ConfigError(f"{flag}: an empty name; give a profile in {directory} ({known()}) or a JSON file")
     path = Path(spec)

@@ -13,6 +13,8 @@ def load_model(spec: str) -> ModelConfig:
     the model directory holding it)."""
     if spec in ZOO:
         return ZOO[spec]
+    if not spec.strip():
+        raise ConfigError(f"--model: an empty value; give a zoo model ({', '.join(ZOO)}) or a JSON file")
     path = Path(spec)
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"

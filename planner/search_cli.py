@@ -145,7 +145,7 @@ def cmd_search(args) -> int:
                 if res.min_required_bytes else "")
         given = _constraints_given(args)
         gpus = cluster.world_size
-        print(f"trident: error: no plan of {model.name} fits in {lim / GiB:.1f} GiB per device on {gpus} "
+        print(f"trident: error: no plan of {model.name} fits in {lim / GiB:.3g} GiB per device on {gpus} "
               f"GPU{'s' * (gpus > 1)} with global batch {args.global_batch}" + (f" under {given}" if given else "") + need
               + ("; lift a constraint" if given else "; add GPUs (--gpus, --nodes) or lower --seq-len"),
               file=sys.stderr)
