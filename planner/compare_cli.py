@@ -45,8 +45,12 @@ def price(plan, args):
             except ConfigError:
                 pass
         return plan.prediction, timeline
-    cluster = load_cluster(args.cluster_profile or plan.cluster.name,
-                           flag="--cluster-profile" if args.cluster_profile else "cluster.name")
+    try:
+        cluster = load_cluster(args.cluster_profile or plan.cluster.name,
+                               flag="--cluster-profile" if args.cluster_profile else "cluster.name")
+    except ConfigError as exc:  # the plan names a measured profile that is not here: say how to give it
+        raise ConfigError(f"{exc}" + ("" if args.cluster_profile else "; pass the profile it was priced with as "
+                                      "--cluster-profile")) from None
     if plan.cluster.profile_hash and cluster.profile_hash != plan.cluster.profile_hash and not args.allow_other_profile:
         raise ConfigError(f"cluster.profile_hash: the plan was priced with another {plan.cluster.name} profile "
                           f"({plan.cluster.profile_hash[:19]}...); pass that profile with --cluster-profile or "
