@@ -289,3 +289,17 @@ def test_memory_no_device_holds_is_refused_in_one_line(tmp_path, capsys, where, 
         _plan_and_run(tmp_path, prediction)
     assert _compare(tmp_path, run=run) == 2
     assert f"{'run' if where == 'run' else 'prediction'}." in (err := _one_line_err(capsys)) and key in err, err
+
+
+def test_a_plan_priced_on_a_profile_not_here_says_to_pass_it(tmp_path, capsys):
+    """Re-pricing a plan whose cluster.name is a measured profile absent here (one made on another
+    machine) names the fix, --cluster-profile."""
+    plan = _plan_and_run(tmp_path)
+    d = json.loads((tmp_path / "plan.json").read_text())
+    d["cluster"]["name"] = "cpu-gloo-9"
+    (tmp_path / "plan.json").write_text(json.dumps(d))
+    run = json.loads((tmp_path / "run.json").read_text())
+    run.pop("plan_hash")
+    assert plan.cluster.name != "cpu-gloo-9" and _compare(tmp_path, "--model-profile", "x.json", run=run) == 2
+    err = _one_line_err(capsys)
+    assert "cluster.name: 'cpu-gloo-9' is neither a file nor a profile" in err and "as --cluster-profile" in err
