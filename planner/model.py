@@ -101,6 +101,9 @@ class ModelConfig:
         if self.head_dim is None:
             need(self.hidden % self.heads == 0, "heads",
                  f"{self.heads} does not divide hidden={self.hidden}; set head_dim or change heads")
+        # rotary embeddings turn pairs of a head's dimensions (runtime.model.apply_rope)
+        need(self.arch != "llama" or self.dim_per_head % 2 == 0, "head_dim" if self.head_dim is not None else "heads",
+             f"a head of {self.dim_per_head} dimensions is odd: rotary embeddings rotate pairs; use an even head size")
         # the fields that hold an object (a dict in a plan file), for llama blocks alone
         for fld, kind, why in (
                 ("rope_scaling", RopeScaling, "gpt models have learned positions, no rotary embeddings"),

@@ -41,6 +41,9 @@ def parse_blend(spec: str) -> list[tuple[str, float]] | None:
         if not w > 0 or w == float("inf"):
             raise ConfigError(f"--data: the weight of {path} is {weight}; give a positive number")
         parts.append((path, w))
+    if not sum(w for _, w in parts) < float("inf"):
+        raise ConfigError("--data: the weights sum past the largest float; give smaller ones (only their ratios "
+                          "count, e.g. 0.7 and 0.3)")
     return parts
 
 

@@ -113,6 +113,9 @@ class TokenFileData:
         if p.stat().st_size < (seq_len + 2) * size:
             raise ConfigError(f"--data: {path} holds {p.stat().st_size // size} {dtype} tokens, fewer than one "
                               f"sequence of {seq_len + 1}")
+        if p.stat().st_size % size:
+            raise ConfigError(f"--data: {path} holds {p.stat().st_size} bytes, not a whole number of {dtype} tokens "
+                              f"({size} bytes each): a truncated file, or give its --data-dtype")
         self.tokens = np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
         self.path, self.seq_len, self.seed, self.vocab, self.stream = path, seq_len, seed, vocab, stream
         self.windows = (len(self.tokens) - 1) // seq_len  # W

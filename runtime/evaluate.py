@@ -44,7 +44,10 @@ def check_eval_args(args, plan) -> None:
         if data == "synthetic" or not (Path(data).is_file() or parse_blend(data)):
             raise ConfigError(f"--eval-data: {data} is not a file; give a held-out uint16/uint32 token file (or a "
                               "blend of them, FILE:WEIGHT,...)")
-        make_source(data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
+        try:
+            make_source(data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))
+        except ConfigError as exc:  # the token-file checks name --data, the option they usually read
+            raise ConfigError(str(exc).replace("--data:", "--eval-data:", 1)) from None
 
 
 class Evaluator:

@@ -113,6 +113,12 @@ def tokenize(args) -> dict:
         outs["val"] = Path(args.val_out)
         if outs["val"].resolve() == outs["train"].resolve():
             raise ConfigError(f"--val-out: {args.val_out} is -o's file too; name another")
+    inputs = {Path(p).resolve() for p in args.inputs}
+    for split, out in outs.items():  # the outputs are opened (emptied) before any input is read
+        for path in (out, Path(f"{out}.json")):
+            if path.resolve() in inputs:
+                raise ConfigError(f"{'-o' if split == 'train' else '--val-out'}: {path} is an INPUT file, which "
+                                  "writing it would destroy; name another")
     counts = {k: {"documents": 0, "tokens": 0} for k in outs}
     files, done = {}, False
     try:

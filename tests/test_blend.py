@@ -56,9 +56,12 @@ def test_the_places_add_up_to_the_period():
     ("{a}:-1,{b}:1", r"the weight of .*a.bin is -1"),
     ("{a}:1e-6,{b}:1", r"the weight of .*a.bin \(1e-06\) is below 1/10000 of the total"),
     ("{a}:1,{tmp}/none.bin:1", r"none.bin is not a file"),
+    ("{a}:1e308,{b}:1e308", r"the weights sum past the largest float"),  # inf, then NaN shares
+    ("{a}:1,{tmp}/odd.bin:1", r"odd.bin holds 1001 bytes, not a whole number of uint16 tokens"),
 ])
 def test_a_bad_blend_is_one_line_naming_the_file(tmp_path, spec, message):
     a, b = _file(tmp_path / "a.bin", 4, 1000), _file(tmp_path / "b.bin", 4, 2000)
+    (tmp_path / "odd.bin").write_bytes(bytes(1001))  # a truncated uint16 file
     with pytest.raises(ConfigError, match=message):
         make_source(spec.format(a=a, b=b, tmp=tmp_path), S, 0, 2**16)
 

@@ -57,7 +57,9 @@ def test_validation_options_are_checked_by_name(tmp_path):
     cases = [(("--data", tokens, "--eval-every", 2), "--eval-data: needed"),
              (("--eval-data", tmp_path / "missing.bin", "--eval-every", 2), "--eval-data: "),
              (("--eval-data", tokens), "--eval-data needs --eval-every"),
-             (("--eval-every", -1), "--eval-every")]
+             (("--eval-every", -1), "--eval-every"),
+             (("--eval-data", tmp_path / "short.bin", "--eval-every", 2), "--eval-data: ")]  # its checks, named so
+    np.arange(8, dtype=np.uint16).tofile(tmp_path / "short.bin")
     for extra, words in cases:
         proc = train(1, "--plan", plan, "--steps", 2, *extra)
         assert proc.returncode != 0 and words in proc.stderr and "Traceback" not in proc.stderr, (extra, proc.stderr)

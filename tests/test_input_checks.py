@@ -172,6 +172,7 @@ MODEL_CASES = [
     ("hf", {"rope_scaling": {"rope_type": True, "factor": 8.0}}, r"rope_scaling\.rope_type: True must be a name"),
     # ModelConfig fields (model JSON, and a plan's `model` object: ModelConfig.from_dict)
     ("model", {"head_dim": "16"}, r"model\.head_dim: is '16'; it must be a positive integer"),
+    ("model", {"head_dim": 7}, r"model\.head_dim: a head of 7 dimensions is odd: rotary embeddings rotate pairs"),
     ("model", {"head_dim": -16}, r"model\.head_dim: is -16"),
     ("model", {"head_dim": 0}, r"model\.head_dim: is 0"),
     ("model", {"norm_eps": "x"}, r"model\.norm_eps: is 'x'"),

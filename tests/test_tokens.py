@@ -85,6 +85,8 @@ def test_a_vocabulary_beyond_uint16_writes_uint32(tmp_path, capsys):
     (None, ["--eos-id", "300"], r"--eos-id: 300 is not an id of this tokenizer \(0..299\)"),
     (None, ["--val-out", "{tmp}/v.bin", "--val-fraction", "1"], r"--val-fraction: 1.0 must be at least 0 and below 1"),
     (None, ["--val-out", "{tmp}/t.bin"], r"--val-out: .*t.bin is -o's file too"),
+    (None, ["--val-out", "{tmp}/c.jsonl", "--val-fraction", "0.5"], r"--val-out: .*c.jsonl is an INPUT file"),
+    ("input-out", [], r"-o: .*c.jsonl is an INPUT file, which writing it would destroy"),
     (None, ["-o", "{tmp}"], r"-o: cannot write"),
     ("latin-1", [], r"c.jsonl: not UTF-8 text"),
 ])
@@ -98,7 +100,11 @@ def test_bad_input_is_one_line_and_leaves_no_token_file(model_dir, tmp_path, cap
         (tmp_path / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     argv = ["--tokenizer", str(model_dir), str(tmp_path / "c.jsonl"), "-o", str(tmp_path / "t.bin")]
     argv += [a.format(tmp=tmp_path) for a in args]
+    if setup == "input-out":  # the input named as the output: refused before it is opened, so it stays
+        argv[argv.index("-o") + 1] = str(tmp_path / "c.jsonl")
+    before = (tmp_path / "c.jsonl").read_bytes()
     assert main(argv) == 2
+    assert (tmp_path / "c.jsonl").read_bytes() == before
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
 
