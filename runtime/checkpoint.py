@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from planner.model import ConfigError
+from planner.values import is_int, is_real
 from runtime.optim import reset_weight_decay
 from runtime.run_checks import RUN_FIELDS, RUN_FIELDS_ADDED, plan_field
 from runtime.parallelize import holds_tied_pair
@@ -75,9 +76,13 @@ def read_meta(ckpt: Path, plan, allowed: tuple = ()) -> dict:
     meta_path = ckpt / META
     try:
         meta = json.loads(meta_path.read_text())
-        step = int(meta["step"])
-        next_step = int(meta["data"]["next_step"])
+        step, next_step, scale = meta["step"], meta["data"]["next_step"], meta["data"].get("loss_scale")
         saved_hash = meta["plan_hash"]
+        if not (is_int(step) and is_int(next_step) and 0 <= next_step <= step + 1):
+            raise ValueError(f"step {step!r} and data.next_step {next_step!r} are not the step counts it writes")
+        if scale is not None and not (isinstance(scale, dict) and is_real(scale.get("scale")) and scale["scale"] > 0
+                                      and is_int(scale.get("good_steps")) and scale["good_steps"] >= 0):
+            raise ValueError(f"data.loss_scale {scale!r} is not a positive scale and a count of good steps")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"checkpoint {meta_path}: unreadable or corrupt ({type(exc).__name__}: {exc}); "
                           "delete that checkpoint or resume from another directory") from None

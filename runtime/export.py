@@ -102,6 +102,7 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
            tokenizer: Path | None = None) -> dict:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: each rank's failures
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"-o: {out} exists and is not an empty directory; choose another or pass --force")
@@ -111,7 +112,11 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     if cfg.arch == "llama":  # a model transformers computes (Llama, Qwen2, Qwen3 and their MoE kin), else one line
         moe_type(cfg) if cfg.moe is not None else dense_type(cfg)
     reader = dcp.FileSystemReader(str(ckpt))
-    saved = reader.read_metadata().state_dict_metadata
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 (a torn or foreign .metadata: unpickling fails in many ways)
+        raise ConfigError(f"{ckpt}: its .metadata cannot be read ({type(exc).__name__}); the checkpoint is "
+                          "incomplete or corrupt: export another step") from None
     names = [n for n in dict.fromkeys(parameter_names(cfg))
              if not (cfg.tie_embeddings and n == head_weight(cfg))]  # a tied head is the embedding
     absent = [n for n in names if f"model.{n}" not in saved]
@@ -122,6 +127,7 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     elem = DTYPES[dtype].itemsize
     sizes = {n: elem * torch.Size(saved[f"model.{n}"].size).numel() for n in names}
     groups = shards(sizes, max_shard_bytes)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("model*.safetensors*"):  # --force: an earlier export's files would mix in
         stale.unlink()
@@ -132,7 +138,13 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
                  for n in group}
         with warnings.catch_warnings():  # "no process group: loading in one process", as meant
             warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=reader)
+            try:
+                dcp.load(state, storage_reader=reader)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 (a missing, truncated or torn .distcp)
+                if created:
+                    shutil.rmtree(out, ignore_errors=True)
+                raise ConfigError(f"{ckpt}: its tensor files cannot be read ({type(exc).__name__}); the checkpoint "
+                                  "is incomplete or corrupt: export another step") from None
         hf = {k2: v.to(DTYPES[dtype]).contiguous() for k2, v in
               to_hf(cfg, {n: state[f"model.{n}"] for n in group}).items()}
         save_file(hf, str(out / fname), metadata={"format": "pt"})

@@ -150,6 +150,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError(f"--keep-checkpoints: {args.keep_checkpoints} must be at least 0 (0: keep all)")
     if args.checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} must be at least 0 (0: only at the end)")
+    if args.checkpoint_every > args.steps:
+        raise ConfigError(f"--checkpoint-every: {args.checkpoint_every} is more than --steps {args.steps}, so no "
+                          "checkpoint would be written; give at most that, or 0 to save after the last step")
     if args.data != "synthetic":  # files (a blend's: runtime.blend) long enough for one sequence, in the dtype given
         from runtime.data import make_source
         make_source(args.data, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None))

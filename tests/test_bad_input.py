@@ -340,6 +340,8 @@ def test_the_metrics_log_and_checkpoint_retention_are_checked_before_training(tm
                        (["--keep-checkpoints", "2"], "--keep-checkpoints needs --checkpoint-dir"),
                        (["--keep-checkpoints", "-1", "--checkpoint-dir", str(tmp_path / "c")],
                         "--keep-checkpoints: -1 must be at least 0"),
+                       (["--steps", "2", "--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path / "c")],
+                        "--checkpoint-every: 5 is more than --steps 2, so no checkpoint would be written"),
                        (["--metrics", str(tmp_path / "m.jsonl"), "--plan", plan, other],
                         "--metrics works with one --plan at a time")):
         assert train_main(["--plan", plan, *argv]) == 2

@@ -79,3 +79,29 @@ def test_asynchronous_checkpoints_resume_exactly_and_a_run_without_interval_save
     assert [x["step"] for x in resumed] == [3, 4] and [x["loss"] for x in resumed] == losses_of(tmp_path / "resumed.json")
     assert_ok(train(1, "--plan", one, "--steps", 2, "--checkpoint-dir", end))
     assert [p.name for p in end.iterdir()] == ["step-2"]
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"next_step": -3}, "data.next_step -3 are not the step counts"),
+    ({"next_step": 1.5}, "data.next_step 1.5"),
+    ({"next_step": True}, "data.next_step True"),
+    ({"next_step": 2, "loss_scale": "x"}, "data.loss_scale 'x' is not a positive scale"),
+    ({"next_step": 2, "loss_scale": {"scale": 0, "good_steps": 0}}, "is not a positive scale"),
+    ({"next_step": 2, "loss_scale": {"scale": -5.0, "good_steps": 0}}, "is not a positive scale"),
+    ({"next_step": 2, "loss_scale": {"scale": "abc", "good_steps": 0}}, "is not a positive scale"),
+])
+def test_a_checkpoint_whose_counts_cannot_be_is_corrupt_in_one_line(tmp_path, data, words):
+    """trident.json's step counts and fp16 loss scale are checked before they are used: a negative
+    or fractional next step trained from it, a loss scale of 0 divided by zero, a string crashed."""
+    from planner.plan import Plan
+    plan = Plan.read(write_plan(tmp_path, "one", world=1))
+    ckpt = tmp_path / "step-2"
+    ckpt.mkdir()
+    meta = {"plan_hash": plan.content_hash(), "layout": checkpoint.BY_NAME, "run": checkpoint.run_of(plan),
+            "step": 2, "data": data}
+    (ckpt / checkpoint.META).write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=f"checkpoint .*unreadable or corrupt .*{words}"):
+        checkpoint.read_meta(ckpt, plan)
+    meta["data"] = {"next_step": 2, "loss_scale": {"scale": 65536.0, "good_steps": 3}}
+    (ckpt / checkpoint.META).write_text(json.dumps(meta))
+    assert checkpoint.read_meta(ckpt, plan)["next_step"] == 2

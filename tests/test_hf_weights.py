@@ -290,6 +290,16 @@ def test_the_commands_refuse_bad_input_in_one_line(tmp_path, capsys):
     assert "holds no tokenizer files" in here("export", tmp_path / "ck", "-o", tmp_path / "o", "--tokenizer", tmp_path)
     assert "--max-shard-gb: 0.0 must be positive" in here("export", tmp_path / "ck", "-o", tmp_path / "o",
                                                           "--max-shard-gb", 0)
+    # a whole trident.json beside a torn .metadata: one line, and no empty -o directory left
+    from planner.plan import Plan
+    from runtime import checkpoint
+    p = Plan.read(plan)
+    (tmp_path / "ck" / "step-1" / "trident.json").write_text(json.dumps(
+        {"plan_hash": p.content_hash(), "layout": checkpoint.BY_NAME, "run": checkpoint.run_of(p), "step": 1,
+         "data": {"next_step": 1}}))
+    (tmp_path / "ck" / "step-1" / ".metadata").write_bytes(b"\x80not a pickle")
+    assert ".metadata cannot be read" in here("export", tmp_path / "ck", "-o", tmp_path / "o2")
+    assert not (tmp_path / "o2").exists()
 
 
 @pytest.mark.parametrize("name", CONFIGS)
