@@ -307,19 +307,26 @@ class HFInit:
     def __call__(self, name: str, shape: tuple) -> torch.Tensor:
         hf, layout, _ = self._checked(name, shape)
         self.counts["whole"] += 1
-        return layout.full(self.dir.read(hf))
+        return self._finite(hf, layout.full(self.dir.read(hf)))
+
+    def _finite(self, hf: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        """`t`, unless it holds NaN or infinities (the first step's loss would be NaN, read as divergence)."""
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ConfigError(f"--init-from: {self.dir.path}: {hf} holds NaN or infinite values; these weights "
+                              "cannot train: give a sound copy")
+        return t
 
     def local(self, name: str, shape: tuple, mesh, placements) -> torch.Tensor | None:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         if not all(type(p) is Shard or isinstance(p, Replicate) for p in placements):  # FSDP2's strided shards
             return None
-        _, layout, part = self._checked(name, shape)
+        hf, layout, part = self._checked(name, shape)
         size, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
         block = layout.block(part, offset, size) if all(size) else None
         if block is not None:
             self.counts["sliced"] += 1
-        return block
+        return self._finite(hf, block)
 
     def record(self) -> dict:
         """For run.json: the directory, and how many tensors this rank read whole and in slices."""

@@ -262,6 +262,13 @@ def test_gpt2_hub_names_and_missing_directories(tmp_path):
     (tmp_path / "empty" / "config.json").write_text(json.dumps(to_hf_config(cfg)))
     with pytest.raises(ConfigError, match=r"has no model.safetensors, .* save the model with save_pretrained"):
         ModelDir(tmp_path / "empty")
+    # weights holding a NaN: named when read, not left to the first step's loss (read as divergence)
+    state["wte.weight"][3, 5] = float("nan")
+    save_file(state, tmp_path / "hub" / "model.safetensors")
+    plan = type("P", (), {"model": cfg, "training": type("T", (), {"seq_len": 32})})
+    args = type("A", (), {"init_from": str(tmp_path / "hub"), "resume": False, "checkpoint_dir": None})
+    with pytest.raises(ConfigError, match=r"--init-from: .*hub: .*wte.weight holds NaN or infinite values"):
+        init_weights(Transformer(cfg), 0, initial_weights(args, plan))
 
 
 def test_the_commands_refuse_bad_input_in_one_line(tmp_path, capsys):
