@@ -23,7 +23,7 @@ from planner.args import OneLineParser
 from planner.hf_config import HF_DTYPES, dense_type, moe_type, to_hf_config
 from planner.model import ConfigError, ModelConfig
 from runtime.checkpoint import META, checkpoints
-from runtime.hf_weights import parameter_names, to_hf
+from runtime.hf_weights import parameter_shapes, to_hf
 from runtime.tied import head_weight
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,13 +117,18 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     except Exception as exc:  # noqa: BLE001 (a torn or foreign .metadata: unpickling fails in many ways)
         raise ConfigError(f"{ckpt}: its .metadata cannot be read ({type(exc).__name__}); the checkpoint is "
                           "incomplete or corrupt: export another step") from None
-    names = [n for n in dict.fromkeys(parameter_names(cfg))
-             if not (cfg.tie_embeddings and n == head_weight(cfg))]  # a tied head is the embedding
+    shapes = parameter_shapes(cfg)
+    names = [n for n in shapes if not (cfg.tie_embeddings and n == head_weight(cfg))]  # a tied head is the embedding
     absent = [n for n in names if f"model.{n}" not in saved]
     if absent:
         raise ConfigError(f"{ckpt}: the checkpoint lacks model.{absent[0]}"
                           f"{f' and {len(absent) - 1} more' if len(absent) > 1 else ''}; it is not a whole "
                           "checkpoint of this model")
+    other = [n for n in names if tuple(saved[f"model.{n}"].size) != shapes[n]]
+    if other:  # trident.json's run.model is not the model these tensors are of
+        n = other[0]
+        raise ConfigError(f"{ckpt}: the checkpoint's model.{n} is {list(saved[f'model.{n}'].size)}, where the model "
+                          f"{META} describes has {list(shapes[n])}; the checkpoint is corrupt or another model's")
     elem = DTYPES[dtype].itemsize
     sizes = {n: elem * torch.Size(saved[f"model.{n}"].size).numel() for n in names}
     groups = shards(sizes, max_shard_bytes)

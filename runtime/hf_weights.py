@@ -346,6 +346,11 @@ def initial_weights(args, plan) -> HFInit | None:
 
 
 def parameter_names(cfg: ModelConfig) -> list[str]:
+    return list(parameter_shapes(cfg))
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Each parameter of the runtime's model of `cfg` (tied ones under both names) and its shape."""
     from runtime.model import Transformer
     with torch.device("meta"):
-        return [n for n, _ in Transformer(cfg).named_parameters(remove_duplicate=False)]
+        return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters(remove_duplicate=False)}

@@ -180,6 +180,12 @@ def test_an_exported_checkpoint_is_the_trained_model_and_starts_other_plans(tmp_
     config = json.loads((tmp_path / "with-tokenizer" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
     assert (tmp_path / "with-tokenizer" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    shutil.copytree(tmp_path / "ck" / "step-2", tmp_path / "wider" / "step-2")  # trident.json of another model
+    meta = json.loads((tmp_path / "wider" / "step-2" / "trident.json").read_text())
+    meta["run"]["model"]["ffn_hidden"] *= 2
+    (tmp_path / "wider" / "step-2" / "trident.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"the checkpoint's model\..*w1\.weight is \[\d+, \d+\], where the model "):
+        export(tmp_path / "wider", tmp_path / "wider-export")
     runs = tmp_path / "from-export"  # pp 2, and tp 2 with SP again, each from the export
     assert_ok(train(2, "--plan", plans["pp2"], plans["tp2"], "--steps", 1, "--init-from", out, "--out", runs))
     for name in ("pp2", "tp2"):
