@@ -109,7 +109,9 @@ def main(argv: list[str]) -> int:
     try:
         plan = Plan.read(args.plan)
         from runtime.train import check_out, check_plan  # every check that needs no process group, before launching
+        from runtime.run_checks import check_checkpoint_dir
         check_plan(args.plan, args, plan.mesh.world_size)
+        check_checkpoint_dir(args, plan)
         check_out(args.out, 1)
         if args.init_from:
             from runtime.hf_weights import ModelDir

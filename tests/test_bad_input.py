@@ -347,3 +347,27 @@ def test_the_metrics_log_and_checkpoint_retention_are_checked_before_training(tm
         assert train_main(["--plan", plan, *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], (argv, err)
+
+
+def test_trident_run_checks_the_checkpoint_directory_before_launching(tmp_path, capsys):
+    """A directory holding a checkpoint without --resume, a corrupt one, and one at --steps already:
+    one line before torchrun starts (inside the ranks each printed a second, the launcher's)."""
+    from planner.cli import main
+    from planner.plan import Plan
+    from runtime import checkpoint
+    from tests.torchrun_helpers import write_plan
+    plan = write_plan(tmp_path, "p")
+    p = Plan.read(plan)
+    (tmp_path / "ck" / "step-2").mkdir(parents=True)
+    meta = {"plan_hash": p.content_hash(), "layout": checkpoint.BY_NAME, "run": checkpoint.run_of(p), "step": 2,
+            "data": {"next_step": 2}}
+    (tmp_path / "ck" / "step-2" / checkpoint.META).write_text(json.dumps(meta))
+    run = ["run", str(plan), "--checkpoint-dir", str(tmp_path / "ck"), "--steps", "2"]
+    for extra, says in (([], "--checkpoint-dir: .* already holds step-2; pass --resume"),
+                        (["--resume"], "--steps: 2, but .*step-2 already reached step 2; ask for more steps")):
+        code, line = one_line_error(capsys, main, run + extra)
+        assert code == 2 and re.search(says, line), line
+    meta["data"]["next_step"] = -1
+    (tmp_path / "ck" / "step-2" / checkpoint.META).write_text(json.dumps(meta))
+    code, line = one_line_error(capsys, main, run[:-1] + ["5", "--resume"])
+    assert code == 2 and "unreadable or corrupt" in line, line

@@ -205,15 +205,21 @@ def test_trident_run_trains_a_plan_with_torchrun(tmp_path):
 
 
 def test_a_failed_trident_run_ends_in_one_line_per_problem(tmp_path, capfd):
+    from planner.plan import Plan
+    from runtime import checkpoint
     plan = write_plan(tmp_path, "dp2", world=2)
     ckpt = tmp_path / "ckpt" / "step-1"
     ckpt.mkdir(parents=True)
-    (ckpt / "trident.json").write_text("{}")  # a checkpoint directory with a broken trident.json
+    # a checkpoint whose trident.json holds (checked before launch) and whose tensors do not (read by the ranks)
+    p = Plan.read(plan)
+    (ckpt / "trident.json").write_text(json.dumps({"plan_hash": p.content_hash(), "layout": checkpoint.BY_NAME,
+                                                   "run": checkpoint.run_of(p), "step": 1, "data": {"next_step": 1}}))
+    (ckpt / ".metadata").write_bytes(b"not a pickle")
     code = launch.main([str(plan), "--steps", "2", "--checkpoint-dir", str(ckpt.parent), "--resume"])
     err = capfd.readouterr().err
     assert code != 0 and "Traceback" not in err
     lines = error_lines(err)
-    assert len(lines) == 2 and "trident.json" in lines[0] and "the run stopped" in lines[1]
+    assert len(lines) == 2 and "step-1" in lines[0] and "the run stopped" in lines[1], lines
 
 
 def test_trident_run_prints_the_command_of_every_node_of_a_multi_node_plan(tmp_path, capsys):
