@@ -105,6 +105,7 @@ def _check_entry(e, w: str, procs: int, mbs: list, need) -> tuple:
     need(is_count(cp, MAX_PROCESSES) and (cp == 1 or e.get("layer") == "block"), f"{w}.cp",
          f"{cp!r} must be a positive integer, at most {MAX_PROCESSES}, and above 1 only for a block")
     rec = e.get("recompute", "none")
+    low, top = (min(mbs), max(mbs)) if mbs else (1, 1)  # the micro-batches measured (mbs: checked before)
     need(rec in RECOMPUTE_MODES, f"{w}.recompute", f"{rec!r}; use one of {', '.join(RECOMPUTE_MODES)}")
     for fld, high in (("forward_s", MAX_SECONDS), ("backward_s", MAX_SECONDS), ("activation_bytes", MAX_BYTES)):
         v = e.get(fld)
@@ -114,7 +115,6 @@ def _check_entry(e, w: str, procs: int, mbs: list, need) -> tuple:
         # not negative at both ends of the micro-batches measured (1 where none is listed); a noisy one
         # may be at one end, which pricing clamps to 0. A heap's activation count may dip below zero by
         # what other threads freed meanwhile (runtime.profile_model)
-        low, top = (min(mbs), max(mbs)) if mbs else (1, 1)  # mbs: checked before the entries
         need(fld == "activation_bytes" or max(v[0] + v[1] * low, v[0] + v[1] * top) >= 0, f"{w}.{fld}",
              f"{v!r} is negative at the micro-batches measured ({low} to {top}): not a measurement")
     pts = e.get("points", [])

@@ -1,6 +1,6 @@
 """Bytes the memory-bound (pointwise, normalization, softmax) operations of one layer move.
 
-Two implementations, chosen by the plan's `training.elementwise_kernels`:
+Three implementations, chosen by the plan's `training.elementwise_kernels`:
 
 - `eager`: the operations trident's runtime runs on GPUs (runtime/model.py, PyTorch eager), one
   kernel per operation, each reading its inputs and writing its output. Norms are one kernel

@@ -220,30 +220,38 @@ def load(ckpt: Path, chunks, optimizers) -> None:
         set_optimizer_state_dict(chunk, opt, {k: state["optim"][k] for k in optim_keys}, options=_FLAT)
 
 
-def resume(args, plan, trainer, rank: int) -> int:
-    """The step to start from: 0, or the next step of the latest checkpoint under --checkpoint-dir
-    (--resume), loaded into the trainer's chunks and optimizers."""
-    if not args.checkpoint_dir:
-        return 0
-    found = checkpoints(args.checkpoint_dir)
+def to_resume(args, plan, allowed: tuple = ()) -> tuple[Path, dict] | None:
+    """The newest checkpoint under --checkpoint-dir that --resume continues from, with its checked
+    trident.json (read_meta; `allowed`: --allow-change's fields); None where the run starts at step
+    0. ConfigError where it cannot start: a checkpoint there without --resume, or one at --steps
+    already. runtime.run_checks asks before `trident run` launches the ranks, which ask again."""
+    found = checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
     if found and not args.resume:
         raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
                           "to continue from it or choose an empty directory")
-    if not args.resume:
-        return 0
     if not found:
-        if rank == 0:
-            print(f"no checkpoint in {args.checkpoint_dir}; starting from step 0", flush=True)
-        return 0
-    meta = read_meta(found[-1], plan, getattr(args, "allow_change", ()))
+        return None
+    meta = read_meta(found[-1], plan, allowed)
     if meta["next_step"] >= args.steps:
         raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
                           "ask for more steps")
-    load(found[-1], trainer.chunks, trainer.optimizers)
+    return found[-1], meta
+
+
+def resume(args, plan, trainer, rank: int) -> int:
+    """The step to start from: 0, or the next step of the latest checkpoint under --checkpoint-dir
+    (--resume), loaded into the trainer's chunks and optimizers."""
+    got = to_resume(args, plan, getattr(args, "allow_change", ()))
+    if got is None:
+        if args.checkpoint_dir and args.resume and rank == 0:
+            print(f"no checkpoint in {args.checkpoint_dir}; starting from step 0", flush=True)
+        return 0
+    ckpt, meta = got
+    load(ckpt, trainer.chunks, trainer.optimizers)
     reset_weight_decay(trainer.optimizers, plan.training.weight_decay)
     trainer.scaler.load(meta["data"].get("loss_scale"))  # fp16's loss scale where it was saved
     if meta["replanned"] and rank == 0:
-        print(f"resumed {found[-1].name} of another plan of this run ({meta.get('mesh', '?')}; now "
+        print(f"resumed {ckpt.name} of another plan of this run ({meta.get('mesh', '?')}; now "
               f"{mesh_of(plan)}): its model and optimizer state resharded to this plan", flush=True)
     if meta["changed"] and rank == 0:
         print("resumed with changed training settings (--allow-change): " + ", ".join(

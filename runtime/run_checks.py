@@ -168,19 +168,9 @@ def check_checkpoint_dir(args, plan) -> None:
     """What runtime.checkpoint.resume refuses inside the ranks, checked before `trident run` starts
     them (one line, not the ranks' error and the launcher's): a directory holding a checkpoint
     without --resume; with it, a checkpoint that is corrupt, of another run, or at --steps already."""
-    if not args.checkpoint_dir:
-        return
-    from runtime.checkpoint import checkpoints, read_meta
-    found = checkpoints(args.checkpoint_dir)
-    if found and not args.resume:
-        raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
-                          "to continue from it or choose an empty directory")
-    if found:
-        allowed = changeable_fields(args.allow_change) if isinstance(args.allow_change, str) else args.allow_change
-        meta = read_meta(found[-1], plan, allowed or ())
-        if meta["next_step"] >= args.steps:
-            raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
-                              "ask for more steps")
+    from runtime.checkpoint import to_resume
+    allowed = changeable_fields(args.allow_change) if isinstance(args.allow_change, str) else args.allow_change
+    to_resume(args, plan, allowed or ())
 
 
 def check_out(out, n_plans: int) -> None:
