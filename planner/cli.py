@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "kernel, or a materialized softmax; the last two for prediction only")
     p.add_argument("--elementwise-kernels", choices=ELEMENTWISE_KERNELS, default="eager",
                    help="memory-bound operations one PyTorch kernel each (the runtime) or fused as Megatron-LM "
-                        "fuses them, with a fused cross-entropy or (fused-fp32-loss) Megatron-LM's default "
-                        "float32 one (prediction only)")
+                        "fuses them (a one-kernel SwiGLU keeps 3 ffn_hidden a token, not 4), with a fused "
+                        "cross-entropy or (fused-fp32-loss) Megatron-LM's default float32 one (prediction only)")
     p.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")

@@ -176,7 +176,8 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
             core = attention_core_hw_flops(m, b, s, t.attention, t.document_mask)[0] / tp / rate
         bwd_c += core
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, bytes_per_element=e,
-              dropout=dropout, attention=t.attention, attention_dropout=attn_drop)
+              dropout=dropout, attention=t.attention, attention_dropout=attn_drop,
+              fused_swiglu=t.elementwise_kernels != "eager")
     held = [runtime_held_bytes(m, t, dp, index, r, b, s, tp, sp, mats, cluster.backend == "gloo",
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
     cp_f, cp_b, gathered = context_parallel_parts(plan, cluster, index, rec, tp_ranks)

@@ -316,7 +316,8 @@ class ModelConfig:
     def activation_bytes(self, index: int, micro_batch: int, seq_len: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          bytes_per_element: int = 2, dropout: bool = False,
-                         attention: str = "flash", attention_dropout: bool | None = None) -> float:
+                         attention: str = "flash", attention_dropout: bool | None = None,
+                         fused_swiglu: bool = False) -> float:
         """Bytes one device keeps from the forward of one micro-batch until its backward.
 
         Per-tensor accounting after Korthikanti et al. 2022 (see module docstring). Tensors a TP
@@ -324,7 +325,11 @@ class ModelConfig:
         residual stream) are divided by `tp` only under sequence parallelism; dropout masks are one
         byte per element; fused attention keeps a float32 log-sum-exp per head and token.
         `dropout`: on the hidden states; `attention_dropout`: on the attention probabilities (None: as
-        `dropout`), whose mask only an unfused attention keeps.
+        `dropout`), whose mask only an unfused attention keeps. `fused_swiglu`: SwiGLU as one
+        kernel (Megatron-Core's SwiGLUFunction in megatron/core/fusions/fused_bias_swiglu.py, on by
+        default with --bias-swiglu-fusion; TransformerEngine's), which saves its input alone (the
+        gate and up outputs, 2 ffn_hidden) where eager SwiGLU also keeps silu(gate) for the
+        product's backward: 3 ffn_hidden with the second projection's input, not 4.
         """
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute: {recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
@@ -354,10 +359,11 @@ class ModelConfig:
             if self.qk_norm:  # the q and k norms' inputs and float32 1 / rms of each head
                 sharded += s * b * (e * (self.q_dim + self.kv_dim) + 4 * (self.heads + self.kv_heads))
             sharded += e * s * b * self.q_dim
-            sharded += 4 * e * s * b * f  # gate out, silu(gate), up out, their product (eager SwiGLU)
+            kept = 3 if fused_swiglu else 4  # gate and up out, [silu(gate),] their product
+            sharded += kept * e * s * b * f
             if self.moe is not None:  # k rows' SwiGLUs and the routing's (planner.moe)
                 whole, swiglu = moe_parts.activation_parts(self, e)
-                sharded += s * b * (swiglu - 4 * e * f + whole * t)  # whole: not split (times t / t)
+                sharded += s * b * (swiglu * kept / 4 - kept * e * f + whole * t)  # whole: not split (times t / t)
         if recompute == "none":
             if attention == "unfused":
                 core = e * a * s * s * b  # softmax output
