@@ -33,6 +33,11 @@ from planner.model import ConfigError
 GiB = 2**30
 
 
+# a node's inter-node NICs at most, per device: the shipped nodes have one a device (DGX A100, H100,
+# B200: 8 compute NICs for 8 GPUs), each device reaching them through its own PCIe link
+MAX_NICS_A_DEVICE = 4
+
+
 def _share_gbps(bytes_per_s: float) -> float:
     return bytes_per_s * 8 / 1e9
 
@@ -57,6 +62,9 @@ def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: floa
         out.pop("topology", None)  # a measured rank -> node map of the base's nodes
         sources["devices_per_node"] = f"derived: {dpn} (base {base_name}: {dpn_base})"
         changes.append(f"{dpn} devices a node (base: {dpn_base})")
+    if nics_per_node is not None and nics_per_node > MAX_NICS_A_DEVICE * dpn:
+        raise ConfigError(f"--nics-per-node: {nics_per_node} is more than {MAX_NICS_A_DEVICE} a device "
+                          f"({MAX_NICS_A_DEVICE * dpn} for {dpn}); give at most that (shipped nodes have one a device)")
     if nic_gbps is not None or nics_per_node is not None:
         inter = base.get("tiers", {}).get("inter_node", {})
         if "bandwidth_bytes_per_s" not in inter:

@@ -27,6 +27,7 @@ from planner.args import OneLineParser
 from planner.model import ConfigError
 
 BATCH = 256  # documents encoded at once (encode_batch runs them in parallel)
+VAL_FRACTION = 0.01  # --val-fraction's default
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", required=True, help="a Hugging Face model directory or its tokenizer.json")
     ap.add_argument("-o", "--out", required=True, help="the token file to write (training data)")
     ap.add_argument("--val-out", default=None, help="a token file of held-out documents (validation data)")
-    ap.add_argument("--val-fraction", type=float, default=0.01, help="documents held out for --val-out (default 0.01)")
+    ap.add_argument("--val-fraction", type=float, default=None,
+                    help=f"documents held out for --val-out (default {VAL_FRACTION})")
     ap.add_argument("--text-key", default="text", help="the text's key in a .jsonl object (default text)")
     ap.add_argument("--eos-id", type=int, default=None, help="the id after each document (default: the model's)")
     return ap.parse_args(argv)
@@ -101,13 +103,16 @@ def documents(paths: list[str], text_key: str):
 
 
 def tokenize(args) -> dict:
-    if not 0 <= args.val_fraction < 1:
-        raise ConfigError(f"--val-fraction: {args.val_fraction} must be at least 0 and below 1")
+    if args.val_fraction is not None and not args.val_out:
+        raise ConfigError("--val-fraction: only with --val-out (the file the held-out documents go to); give it")
+    fraction = VAL_FRACTION if args.val_fraction is None else args.val_fraction
+    if not 0 <= fraction < 1:
+        raise ConfigError(f"--val-fraction: {fraction} must be at least 0 and below 1")
     tok, directory = load_tokenizer(args.tokenizer)
     eos = end_of_text(tok, directory, args.eos_id)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
-    every = round(1 / args.val_fraction) if args.val_out and args.val_fraction > 0 else 0
+    every = round(1 / fraction) if args.val_out and fraction > 0 else 0
     outs = {"train": Path(args.out)}
     if every:
         outs["val"] = Path(args.val_out)

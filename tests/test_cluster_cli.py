@@ -133,6 +133,7 @@ def test_every_shipped_figure_has_its_source_and_prices_a_plan(profile, capsys):
      "tiers.inter_node.bandwidth_bytes_per_s"),
     (["cluster", "show", "{tmp}/bad.json"], "format_version"),
     (["cluster", "derive", "{tmp}/derived.json", "--nics-per-node", "4", "-o", "{tmp}/x.json"], "--nic-gbps"),
+    (["cluster", "derive", "dgx-h100-80gb", "--nics-per-node", "1000", "-o", "{tmp}/x.json"], "--nics-per-node"),
     (["cluster"], "action"),
 ])
 def test_bad_requests_get_one_line(tmp_path, capsys, argv, field):

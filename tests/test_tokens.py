@@ -85,6 +85,7 @@ def test_a_vocabulary_beyond_uint16_writes_uint32(tmp_path, capsys):
     (None, ["--eos-id", "300"], r"--eos-id: 300 is not an id of this tokenizer \(0..299\)"),
     (None, ["--val-out", "{tmp}/v.bin", "--val-fraction", "1"], r"--val-fraction: 1.0 must be at least 0 and below 1"),
     (None, ["--val-out", "{tmp}/t.bin"], r"--val-out: .*t.bin is -o's file too"),
+    (None, ["--val-fraction", "0.1"], r"--val-fraction: only with --val-out"),
     (None, ["--val-out", "{tmp}/c.jsonl", "--val-fraction", "0.5"], r"--val-out: .*c.jsonl is an INPUT file"),
     ("input-out", [], r"-o: .*c.jsonl is an INPUT file, which writing it would destroy"),
     (None, ["-o", "{tmp}"], r"-o: cannot write"),
