@@ -13,7 +13,7 @@ from planner.model_files import load_model
 from planner.plan import GRAD_ACCUMULATION, SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.build import build_plan
-from planner.training_args import add_optimizer_args, add_training_args, training_settings
+from planner.training_args import add_optimizer_args, add_training_args, dropout_note, training_settings
 from planner.report import describe_plan, estimate_table
 from planner.sp_modes import EITHER
 
@@ -103,8 +103,9 @@ def cmd_plan(args) -> int:
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1"),
                            (args.tp_comm_overlap and not args.sequence_parallel,
-                            "--tp-comm-overlap has no effect without --sequence-parallel")):
-        if asked:
+                            "--tp-comm-overlap has no effect without --sequence-parallel"),
+                           (True, dropout_note(args))):
+        if asked and ignored:
             print(f"trident: note: {ignored}", file=sys.stderr)
     plan, est = _attach_prediction(plan, cluster, limit, _model_profile(args), keep_timeline=bool(args.plot))
     if args.output:

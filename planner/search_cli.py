@@ -15,7 +15,7 @@ from planner.model import ConfigError
 from planner.model_files import load_model
 from planner.report import describe_plan, estimate_table, sp_mode
 from planner.sp_modes import EITHER, search_either
-from planner.training_args import training_settings
+from planner.training_args import dropout_note, training_settings
 
 
 def _search_row(i, found) -> dict:
@@ -74,6 +74,12 @@ def _constraints_given(args) -> str:
     if args.even_stages:
         parts.append("--even-stages")
     return " ".join(parts)
+
+
+def _dropout_note(args) -> None:
+    """training_args.dropout_note, once the search has found its plans."""
+    if note := dropout_note(args):
+        print(f"trident: note: {note}", file=sys.stderr)
 
 
 def cmd_search(args) -> int:
@@ -137,6 +143,7 @@ def cmd_search(args) -> int:
 
     if sizes is not None:  # several clusters or sizes: the best plan of each, side by side
         found = sizing.search_sizes(bases, "nodes" if args.nodes else "gpus", sizes, sized, run_search)
+        _dropout_note(args)
         return sizing.report(args, model, found, _search_row, _prediction_dict)
     res = run_search(cluster)
     if res.best is None:
@@ -150,6 +157,7 @@ def cmd_search(args) -> int:
               + ("; lift a constraint" if given else "; add GPUs (--gpus, --nodes) or lower --seq-len"),
               file=sys.stderr)
         return 3
+    _dropout_note(args)
     for f in res.results:
         f.plan.prediction = _prediction_dict(f.estimate)
     best = res.best

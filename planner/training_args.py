@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,7 +66,8 @@ def add_optimizer_args(p) -> None:
 
 
 def dropout_note(args) -> str | None:
-    """A note where --model is a Hugging Face config that trains with dropout and none was asked for."""
+    """A note where --model is a Hugging Face config that trains with dropout and none was asked for
+    (printed once the command's plan is made: an error before it stays the only line)."""
     if args.dropout or args.attention_dropout is not None or args.model in ZOO or not Path(args.model).is_file():
         return None
     try:
@@ -92,8 +92,6 @@ def training_settings(args) -> dict:
         check_optimizer(SimpleNamespace(**kw))
     except ConfigError as exc:
         raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
-    if note := dropout_note(args):
-        print(f"trident: note: {note}", file=sys.stderr)
     return dict(kw, **{k: getattr(args, k) for k in ("dropout", "attention_dropout", "document_mask", "eod_mask_loss",
                                                       "reset_position_ids", "moe_aux_loss",
                                                       "moe_load_factor", "fp8", "fp8_param_gather",

@@ -200,10 +200,12 @@ def test_a_hugging_face_config_that_trains_with_dropout_gets_a_note(tmp_path):
     cmd = [sys.executable, "-m", "planner.cli", "plan", "--model", str(path), "--cluster", "dgx-a100-80gb", "--gpus", "1",
            "--global-batch", "8", "--micro-batch", "2"]
     runs = [subprocess.run(cmd + extra, cwd=REPO, capture_output=True, text=True) for extra in
-            ([], ["--dropout", "0.1", "--attention-dropout", "0.05"])]
-    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+            ([], ["--dropout", "0.1", "--attention-dropout", "0.05"], ["--tp", "3"])]
+    assert [r.returncode for r in runs] == [0, 0, 2], runs[0].stderr
     assert "trident: note:" in runs[0].stderr and "--dropout 0.1 --attention-dropout 0.05" in runs[0].stderr
     assert "note" not in runs[1].stderr
+    # a plan refused: its error is the only line (the note comes once a plan is made)
+    assert len(runs[2].stderr.splitlines()) == 1 and runs[2].stderr.startswith("trident: error: "), runs[2].stderr
 
 
 @pytest.mark.parametrize("extra", [dict(elementwise_kernels="fused"), dict(tp_comm_overlap=True)])
