@@ -329,7 +329,8 @@ class ModelConfig:
         kernel (Megatron-Core's SwiGLUFunction in megatron/core/fusions/fused_bias_swiglu.py, on by
         default with --bias-swiglu-fusion; TransformerEngine's), which saves its input alone (the
         gate and up outputs, 2 ffn_hidden) where eager SwiGLU also keeps silu(gate) for the
-        product's backward: 3 ffn_hidden with the second projection's input, not 4.
+        product's backward: 3 ffn_hidden with the second projection's input, not 4 (dense blocks;
+        experts are counted at 4, the upper bound).
         """
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute: {recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
@@ -361,9 +362,10 @@ class ModelConfig:
             sharded += e * s * b * self.q_dim
             kept = 3 if fused_swiglu else 4  # gate and up out, [silu(gate),] their product
             sharded += kept * e * s * b * f
-            if self.moe is not None:  # k rows' SwiGLUs and the routing's (planner.moe)
+            if self.moe is not None:  # k rows' SwiGLUs and the routing's (planner.moe); experts' SwiGLUs
+                # counted eager (4) in every mode: no framework's expert kernels were read for this
                 whole, swiglu = moe_parts.activation_parts(self, e)
-                sharded += s * b * (swiglu * kept / 4 - kept * e * f + whole * t)  # whole: not split (times t / t)
+                sharded += s * b * (swiglu - kept * e * f + whole * t)  # whole: not split (times t / t)
         if recompute == "none":
             if attention == "unfused":
                 core = e * a * s * s * b  # softmax output
