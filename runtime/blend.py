@@ -92,6 +92,11 @@ class BlendedData:
         turn, r = divmod(samples, PERIOD)
         return turn * self.places + np.bincount(self.owner[:r], minlength=len(self.files))
 
+    def check_ids(self) -> None:
+        """Every file's token ids below the model's vocabulary (runtime.data.TokenFileData.check_ids)."""
+        for f in self.files:
+            f.check_ids()
+
     def describe(self, global_batch: int) -> str:
         return "; ".join(f"{f.describe(global_batch * n / PERIOD)} ({n / PERIOD:.2%} of the samples)"
                          for f, n in zip(self.files, self.places))

@@ -220,11 +220,35 @@ def load(ckpt: Path, chunks, optimizers) -> None:
         set_optimizer_state_dict(chunk, opt, {k: state["optim"][k] for k in optim_keys}, options=_FLAT)
 
 
+def shard_metadata(ckpt: Path, fix: str):
+    """The DCP metadata of checkpoint `ckpt` (its `.metadata`), once every tensor file it names is
+    there and at least as long as the byte ranges it records in that file: a torn copy or an
+    interrupted write, found without reading a tensor. ConfigError (one line, ending in `fix`) where
+    not; `trident export` and --resume (to_resume) ask, before any process reads the tensors."""
+    try:
+        meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+        ends: dict[str, int] = {}
+        for info in meta.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    except Exception as exc:  # noqa: BLE001 (a torn or foreign .metadata: unpickling fails in many ways)
+        raise ConfigError(f"checkpoint {ckpt}: its .metadata cannot be read ({type(exc).__name__}); the checkpoint "
+                          f"is incomplete or corrupt: {fix}") from None
+    for name, end in sorted(ends.items()):
+        f = ckpt / name
+        size = f.stat().st_size if f.is_file() else None
+        if size is None or size < end:
+            held = "is missing" if size is None else f"holds {size:,} bytes where its .metadata records {end:,}"
+            raise ConfigError(f"checkpoint {ckpt}: its tensor file {name} {held}; the checkpoint is incomplete or "
+                              f"corrupt: {fix}")
+    return meta
+
+
 def to_resume(args, plan, allowed: tuple = ()) -> tuple[Path, dict] | None:
     """The newest checkpoint under --checkpoint-dir that --resume continues from, with its checked
     trident.json (read_meta; `allowed`: --allow-change's fields); None where the run starts at step
-    0. ConfigError where it cannot start: a checkpoint there without --resume, or one at --steps
-    already. runtime.run_checks asks before `trident run` launches the ranks, which ask again."""
+    0. ConfigError where it cannot start: a checkpoint there without --resume, one at --steps
+    already, or one whose tensor files are torn (shard_metadata). runtime.run_checks asks before
+    `trident run` launches the ranks, which ask again."""
     found = checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
     if found and not args.resume:
         raise ConfigError(f"--checkpoint-dir: {args.checkpoint_dir} already holds {found[-1].name}; pass --resume "
@@ -235,6 +259,8 @@ def to_resume(args, plan, allowed: tuple = ()) -> tuple[Path, dict] | None:
     if meta["next_step"] >= args.steps:
         raise ConfigError(f"--steps: {args.steps}, but {found[-1]} already reached step {meta['next_step']}; "
                           "ask for more steps")
+    before = f"resume {found[-2].name}" if len(found) > 1 else "start from step 0"
+    shard_metadata(found[-1], f"delete {found[-1].name} to {before}, or use another --checkpoint-dir")
     return found[-1], meta
 
 

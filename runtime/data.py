@@ -135,10 +135,21 @@ class TokenFileData:
         s = self.seq_len
         out = torch.from_numpy(np.stack([self.tokens[w * s:w * s + s + 1]
                                          for w in self.windows_of(k).tolist()]).astype(np.int64))
-        if int(out.max()) >= self.vocab:
-            raise ConfigError(f"--data: token id {int(out.max())} of {self.path} is not below model.vocab={self.vocab}; "
-                              "wrong --data-dtype or tokenizer")
+        self._below_vocab(int(out.max()))
         return out
+
+    def _below_vocab(self, top: int) -> None:
+        if top >= self.vocab:
+            raise ConfigError(f"--data: token id {top} of {self.path} is not below model.vocab={self.vocab}; "
+                              "wrong --data-dtype or tokenizer")
+
+    def check_ids(self, chunk: int = 1 << 24) -> None:
+        """rows' check over every token a window holds, a chunk at a time (memory-mapped: 2 GiB of
+        uint16 in 0.35 s from the page cache, else as fast as the disk reads): `trident run` asks
+        before it launches the ranks, which would find a bad id only at the batch that reads it."""
+        end = self.windows * self.seq_len + 1
+        for i in range(0, end, chunk):
+            self._below_vocab(int(self.tokens[i:min(i + chunk, end)].max()))
 
     def batch(self, step: int, global_batch: int) -> torch.Tensor:
         return self.rows(np.arange(step * global_batch, (step + 1) * global_batch))

@@ -22,7 +22,7 @@ import torch
 from planner.args import OneLineParser
 from planner.hf_config import HF_DTYPES, dense_type, moe_type, to_hf_config
 from planner.model import ConfigError, ModelConfig
-from runtime.checkpoint import META, checkpoints
+from runtime.checkpoint import META, checkpoints, shard_metadata
 from runtime.hf_weights import parameter_shapes, to_hf
 from runtime.tied import head_weight
 
@@ -112,11 +112,7 @@ def export(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: float = 5
     if cfg.arch == "llama":  # a model transformers computes (Llama, Qwen2, Qwen3 and their MoE kin), else one line
         moe_type(cfg) if cfg.moe is not None else dense_type(cfg)
     reader = dcp.FileSystemReader(str(ckpt))
-    try:
-        saved = reader.read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 (a torn or foreign .metadata: unpickling fails in many ways)
-        raise ConfigError(f"{ckpt}: its .metadata cannot be read ({type(exc).__name__}); the checkpoint is "
-                          "incomplete or corrupt: export another step") from None
+    saved = shard_metadata(ckpt, "export another step").state_dict_metadata  # a torn .metadata or .distcp: one line
     shapes = parameter_shapes(cfg)
     names = [n for n in shapes if not (cfg.tie_embeddings and n == head_weight(cfg))]  # a tied head is the embedding
     absent = [n for n in names if f"model.{n}" not in saved]

@@ -247,6 +247,18 @@ class ModelDir:
         part = h.get_slice(key)
         return part, tuple(part.get_shape())
 
+    def part(self, cfg: ModelConfig, name: str, shape: tuple):
+        """(transformers' name, Layout, a sliceable view) of the tensor that trident's parameter
+        `name` of `shape` comes from; ConfigError where its shape (the file's header: no tensor is
+        read) does not make that parameter."""
+        hf, layout = source(cfg, name)
+        part, hf_shape = self.sliced(hf)
+        if layout.shape(hf_shape) != tuple(shape):
+            raise ConfigError(f"{self.flag}: {self.path}: {hf} has shape {hf_shape}, which does not make the "
+                              f"model's {name} of shape {tuple(shape)}; its config.json does not describe these "
+                              "weights: save the model again with save_pretrained")
+        return hf, layout, part
+
     def check(self, cfg: ModelConfig, seq_len: int) -> None:
         """ConfigError unless this directory's weights are those of `cfg`, trained at `seq_len`."""
         where, hf, mt = self.path / "config.json", self.hf, self.hf.get("model_type")
@@ -285,6 +297,8 @@ class ModelDir:
         if extra:
             raise ConfigError(f"{self.flag}: {self.path} has weights trident's model has no place for: "
                               f"{', '.join(extra[:3])}{f' and {len(extra) - 3} more' if len(extra) > 3 else ''}")
+        for name, shape in parameter_shapes(cfg).items():  # what each rank's HFInit checks of its tensors
+            self.part(cfg, name, shape)
 
 
 class HFInit:
@@ -296,16 +310,8 @@ class HFInit:
         self.cfg, self.dir = cfg, model_dir
         self.counts = {"whole": 0, "sliced": 0}
 
-    def _checked(self, name: str, shape: tuple):
-        hf, layout = source(self.cfg, name)
-        part, hf_shape = self.dir.sliced(hf)
-        if layout.shape(hf_shape) != tuple(shape):
-            raise ConfigError(f"--init-from: {self.dir.path}: {hf} has shape {hf_shape}, which does not make the "
-                              f"model's {name} of shape {tuple(shape)}")
-        return hf, layout, part
-
     def __call__(self, name: str, shape: tuple) -> torch.Tensor:
-        hf, layout, _ = self._checked(name, shape)
+        hf, layout, _ = self.dir.part(self.cfg, name, shape)
         self.counts["whole"] += 1
         return self._finite(hf, layout.full(self.dir.read(hf)))
 
@@ -321,7 +327,7 @@ class HFInit:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         if not all(type(p) is Shard or isinstance(p, Replicate) for p in placements):  # FSDP2's strided shards
             return None
-        hf, layout, part = self._checked(name, shape)
+        hf, layout, part = self.dir.part(self.cfg, name, shape)
         size, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
         block = layout.block(part, offset, size) if all(size) else None
         if block is not None:

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 from planner.model import ConfigError
-from planner.args import OneLineParser, positive_number
+from planner.args import OneLineParser
 from planner.plan import Plan
 from runtime.evaluate import add_eval_args
+from runtime.loss_scale import initial_scale
 from runtime.run_checks import changeable_fields
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--eos-id", type=int, default=None,
                     help="the end-of-text id a plan's document mask splits rows by (default: the token file's)")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
-    ap.add_argument("--initial-loss-scale", type=positive_number, default=None,
+    ap.add_argument("--initial-loss-scale", type=initial_scale, default=None,
                     help="fp16: the loss scale to start from (runtime.loss_scale)")
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
@@ -109,13 +110,14 @@ def main(argv: list[str]) -> int:
     try:
         plan = Plan.read(args.plan)
         from runtime.train import check_out, check_plan  # every check that needs no process group, before launching
-        from runtime.run_checks import check_checkpoint_dir
+        from runtime.run_checks import check_checkpoint_dir, check_token_ids
         check_plan(args.plan, args, plan.mesh.world_size)
         check_checkpoint_dir(args, plan)
         check_out(args.out, 1)
         if args.init_from:
             from runtime.hf_weights import ModelDir
             ModelDir(args.init_from).check(plan.model, plan.training.seq_len)
+        check_token_ids(args, plan)  # last: it reads the token files through
     except ConfigError as exc:
         print(f"trident: error: {exc}", file=sys.stderr)
         return 2

@@ -7,10 +7,26 @@ norm is summed over all of them: runtime.optim.clip_grad_norm) and the scale hal
 DynamicGradScaler does the same. bf16 and fp32 need none: the scale stays 1."""
 from __future__ import annotations
 
+import argparse
 import math
 
 INITIAL = 2.0 ** 16
 GROWTH_INTERVAL = 2000
+INITIAL_RANGE = (1.0, 2.0 ** 32)  # --initial-loss-scale: beyond, fp16's gradients (or float32's) under- or overflow
+
+
+def initial_scale(text: str) -> float:
+    """--initial-loss-scale, as runtime.train and `trident run` parse it: a number in INITIAL_RANGE."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    low, high = INITIAL_RANGE
+    if not low <= v <= high:  # NaN included
+        raise argparse.ArgumentTypeError(f"{text} is outside {low:g} to 2^32 ({high:.0f}), where the scaled loss and "
+                                         f"gradients would under- or overflow; give a power of two in that range "
+                                         f"(default 2^16, torch's GradScaler's)")
+    return v
 
 
 class LossScale:

@@ -8,11 +8,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from planner.args import OneLineParser, positive_number
+from planner.args import OneLineParser
 from planner.model import ConfigError
 from planner.plan import Plan
 from runtime.evaluate import add_eval_args
-from runtime.loss_scale import INITIAL
+from runtime.loss_scale import INITIAL, initial_scale
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--init-from", default=None, metavar="DIR", help="start from a transformers model's weights")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the plan's on GPU, fp32 on CPU)")
-    ap.add_argument("--initial-loss-scale", type=positive_number, default=INITIAL,
+    ap.add_argument("--initial-loss-scale", type=initial_scale, default=INITIAL,
                     help=f"fp16: the dynamic loss scale to start from (default {INITIAL:g}; Megatron-LM's --initial-loss-scale)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="profile the last step with torch.profiler: per-rank operator tables and traces in DIR")
@@ -138,6 +138,9 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir")
+    if getattr(args, "allow_change", None) and not args.resume:  # else ignored: no checkpoint's settings to change
+        raise ConfigError("--allow-change: only with --resume (it names the training settings a resumed run may "
+                          "change from its checkpoint's); add --resume --checkpoint-dir DIR, or leave it out")
     if getattr(args, "async_checkpoint", False) and not args.checkpoint_dir:
         raise ConfigError("--async-checkpoint needs --checkpoint-dir")
     if args.steps < 1:
@@ -171,6 +174,20 @@ def check_checkpoint_dir(args, plan) -> None:
     from runtime.checkpoint import to_resume
     allowed = changeable_fields(args.allow_change) if isinstance(args.allow_change, str) else args.allow_change
     to_resume(args, plan, allowed or ())
+
+
+def check_token_ids(args, plan) -> None:
+    """What the ranks find only at the batch that reads it (runtime.data.TokenFileData.rows): a
+    token id of --data or --eval-data (each file of a blend) at or above model.vocab, checked over
+    the whole files before `trident run` starts them."""
+    from runtime.data import make_source
+    t = plan.training
+    for flag, spec in (("--data", args.data), ("--eval-data", getattr(args, "eval_data", None))):
+        if spec and spec != "synthetic":
+            try:
+                make_source(spec, t.seq_len, t.seed, plan.model.vocab, getattr(args, "data_dtype", None)).check_ids()
+            except ConfigError as exc:  # the token-file checks name --data (runtime.evaluate.check_eval_args)
+                raise ConfigError(str(exc).replace("--data:", f"{flag}:", 1)) from None
 
 
 def check_out(out, n_plans: int) -> None:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -210,11 +211,16 @@ def test_a_failed_trident_run_ends_in_one_line_per_problem(tmp_path, capfd):
     plan = write_plan(tmp_path, "dp2", world=2)
     ckpt = tmp_path / "ckpt" / "step-1"
     ckpt.mkdir(parents=True)
-    # a checkpoint whose trident.json holds (checked before launch) and whose tensors do not (read by the ranks)
+    # a checkpoint whose trident.json and tensor files hold (checked before launch) and whose tensors are not the
+    # model's (found by the ranks' load)
     p = Plan.read(plan)
+    import torch
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # "no process group: saving in one process", as meant
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"other": torch.ones(3)}}, checkpoint_id=str(ckpt))
     (ckpt / "trident.json").write_text(json.dumps({"plan_hash": p.content_hash(), "layout": checkpoint.BY_NAME,
                                                    "run": checkpoint.run_of(p), "step": 1, "data": {"next_step": 1}}))
-    (ckpt / ".metadata").write_bytes(b"not a pickle")
     code = launch.main([str(plan), "--steps", "2", "--checkpoint-dir", str(ckpt.parent), "--resume"])
     err = capfd.readouterr().err
     assert code != 0 and "Traceback" not in err
