@@ -107,8 +107,10 @@ class Sharing:
     @staticmethod
     def of(slots, world: int, procs_per_rank: int, measured_busy: float = 1.0) -> "Sharing | None":
         """The sharing of a world of `world` processes on `slots` compute units; None where every
-        process has its own (slots None or >= world)."""
-        if slots is None or slots >= world:
+        process has its own (slots None or >= world) and the times were measured so (measured_busy
+        at most slots: else they are scaled down to full speed, as a one-process plan priced from
+        a profile measured by four processes on two cores runs)."""
+        if slots is None or (slots >= world and measured_busy <= slots):
             return None
         return Sharing(float(slots), procs_per_rank, float(measured_busy))
 

@@ -208,6 +208,11 @@ def test_shared_compute_without_a_pipeline_keeps_times_measured_with_everyone_bu
     tl = simulate("1f1b", 1, 1, 3, st, sharing=Sharing.of(2.0, 4, 4, 4))
     assert tl.step_time_s == pytest.approx(9.0)
     assert Sharing.of(None, 4, 4) is None and Sharing.of(4.0, 4, 1) is None
+    # one process alone on those 2 slots, priced from the same times: at full speed, 2 / 4 of them
+    # (it was priced at the times themselves, 2x slow, where the world fitted the slots)
+    alone = simulate("1f1b", 1, 1, 3, st, sharing=Sharing.of(2.0, 1, 1, 4))
+    assert alone.step_time_s == pytest.approx(9.0 * 2 / 4)
+    assert Sharing.of(2.0, 2, 1, 2) is None  # measured as it runs: nothing to scale
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])
