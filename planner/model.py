@@ -326,8 +326,8 @@ class ModelConfig:
         byte per element; fused attention keeps a float32 log-sum-exp per head and token.
         `dropout`: on the hidden states; `attention_dropout`: on the attention probabilities (None: as
         `dropout`), whose mask only an unfused attention keeps. `fused_swiglu`: SwiGLU as one
-        kernel (Megatron-Core's SwiGLUFunction in megatron/core/fusions/fused_bias_swiglu.py, on by
-        default with --bias-swiglu-fusion; TransformerEngine's), which saves its input alone (the
+        kernel (Megatron-Core's SwiGLUFunction in megatron/core/fusions/fused_bias_swiglu.py, on
+        unless --no-bias-swiglu-fusion; TransformerEngine's), which saves its input alone (the
         gate and up outputs, 2 ffn_hidden) where eager SwiGLU also keeps silu(gate) for the
         product's backward: 3 ffn_hidden with the second projection's input, not 4 (dense blocks;
         experts are counted at 4, the upper bound).
