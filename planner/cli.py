@@ -8,10 +8,9 @@ import sys
 from planner.cluster import load_cluster
 from planner.args import MEMORY_LIMIT_GIB, OneLineParser, choice_list, int_list, nonempty, positive_int, replica_list
 from planner.cost import estimate
-from planner.model import ATTENTION_KERNELS, ConfigError
+from planner.model import ConfigError
 from planner.model_files import load_model
-from planner.plan import GRAD_ACCUMULATION, SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
-from planner.pointwise import ELEMENTWISE_KERNELS
+from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
 from planner.build import build_plan
 from planner.training_args import add_optimizer_args, add_training_args, dropout_note, training_settings
 from planner.report import describe_plan, estimate_table
@@ -94,10 +93,6 @@ def cmd_plan(args) -> int:
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
         recv_buffers=args.recv_buffers, p2p=args.p2p, sent_outputs=args.sent_outputs,
-        overlap_grad_reduce=not args.no_overlap_grad_reduce, overlap_param_gather=not args.no_overlap_param_gather,
-        async_tp_allreduce=args.async_tp_allreduce,
-        grad_accumulation=args.grad_accumulation,
-        attention=args.attention, elementwise_kernels=args.elementwise_kernels, fsdp_copies=not args.no_fsdp_copies,
         sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep,
         **training_settings(args))
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
@@ -185,11 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's seq_len")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--no-overlap-grad-reduce", action="store_true",
-                   help="reduce data-parallel gradients after the whole backward (Megatron-LM v2 local DDP, DeepSpeed pipeline)")
-    p.add_argument("--no-overlap-param-gather", action="store_true",
-                   help="ZeRO 1/2: all-gather the updated parameters after the optimizer step, not in the next forward "
-                        "(DeepSpeed's ZeRO 1, Megatron-LM's distributed optimizer without --overlap-param-gather)")
     p.add_argument("--lockstep", action="store_true",
                    help="1f1b ranks advance in lock-step with blocking exchanges (DeepSpeed's pipeline engine); prediction only")
     p.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="in-flight",
@@ -201,23 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p2p", choices=("full", "scatter-gather"), default="full",
                    help="pipeline transfers: whole tensors from every TP rank (the runtime) or 1/tp each and an "
                         "all-gather on arrival (Megatron-LM, DeepSpeed; prediction only)")
-    p.add_argument("--async-tp-allreduce", action="store_true",
-                   help="the backward's TP all-reduces run alongside the weight-gradient GEMMs (Megatron-LM "
-                        "since 2021-09; prediction only)")
-    p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATION, default="separate-fp32",
-                   help="how micro-batch gradients add up: a pass over fp32 gradients (the runtime), over 16-bit "
-                        "ones (Megatron-LM fp16, DeepSpeed), or inside the weight-gradient GEMM (Megatron-LM "
-                        "gradient accumulation fusion); the last two for prediction only")
-    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
-                   help="attention kernel: FlashAttention-2 (the runtime's SDPA), the Triton FlashAttention "
-                        "kernel, or a materialized softmax; the last two for prediction only")
-    p.add_argument("--elementwise-kernels", choices=ELEMENTWISE_KERNELS, default="eager",
-                   help="memory-bound operations one PyTorch kernel each (the runtime) or fused as Megatron-LM "
-                        "fuses them (a one-kernel SwiGLU keeps 3 ffn_hidden a token, not 4), with a fused "
-                        "cross-entropy or (fused-fp32-loss) Megatron-LM's default float32 one (prediction only)")
-    p.add_argument("--no-fsdp-copies", action="store_true",
-                   help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
-                        "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
     p.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS, default="shard",
                    help="under --sequence-parallel the column-parallel linears keep their input's sequence shard "
                         "and all-gather it again in the backward (as Megatron-LM), or keep the gathered input "

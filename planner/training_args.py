@@ -1,6 +1,6 @@
 """The training settings `trident plan` and `trident search` write into a plan: dropout, document
-masks, the mixture-of-experts options and the optimizer's, read from the command line and checked
-(one line naming the option)."""
+masks, the mixture-of-experts options, how the framework runs the plan and the optimizer's, read
+from the command line and checked (one line naming the option)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 from planner.args import non_negative_int, non_negative_number, number_in, probability
 from planner.fp8 import FP8_RECIPES
-from planner.model import ConfigError
-from planner.plan import LR_DECAYS, Training
+from planner.model import ATTENTION_KERNELS, ConfigError
+from planner.plan import GRAD_ACCUMULATION, LR_DECAYS, Training
+from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.plan_checks import check_optimizer
 from planner.zoo import ZOO
 
@@ -46,6 +47,36 @@ def add_training_args(p) -> None:
     p.add_argument("--moe-load-factor", type=number_in(1, 1e6), default=1.0,
                    help="MoE models: the busiest expert's routed rows over the mean, priced under expert "
                         "parallelism (`trident run` measures it: run.json moe_load_factor; default 1, balanced)")
+    add_framework_args(p)
+
+
+def add_framework_args(p) -> None:
+    """How the framework that trains the plan runs it, where not as trident's runtime does: `plan`
+    prices a hand-made plan and `search` searches with them (planner.plan.Training's fields)."""
+    g = p.add_argument_group("framework", "how the training framework runs the plan (default: as trident's "
+                                          "runtime does; the others are for prediction)")
+    g.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="reduce data-parallel gradients after the whole backward (Megatron-LM v2 local DDP, DeepSpeed pipeline)")
+    g.add_argument("--no-overlap-param-gather", action="store_true",
+                   help="ZeRO 1/2: all-gather the updated parameters after the optimizer step, not in the next forward "
+                        "(DeepSpeed's ZeRO 1, Megatron-LM's distributed optimizer without --overlap-param-gather)")
+    g.add_argument("--async-tp-allreduce", action="store_true",
+                   help="the backward's TP all-reduces run alongside the weight-gradient GEMMs (Megatron-LM "
+                        "since 2021-09; prediction only)")
+    g.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATION, default="separate-fp32",
+                   help="how micro-batch gradients add up: a pass over fp32 gradients (the runtime), over 16-bit "
+                        "ones (Megatron-LM fp16, DeepSpeed), or inside the weight-gradient GEMM (Megatron-LM "
+                        "gradient accumulation fusion); the last two for prediction only")
+    g.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
+                   help="attention kernel: FlashAttention-2 (the runtime's SDPA), the Triton FlashAttention "
+                        "kernel, or a materialized softmax; the last two for prediction only")
+    g.add_argument("--elementwise-kernels", choices=ELEMENTWISE_KERNELS, default="eager",
+                   help="memory-bound operations one PyTorch kernel each (the runtime) or fused as Megatron-LM "
+                        "fuses them (a one-kernel SwiGLU keeps 3 ffn_hidden a token, not 4), with a fused "
+                        "cross-entropy or (fused-fp32-loss) Megatron-LM's default float32 one (prediction only)")
+    g.add_argument("--no-fsdp-copies", action="store_true",
+                   help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
+                        "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
 
 
 def add_optimizer_args(p) -> None:
@@ -92,7 +123,11 @@ def training_settings(args) -> dict:
         check_optimizer(SimpleNamespace(**kw))
     except ConfigError as exc:
         raise ConfigError(re.sub(r"training\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))) from None
-    return dict(kw, **{k: getattr(args, k) for k in ("dropout", "attention_dropout", "document_mask", "eod_mask_loss",
+    kw.update(overlap_grad_reduce=not args.no_overlap_grad_reduce, overlap_param_gather=not args.no_overlap_param_gather,
+              fsdp_copies=not args.no_fsdp_copies)
+    return dict(kw, **{k: getattr(args, k) for k in ("async_tp_allreduce", "grad_accumulation", "attention",
+                                                      "elementwise_kernels",
+                                                      "dropout", "attention_dropout", "document_mask", "eod_mask_loss",
                                                       "reset_position_ids", "moe_aux_loss",
                                                       "moe_load_factor", "fp8", "fp8_param_gather",
                                                       "tp_comm_overlap")})

@@ -250,6 +250,21 @@ def test_per_layer_recompute_equals_exhaustive_enumeration(limit, attention):
         assert best.estimate.step_time_s == pytest.approx(three.step_time_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("limit", [1.5, 80.0])  # full recomputation needed in part, none
+def test_a_frameworks_settings_keep_the_search_exact(limit):
+    """Searching for a plan Megatron-LM runs (`trident search --elementwise-kernels fused-fp32-loss
+    --grad-accumulation fused --no-fsdp-copies --async-tp-allreduce --no-overlap-param-gather`): its
+    kernels (fused SwiGLU's activations too), gradient accumulation and data-parallel buffers priced
+    in the bounds as in the estimate, so the search finds what enumerating finds."""
+    space = SearchSpace(zero=(0, 1, 3), zero_per_stage=False, recompute=("none", "full"), recompute_granularity="plan",
+                        virtual_stages=(2,), sequence_parallel=(False, True))
+    megatron = dict(elementwise_kernels="fused-fp32-loss", grad_accumulation="fused", fsdp_copies=False,
+                    async_tp_allreduce=True, overlap_param_gather=False)
+    best = check_same(shrunk(4), A100.shaped_as(1, 4), 8, 1024, limit * GiB, space,
+                      plan_level((0, 1, 3), ("none", "full")), **megatron)
+    assert best is not None and all(getattr(best.plan.training, k) == v for k, v in megatron.items())
+
+
 EP_SPACES = {  # a ZeRO level a stage, or ZB-V with the EP group across nodes (dp-pp-tp: dp ranks 4 apart)
     "stage": (SearchSpace(tp=(2,), pp=(1, 2), micro_batch=(1,), zero=(0, 1, 3), recompute=("none", "full"),
                           recompute_granularity="stage", schedules=("1f1b",), sequence_parallel=(False,)),

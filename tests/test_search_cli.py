@@ -26,6 +26,26 @@ def test_cli_search_writes_a_plan_that_estimate_reproduces(tmp_path, capsys):
     assert found["fits"] and found["required_memory_bytes"] <= 36 * GiB
 
 
+def test_cli_search_for_another_framework_writes_its_settings_and_estimate_reproduces(tmp_path, capsys):
+    """`trident search` takes how the framework runs the plan, as `trident plan` does (Megatron-LM's
+    fused kernels, gradient accumulation and flat buffers here): the plan written carries them,
+    `trident estimate` prices it the same, and the settings change the prediction."""
+    out = tmp_path / "plan.json"
+    base = ["search", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
+            "--seq-len", "2048", "--top", "1", "--json"]
+    megatron = ["--elementwise-kernels", "fused-fp32-loss", "--grad-accumulation", "fused", "--no-fsdp-copies",
+                "--async-tp-allreduce", "--no-overlap-grad-reduce"]
+    assert main(base) == 0
+    runtime = json.loads(capsys.readouterr().out)
+    assert main([*base, *megatron, "-o", str(out)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    t = json.loads(out.read_text())["training"]
+    assert (t["elementwise_kernels"], t["grad_accumulation"], t["fsdp_copies"], t["async_tp_allreduce"],
+            t["overlap_grad_reduce"]) == ("fused-fp32-loss", "fused", False, True, False)
+    assert main(["estimate", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == found["step_time_s"] != runtime["step_time_s"]
+
+
 def test_cli_search_table(capsys):
     assert main(["search", "--model", "small", "--cluster", "dgx-h100-80gb", "--gpus", "4", "--global-batch", "8",
                  "--top", "3"]) == 0
