@@ -12,7 +12,8 @@ from planner.model import ConfigError
 from planner.model_files import load_model
 from planner.plan import SCHEDULES, SP_SAVED_INPUTS, Plan, priced_on
 from planner.build import build_plan
-from planner.training_args import add_optimizer_args, add_training_args, dropout_note, training_settings
+from planner.training_args import (add_optimizer_args, add_training_args, dropout_note, pipeline_settings,
+                                   training_settings)
 from planner.report import describe_plan, estimate_table
 from planner.sp_modes import EITHER
 
@@ -92,7 +93,7 @@ def cmd_plan(args) -> int:
         seq_len=args.seq_len, tp=args.tp, pp=args.pp, dp=args.dp, schedule=args.schedule,
         virtual_stages=args.virtual_stages, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
         zero=args.zero, dtype=args.dtype, profile_hash=cluster.profile_hash, lockstep=args.lockstep,
-        recv_buffers=args.recv_buffers, p2p=args.p2p, sent_outputs=args.sent_outputs,
+        **pipeline_settings(args),
         sp_saved_inputs=args.sp_saved_inputs, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep,
         **training_settings(args))
     for asked, ignored in ((args.sequence_parallel and args.tp == 1, "--sequence-parallel has no effect with --tp 1"),
@@ -182,15 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--lockstep", action="store_true",
                    help="1f1b ranks advance in lock-step with blocking exchanges (DeepSpeed's pipeline engine); prediction only")
-    p.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="in-flight",
-                   help="pipeline receive buffers: only those in flight (the runtime, Megatron-LM, DeepSpeed) or "
-                        "one per micro-batch held all step (torch.distributed.pipelining's own)")
-    p.add_argument("--sent-outputs", choices=("kept", "freed"), default="kept",
-                   help="a stage's output once sent: kept to its backward (the runtime) or freed "
-                        "(Megatron-LM's deallocate_output_tensor; prediction only)")
-    p.add_argument("--p2p", choices=("full", "scatter-gather"), default="full",
-                   help="pipeline transfers: whole tensors from every TP rank (the runtime) or 1/tp each and an "
-                        "all-gather on arrival (Megatron-LM, DeepSpeed; prediction only)")
     p.add_argument("--sp-saved-inputs", choices=SP_SAVED_INPUTS, default="shard",
                    help="under --sequence-parallel the column-parallel linears keep their input's sequence shard "
                         "and all-gather it again in the backward (as Megatron-LM), or keep the gathered input "

@@ -56,7 +56,7 @@ from planner.layers import layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
 from planner.partition import Inner
-from planner.plan import DTYPES, Mesh, Plan, Training
+from planner.plan import DTYPES, RUNTIME_RECV_BUFFERS, Mesh, Plan, Training
 from planner.build import build_plan, even_stages
 from planner.bounds import in_flight_counts
 from planner.stages import TOL, MenuCache
@@ -138,6 +138,9 @@ class Ctx:
         self._blocks: dict = {}
         self._flight: dict = {}
         self._recv: dict = {}  # planner.stages.StageCosts._recv
+        # the pipeline's receive buffers, whether a stage keeps its sent outputs, scatter-gather
+        # transfers (search() sets them: planner.plan.Pipeline's recv_buffers, sent_outputs, p2p)
+        self.recv_buffers, self.sent_kept, self.scatter_p2p = RUNTIME_RECV_BUFFERS, True, False
         self._even: dict = {}  # planner.partition.Inner._even_sizes
 
     def in_flight(self, cfg):
@@ -215,12 +218,14 @@ class Ctx:
 def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
            memory_limit_bytes: float | None = None, dtype: str = "bf16", top: int = 1,
            space: SearchSpace | None = None, progress=None, cutoff_s: float = math.inf, model_profile=None,
+           recv_buffers: str = RUNTIME_RECV_BUFFERS, sent_outputs: str = "kept", p2p: str = "full",
            **training) -> SearchResult:
     """The `top` fastest plans (distinct configurations) that fit; see the module doc.
     `progress(done, total, best_step_s)` is called now and then; `training` overrides Training fields;
     `cutoff_s`: only plans faster than this are wanted (another search's K-th best, planner.sp_modes);
     `model_profile`: its layers' times and bytes price the plans (estimate without profile_extras:
-    search_profiled re-prices the plans found with all of it)."""
+    search_profiled re-prices the plans found with all of it); `recv_buffers`, `sent_outputs`, `p2p`:
+    the pipeline's, as planner.plan.Pipeline has them (a framework's; the runtime's by default)."""
     t0 = time.perf_counter()
     space = space or SearchSpace()
     seq_len = seq_len or model.seq_len
@@ -228,6 +233,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
     train = Training(global_batch=global_batch, micro_batch=1, seq_len=seq_len, dtype=dtype,
                      master_weights=dtype != "fp32", **training)
     ctx = Ctx(model, cluster, train, limit, space, model_profile)
+    ctx.recv_buffers, ctx.sent_kept, ctx.scatter_p2p = recv_buffers, sent_outputs == "kept", p2p == "scatter-gather"
     res = SearchResult(results=[])
 
     def build(cfg, stages):
@@ -235,7 +241,8 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
                           devices_per_node=cluster.devices_per_node, global_batch=global_batch,
                           micro_batch=cfg.micro_batch, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp,
                           schedule=cfg.schedule, virtual_stages=cfg.v, dtype=dtype, dp_replicate=cfg.dp_replicate, ep=cfg.ep,
-                          profile_hash=cluster.profile_hash, order=list(cfg.order), stages=stages, **training)
+                          profile_hash=cluster.profile_hash, order=list(cfg.order), stages=stages,
+                          recv_buffers=recv_buffers, sent_outputs=sent_outputs, p2p=p2p, **training)
 
     bounded, mem_lbs = [], []
     for cfg in configs(ctx, global_batch):

@@ -15,7 +15,7 @@ from planner.model import ConfigError
 from planner.model_files import load_model
 from planner.report import describe_plan, estimate_table, sp_mode
 from planner.sp_modes import EITHER, search_either
-from planner.training_args import dropout_note, training_settings
+from planner.training_args import dropout_note, pipeline_settings, training_settings
 
 
 def _search_row(i, found) -> dict:
@@ -119,7 +119,7 @@ def cmd_search(args) -> int:
                   end="", file=sys.stderr, flush=True)
 
     mp = _model_profile(args)
-    training = training_settings(args)
+    training = dict(training_settings(args), **pipeline_settings(args))
 
     def run_search(cluster, top=args.top):
         # HSDP is priced on the plans found (planner.hsdp): on at least HSDP_POOL of them, so that a

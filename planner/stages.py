@@ -30,7 +30,7 @@ from planner.memory import backward_flow_bytes, first_backward_binds, first_back
 from planner.menus import Menus, _pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
-from planner.plan import RUNTIME_RECV_BUFFERS, split_backward, stage_rank
+from planner.plan import split_backward, stage_rank
 from planner.bounds import TOL, Bounds
 from planner.schedule import BLOCKING_P2P  # with blocking sends a rank's own sends count in its serial work
 
@@ -107,10 +107,9 @@ class StageCosts(Menus, Bounds):
         cfg = self.cfg
         msg = self._message()
         mesh = SimpleNamespace(order=list(cfg.order), pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp)
-        p2p = [self.ctx.cluster.p2p_time(msg, _rank(mesh, r, 0, 0), _rank(mesh, (r + 1) % cfg.pp, 0, 0))
-               for r in range(cfg.pp)]
-        back = [self.ctx.cluster.p2p_time(msg, _rank(mesh, r, 0, 0), _rank(mesh, (r - 1) % cfg.pp, 0, 0))
-                for r in range(cfg.pp)]
+        transfer = self._transfer(msg)
+        p2p = [transfer(_rank(mesh, r, 0, 0), _rank(mesh, (r + 1) % cfg.pp, 0, 0)) for r in range(cfg.pp)]
+        back = [transfer(_rank(mesh, r, 0, 0), _rank(mesh, (r - 1) % cfg.pp, 0, 0)) for r in range(cfg.pp)]
         # the forward chain to stage r waits for each send s -> s+1, the backward chain for s+1 -> s
         self.lag = [p2p[s] + back[(s + 1) % cfg.pp] for s in range(cfg.pp)]
         self.fwd_lag = p2p
@@ -124,7 +123,7 @@ class StageCosts(Menus, Bounds):
             if a == b:
                 return 0.0
             if (a, b) not in known:
-                known[(a, b)] = self.ctx.cluster.p2p_time(msg, _rank(mesh, a, 0, 0), _rank(mesh, b, 0, 0))
+                known[(a, b)] = transfer(_rank(mesh, a, 0, 0), _rank(mesh, b, 0, 0))
             return known[(a, b)]
         self.sends = [(hop(ro[s], ro[s + 1]) if s < S - 1 else 0.0) + (hop(ro[s], ro[s - 1]) if s > 0 else 0.0)
                       if BLOCKING_P2P else 0.0 for s in range(S)]
@@ -133,20 +132,31 @@ class StageCosts(Menus, Bounds):
         self.own_back = [back[r] if (BLOCKING_P2P and r > 0) else 0.0 for r in range(cfg.pp)]
         return self
 
+    def _transfer(self, msg):
+        """Seconds of a stage's transfer to another (planner.cost's): whole, or under the pipeline's
+        scatter-gather p2p (without sequence parallelism) 1/tp from each TP rank and an all-gather
+        over the receiving TP group (TP groups sit inside a node: every one of the same shape)."""
+        cluster, tp = self.ctx.cluster, self.cfg.tp
+        if not (self.ctx.scatter_p2p and tp > 1 and not self.cfg.sp):
+            return lambda src, dst: cluster.p2p_time(msg, src, dst)
+        gather = cluster.collective_time("all_gather", msg, range(tp))
+        return lambda src, dst: cluster.p2p_time(msg / tp, src, dst) + gather
+
     def _message(self):
         """Bytes of one micro-batch's activation between stages."""
         cfg, m, t = self.cfg, self.ctx.model, self.ctx.train
         return self.ctx.e * cfg.rank_micro_batch * t.seq_len * m.hidden / (cfg.tp if cfg.sp else 1)
 
     def _recv(self):
-        """Per stage the runtime's receive buffers (planner.memory.stage_recv_bytes, as the plans the
-        search builds have them): fixed by the configuration, whatever the partition."""
+        """Per stage the pipeline's receive buffers (planner.memory.stage_recv_bytes, as the plans the
+        search builds have them: the runtime's or a framework's, search()): fixed by the
+        configuration, whatever the partition."""
         S, msg = self.S, self._message()
         cfg = self.cfg
         key = (cfg.schedule, cfg.pp, S, cfg.micro_batches, msg)
         if key not in self.ctx._recv:  # the search's cache
-            self.ctx._recv[key] = [stage_recv_bytes(RUNTIME_RECV_BUFFERS, True, cfg.schedule, cfg.pp, s, S - 1,
-                                                    cfg.micro_batches, msg) for s in range(S)]
+            self.ctx._recv[key] = [stage_recv_bytes(self.ctx.recv_buffers, self.ctx.sent_kept, cfg.schedule, cfg.pp,
+                                                    s, S - 1, cfg.micro_batches, msg) for s in range(S)]
         return self.ctx._recv[key]
 
     def _recv_by_rank(self):

@@ -77,6 +77,20 @@ def add_framework_args(p) -> None:
     g.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
+    g.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="in-flight",
+                   help="pipeline receive buffers: only those in flight (the runtime, Megatron-LM, DeepSpeed) or "
+                        "one per micro-batch held all step (torch.distributed.pipelining's own)")
+    g.add_argument("--sent-outputs", choices=("kept", "freed"), default="kept",
+                   help="a stage's output once sent: kept to its backward (the runtime) or freed "
+                        "(Megatron-LM's deallocate_output_tensor; prediction only)")
+    g.add_argument("--p2p", choices=("full", "scatter-gather"), default="full",
+                   help="pipeline transfers: whole tensors from every TP rank (the runtime) or 1/tp each and an "
+                        "all-gather on arrival (Megatron-LM, DeepSpeed; prediction only)")
+
+
+def pipeline_settings(args) -> dict:
+    """The framework's pipeline settings (add_framework_args), as build_plan and search take them."""
+    return dict(recv_buffers=args.recv_buffers, sent_outputs=args.sent_outputs, p2p=args.p2p)
 
 
 def add_optimizer_args(p) -> None:

@@ -1,6 +1,7 @@
 """The search: it finds what an exhaustive enumeration finds, and what it returns always fits."""
 import dataclasses
 import itertools
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -50,8 +51,7 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options, model
     search with one prices). A plan's estimate does not depend on the memory
     limit (fits is required_bytes <= limit), so each problem is priced once and its fastest fitting
     plan picked for every limit the tests ask about."""
-    options = (per_stage_options.__qualname__, *(c.cell_contents for c in per_stage_options.__closure__ or ()))
-    key = repr((model, cluster, gbs, seq, space, options, sorted(training.items()), id(model_profile)))
+    key = _key(model, cluster, gbs, seq, space, per_stage_options, training, model_profile)
     if key not in _PRICED:
         _PRICED[key] = sorted(_every_estimate(model, cluster, gbs, seq, space, per_stage_options, model_profile,
                                               **training),
@@ -60,6 +60,12 @@ def brute_force(model, cluster, gbs, seq, limit, space, per_stage_options, model
 
 
 _PRICED = {}  # brute_force's priced problems
+
+
+def _key(model, cluster, gbs, seq, space, per_stage_options, training, model_profile=None) -> str:
+    """brute_force's cache key of a problem."""
+    options = (per_stage_options.__qualname__, *(c.cell_contents for c in per_stage_options.__closure__ or ()))
+    return repr((model, cluster, gbs, seq, space, options, sorted(training.items()), id(model_profile)))
 
 
 def _every_estimate(model, cluster, gbs, seq, space, per_stage_options, model_profile=None, **training):
@@ -250,19 +256,36 @@ def test_per_layer_recompute_equals_exhaustive_enumeration(limit, attention):
         assert best.estimate.step_time_s == pytest.approx(three.step_time_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("limit", [1.5, 80.0])  # full recomputation needed in part, none
-def test_a_frameworks_settings_keep_the_search_exact(limit):
+MEGATRON = dict(elementwise_kernels="fused-fp32-loss", grad_accumulation="fused", fsdp_copies=False,
+                async_tp_allreduce=True, overlap_param_gather=False)
+
+
+@pytest.mark.parametrize("pipeline", [dict(sent_outputs="freed", p2p="scatter-gather"),
+                                      dict(recv_buffers="preallocated")])
+def test_a_frameworks_settings_keep_the_search_exact(pipeline):
     """Searching for a plan Megatron-LM runs (`trident search --elementwise-kernels fused-fp32-loss
-    --grad-accumulation fused --no-fsdp-copies --async-tp-allreduce --no-overlap-param-gather`): its
-    kernels (fused SwiGLU's activations too), gradient accumulation and data-parallel buffers priced
-    in the bounds as in the estimate, so the search finds what enumerating finds."""
-    space = SearchSpace(zero=(0, 1, 3), zero_per_stage=False, recompute=("none", "full"), recompute_granularity="plan",
-                        virtual_stages=(2,), sequence_parallel=(False, True))
-    megatron = dict(elementwise_kernels="fused-fp32-loss", grad_accumulation="fused", fsdp_copies=False,
-                    async_tp_allreduce=True, overlap_param_gather=False)
-    best = check_same(shrunk(4), A100.shaped_as(1, 4), 8, 1024, limit * GiB, space,
-                      plan_level((0, 1, 3), ("none", "full")), **megatron)
-    assert best is not None and all(getattr(best.plan.training, k) == v for k, v in megatron.items())
+    --grad-accumulation fused --no-fsdp-copies --async-tp-allreduce --no-overlap-param-gather
+    --sent-outputs freed --p2p scatter-gather`), or with torch.distributed.pipelining's own
+    receive buffers: kernels (fused SwiGLU's activations too), gradient accumulation, data-parallel
+    buffers and the pipeline's transfers and buffers priced in the bounds as in the estimate, so
+    the search finds what enumerating finds at a limit just above each plan of the time-memory
+    front (with the runtime's transfers and buffers in the bounds, freed outputs and scatter-gather
+    transfers gave a slower plan or none at every one of their 23 limits)."""
+    space = SearchSpace(pp=(2,), zero=(0, 1, 3), zero_per_stage=False, recompute=("none", "full"),
+                        recompute_granularity="plan", virtual_stages=(2,), sequence_parallel=(False, True))
+    model, cluster, options = shrunk(4), A100.shaped_as(1, 4), plan_level((0, 1, 3), ("none", "full"))
+    everything = brute_force(model, cluster, 8, 1024, math.inf, space, options, **MEGATRON, **pipeline)
+    front, fastest = [], math.inf
+    for est in sorted(_PRICED[_key(model, cluster, 8, 1024, space, options, {**MEGATRON, **pipeline})],
+                      key=lambda est: est.required_bytes):
+        if est.step_time_s < fastest:
+            fastest = est.step_time_s
+            front.append(est.required_bytes * (1 + 1e-7))
+    assert len(front) > 5 and everything.step_time_s == fastest
+    for limit in front:
+        best = check_same(model, cluster, 8, 1024, limit, space, options, **MEGATRON, **pipeline)
+        assert all(getattr(best.plan.training, k) == v for k, v in MEGATRON.items())
+        assert all(getattr(best.plan.pipeline, k) == v for k, v in pipeline.items())
 
 
 EP_SPACES = {  # a ZeRO level a stage, or ZB-V with the EP group across nodes (dp-pp-tp: dp ranks 4 apart)

@@ -34,7 +34,7 @@ def test_cli_search_for_another_framework_writes_its_settings_and_estimate_repro
     base = ["search", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
             "--seq-len", "2048", "--top", "1", "--json"]
     megatron = ["--elementwise-kernels", "fused-fp32-loss", "--grad-accumulation", "fused", "--no-fsdp-copies",
-                "--async-tp-allreduce", "--no-overlap-grad-reduce"]
+                "--async-tp-allreduce", "--no-overlap-grad-reduce", "--sent-outputs", "freed", "--p2p", "scatter-gather"]
     assert main(base) == 0
     runtime = json.loads(capsys.readouterr().out)
     assert main([*base, *megatron, "-o", str(out)]) == 0
@@ -42,6 +42,8 @@ def test_cli_search_for_another_framework_writes_its_settings_and_estimate_repro
     t = json.loads(out.read_text())["training"]
     assert (t["elementwise_kernels"], t["grad_accumulation"], t["fsdp_copies"], t["async_tp_allreduce"],
             t["overlap_grad_reduce"]) == ("fused-fp32-loss", "fused", False, True, False)
+    p = json.loads(out.read_text())["pipeline"]
+    assert (p["sent_outputs"], p["p2p"]) == ("freed", "scatter-gather")
     assert main(["estimate", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] == found["step_time_s"] != runtime["step_time_s"]
 
