@@ -90,7 +90,8 @@ class Menus:
         comp_w = np.concatenate([p[8] for p in parts]) + e_sum("bwd_weight_s")
         tp_b = np.concatenate([p[2] for p in parts]) + e_sum("bwd_tp_s")
         # the stage's output, which the runtime's pipeline keeps from each forward to its backward
-        # (planner.memory.stage_output_bytes): every stage's but the last's
+        # (planner.memory.stage_output_bytes): every stage's but the last's; none where the
+        # framework frees it once sent (pipeline.sent_outputs "freed", Megatron-LM's)
         output = self._message() if (self.S > 1 and not head and ctx.sent_kept) else 0.0
         if ctx.train.document_mask:  # and its mask, on a stage with blocks (planner.memory.stage_mask_bytes)
             output = output + (karr[kid] > 0) * document_mask_bytes(ctx.train, cfg.rank_micro_batch)
