@@ -70,7 +70,11 @@ class Evaluator:
         g = trainer.plan.training.global_batch
         total = 0.0
         for i in range(self.batches):
-            total += eval_loss(trainer, self.source.batch(SYNTHETIC_HELD_OUT - i if self.held_out else i, g))
+            try:
+                batch = self.source.batch(SYNTHETIC_HELD_OUT - i if self.held_out else i, g)
+            except ConfigError as exc:  # a token id past the vocabulary: the file is --eval-data's
+                raise ConfigError(str(exc).replace("--data:", "--eval-data:", 1)) from None
+            total += eval_loss(trainer, batch)
         loss = total / self.batches
         self.results.append({"step": step + 1, "loss": loss})
         return loss

@@ -101,6 +101,18 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_launching(tmp_path, 
     assert "is not below model.vocab=512" in line, line
 
 
+def test_a_rank_names_eval_data_for_a_bad_id_in_a_validation_batch(tmp_path, plan):
+    """Where only the ranks find it (a run launched without trident run's checks), a bad id in a
+    validation batch names --eval-data, the option that gave the file."""
+    from types import SimpleNamespace
+
+    from runtime.evaluate import Evaluator
+    p = Plan.read(plan)
+    bad = _tokens(tmp_path / "bad.bin", [p.model.vocab + 3] * 5000)
+    args = SimpleNamespace(eval_every=1, eval_batches=1, steps=1, eval_data=str(bad), data_dtype=None)
+    with pytest.raises(ConfigError, match=f"^--eval-data: token id {p.model.vocab + 3} of .*bad.bin"):
+        Evaluator(args, p).run(SimpleNamespace(plan=p), 0)
+
 def _model_dir(path, cfg, **shapes):
     """A transformers directory of `cfg` (config.json, model.safetensors of zeros), the tensors
     named in `shapes` (transformers' names, dots as __) of other shapes."""
