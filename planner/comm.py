@@ -195,3 +195,40 @@ def tied_ends(plan) -> tuple[int, int, tuple[bool, bool]]:
     stages = plan.pipeline.stages
     sharded = tuple(s.zero >= 1 and plan.mesh.grad_ranks > 1 for s in (stages[0], stages[-1]))
     return plan.stage_rank(0), plan.stage_rank(len(stages) - 1), sharded
+
+
+def sync_parts(costs, reduce, replicas: float) -> tuple:
+    """A stage's gradient reduction beside its last backward (planner.comm.reduce_beside_backward):
+    per layer, last layer first as the backward runs, (fraction of the backward done when the
+    layer's gradients are complete, seconds of `reduce(layer cost)`); HSDP's all-reduce across
+    the replicas follows the last. Layers of equal size are priced once."""
+    back = [c.bwd_compute_s + c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s for c in reversed(costs)]
+    total, done, seen, out = sum(back), 0.0, {}, []
+    for c, b in zip(reversed(costs), back):
+        done += b
+        if not c.params:  # nothing to reduce (a head tied to its embedding on the same stage)
+            continue
+        key = (c.params, c.expert_params)
+        if key not in seen:
+            seen[key] = reduce(c)
+        out.append([done / total if total > 0 else 1.0, seen[key]])
+    out[-1] = [1.0, out[-1][1] + replicas]
+    return tuple(map(tuple, out))
+
+
+def backward_gathers(costs, kinds, gather) -> tuple:
+    """ZeRO 3's parameter all-gathers in a stage's last backward (planner.schedule.beside_backward's
+    `gathers`): per layer, last layer first as the backward runs, (fraction of the backward done
+    when the layer's backward starts, seconds of `gather(layer cost)`), with sync_parts' fractions.
+    None for a head (runtime.parallelize keeps it gathered from its forward to its backward) or a
+    layer without parameters of its own. Layers of equal size are priced once."""
+    back = [c.bwd_compute_s + c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s for c in reversed(costs)]
+    total, done, seen, out = sum(back), 0.0, {}, []
+    for c, kind, b in zip(reversed(costs), reversed(kinds), back):
+        if c.params and kind != "head":
+            key = (c.params, c.expert_params)
+            if key not in seen:
+                seen[key] = gather(c)
+            out.append((done / total if total > 0 else 0.0, seen[key]))
+        done += b
+    return tuple(out)

@@ -45,7 +45,8 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
-from planner.comm import (clip_norm_comm, exposed_beside, gather_beside_forward, overlap_steal, reduce_beside_backward,
+from planner.comm import (backward_gathers, clip_norm_comm, exposed_beside, gather_beside_forward, overlap_steal,
+                           reduce_beside_backward, sync_parts,
                           runtime_sync, tied_grad_comm)
 from planner.fp8 import gathered_bytes_per_param
 from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
@@ -95,25 +96,6 @@ class Estimate:
 
 
 # ------------------------------------------------------------------ the estimate
-
-def sync_parts(costs, reduce, replicas: float) -> tuple:
-    """A stage's gradient reduction beside its last backward (planner.comm.reduce_beside_backward):
-    per layer, last layer first as the backward runs, (fraction of the backward done when the
-    layer's gradients are complete, seconds of `reduce(layer cost)`); HSDP's all-reduce across
-    the replicas follows the last. Layers of equal size are priced once."""
-    back = [c.bwd_compute_s + c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s for c in reversed(costs)]
-    total, done, seen, out = sum(back), 0.0, {}, []
-    for c, b in zip(reversed(costs), back):
-        done += b
-        if not c.params:  # nothing to reduce (a head tied to its embedding on the same stage)
-            continue
-        key = (c.params, c.expert_params)
-        if key not in seen:
-            seen[key] = reduce(c)
-        out.append([done / total if total > 0 else 1.0, seen[key]])
-    out[-1] = [1.0, out[-1][1] + replicas]
-    return tuple(map(tuple, out))
-
 
 def _residue(total: float, part: float) -> float:
     """total - part, 0 where it is float rounding (1e-15 s of bubble on a one-stage plan)."""
@@ -196,9 +178,12 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         replicas = (cluster.collective_time("all_reduce", (grad_total + ex * gb * (mesh.ep - 1)) / shard, rep_ranks)
                     if mesh.dp_replicate > 1 else 0.0)
         ag = dp_collective("all_gather", pe) if (shard > 1 and st.zero == 3) else 0.0
+        # the backward's: a head stays gathered from its forward to its backward (runtime.parallelize)
+        head = costs[-1].params if m.layer_kind(st.end - 1) == "head" else 0.0
+        ag_b = dp_collective("all_gather", pe, params - head) if ag else 0.0
         if ag:  # gather parameters before forward and again before backward
             zero3_f = exposed_beside(ag, comp_f, steal)
-            zero3_b = exposed_beside(ag, comp_b, steal)
+            zero3_b = exposed_beside(ag_b, comp_b, steal)
         # FSDP2's copies out of its gather buffers and into its reduce buffers, on the compute stream
         # (measured with the data-parallel wrapping where the model profile has it)
         copy_f = copy_b = copy_step = 0.0
@@ -222,11 +207,18 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             rs = dp_collective("reduce_scatter", gb)
             sync = rs + replicas
             if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
-                zero3_b = exposed_beside(ag + rs, comp_b, steal)
+                zero3_b = exposed_beside(ag_b + rs, comp_b, steal)
         parts = ()
         if sync and not measured_dp and reduce_beside_backward(t, cluster):
             parts = sync_parts(costs, lambda c: dp_collective("all_reduce" if st.zero == 0 else "reduce_scatter",
                                                               gb, c.params, c.expert_params), replicas)
+        # ZeRO 3's backward gathers on the reduction's communicator, played with its parts in the
+        # stage's one backward (planner.schedule.beside_backward; several micro-batches' backwards
+        # are each priced with their own reduce-scatters above)
+        gathers = ()
+        if parts and ag and not split and mbs == 1:
+            gathers = backward_gathers(costs, [m.layer_kind(i) for i in range(st.start, st.end)],
+                                       lambda c: dp_collective("all_gather", pe, c.params, c.expert_params))
         if split and st.zero >= 2 and dp > 1:
             # runtime.pipeline: I and W each gather the chunk's blocks before computing (ZeRO 3), and
             # W reduce-scatters the micro-batch's gradients after its own computation (measured: I's)
@@ -250,6 +242,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                                       bwd_s=comp_b + tpc_b + cpc_b + epc_b + zero3_b + zero3_w + copy_b
                                       + pipe_op * (2 if split else 1),
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync, grad_sync_parts=parts,
+                                      bwd_gathers=gathers, bwd_gather_s=zero3_b if gathers else 0.0,
                                       bwd_weight_s=sum(c.bwd_weight_s for c in costs) + zero3_w
                                       + (pipe_op if split else 0.0)))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,

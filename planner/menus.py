@@ -152,15 +152,22 @@ class Menus:
         ag = np.repeat(gather_f.T.reshape(nk * nz), runs)
         scal[0] += comp_f[rows] + tp_f[rows] + exposed_beside(ag, comp_f[rows], steal)
         if beside_sync is not None:  # the reduction beside the last backward: what it cannot hide
-            two, back0, whole, back_last = beside_sync
-            share = b / np.maximum(base[rows], 1e-300)  # of the backward, a second of its compute
+            two, back0, whole, back_last, gathers = beside_sync
+            gathers = np.repeat(gathers.T.reshape(nk * nz), runs)
+            # a backward that plays ZeRO 3's gathers with the parts (planner.schedule.beside_backward)
+            # lasts at least b (exposed_beside's bound), but places its parts as one of its compute
+            # and copies alone would, only later: bb
+            bb = np.where(gathers > 0, base[rows] + np.repeat(copy_bk.T.reshape(nk * nz), runs), b)
+            share = bb / np.maximum(base[rows], 1e-300)  # of the backward, a second of its compute
             every = np.repeat(whole.T.reshape(nk * nz), runs)
-            rest = b - share * back_last[kr]  # the backward's compute from the first part's gradients on
+            rest = bb - share * back_last[kr]  # the backward's compute from the first part's gradients on
             # and the parts before the last slow that compute while they run beside it (at least
             # as much of them as it lasts: planner.schedule.beside_backward)
-            scal[1] = np.maximum.reduce([scal[1] + steal * np.minimum(every - scal[1], rest),
-                                         np.repeat(two.T.reshape(nk * nz), runs) - share * back0[kr],
-                                         every - rest])
+            after = np.maximum.reduce([scal[1] + steal * np.minimum(every - scal[1], rest),
+                                       np.repeat(two.T.reshape(nk * nz), runs) - share * back0[kr],
+                                       every - rest])
+            # beyond b: the last part at least; and the gathers and parts run one after another
+            scal[1] = np.maximum.reduce([scal[1], after + bb - b, every + gathers - b])
         c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
         cols = dict(zip(SCALARS, scal))
         cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
@@ -211,10 +218,12 @@ class Menus:
         (planner.comm.reduce_beside_backward; else None last) the scalar "sync" is its last part,
         the stage's first layer's, which waits for that backward's end, and last come (the last two
         parts, the backward of the layer before the last part at most, all the parts, the backward of
-        the first part's layer at least): the parts run one after another, each once the compute's
-        share of the backward up to its layer is done, so the step ends at least that much after
-        that backward's end, what an option's backward cannot hide (planner.cost.sync_parts,
-        planner.schedule; _build_menus)."""
+        the first part's layer at least, ZeRO 3's backward gathers where a stage's one backward plays
+        them on the parts' communicator, else 0): the parts run one after another, each once the
+        compute's share of the backward up to its layer is done, so the step ends at least that much
+        after that backward's end, what an option's backward cannot hide; with the gathers, all of
+        them and the parts after the backward's start (planner.comm.sync_parts, planner.schedule;
+        _build_menus)."""
         ctx, lc, cfg = self.ctx, self.lc, self.cfg
         split, model = self.split, ctx.model
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
@@ -244,6 +253,12 @@ class Menus:
         if self.experts:
             gathered, all_reduced, scattered = (a + b for a, b in zip(
                 (gathered, all_reduced, scattered), times(self.experts[3], self.experts[:3], list(X))))
+        # the backward's gathers: not a head's, gathered from its forward to its backward (planner.cost)
+        gathered_b = gathered
+        if head:  # the head has no experts
+            fns = (self.ag, self.ar, self.rs)
+            dense = [times(self.dp_shape, fns, list(P - X - h))[0] for h in (0, ends[-1].params)]
+            gathered_b = gathered - dense[0] + dense[1]
         # HSDP: each stage's reduced shard all-reduced across the replicas once a step (planner.cost)
         replicas = (np.array([self.rep_ar((x + xx * (cfg.ep - 1)) * ctx.gb / dp) for x, xx in zip(Ps, X)])
                     if self.rep_shape else 0.0)
@@ -252,7 +267,7 @@ class Menus:
         in_forward = gather_beside_forward(ctx.train, ctx.cluster)
         gathered_step = exposed_beside(gathered, fwd, ctx.steal) if in_forward else gathered
         beside_sync = None
-        if reduce_beside_backward(ctx.train, ctx.cluster) and dp > 1:  # each layer's, as planner.cost.sync_parts
+        if reduce_beside_backward(ctx.train, ctx.cluster) and dp > 1:  # each layer's, as planner.comm.sync_parts
             layers = [blk[0], *ends]  # a block, then the stage's embedding and head where it has them
             _, by_ar, by_rs = times(self.dp_shape, (self.ag, self.ar, self.rs),
                                     [x.params - x.expert_params for x in layers])
@@ -270,7 +285,7 @@ class Menus:
             l1 = np.array([o[1] if len(o) > 1 else -1 for o in order])
             back0 = np.array([back(ends[0]) if emb else hi if k else back(ends[-1]) for k in ks])
             back_last = np.array([back(ends[-1]) if head else lo if k else back(ends[0]) for k in ks])
-            beside_sync = (np.zeros((nz, nk)), back0, np.zeros((nz, nk)), back_last)
+            beside_sync = (np.zeros((nz, nk)), back0, np.zeros((nz, nk)), back_last, np.zeros((nz, nk)))
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
@@ -283,7 +298,7 @@ class Menus:
         w = ctx.work
         for zi, z in enumerate(self.zeros):
             state, copies = self._per_param(z)
-            ag = gathered if z == 3 else np.zeros(nk)
+            ag, ag_b = (gathered, gathered_b) if z == 3 else (np.zeros(nk), np.zeros(nk))
             reduced = all_reduced if z == 0 else scattered
             sync = reduced + replicas
             if beside_sync is not None:  # beside the last backward: the first layer's part at least
@@ -292,7 +307,12 @@ class Menus:
                 beside_sync[0][zi] = sync + np.where(l1 >= 0, red[l1], 0.0)  # the last two
                 beside_sync[2][zi] = kf * red[0] + red[1:].sum() + replicas  # all
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
-            beside = w * (ag + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag)
+            beside = w * (ag_b + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag_b)
+            # its one backward plays its gathers with the reduction's parts (planner.cost): it lasts
+            # at least its work and steal x the gathers (the compute idles or slows while they run)
+            played = beside_sync is not None and z == 3 and dp > 1 and mbs == 1 and not split
+            if played:
+                beside_sync[4][zi] = w * ag_b
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
             copy_f, copy_b, copy_s = (x * P for x in copies)
             copy_f, copy_b = w * copy_f, w * copy_b
@@ -303,7 +323,7 @@ class Menus:
                 w_sync[zi] = w * reduced
             else:  # the same shift for every option (the compute it slows), or where exposed beside
                 # some options' backward (planner.comm.exposed_beside)
-                exposed = ((1 - ctx.steal) * beside > cb_min) & (not split)
+                exposed = ((1 - ctx.steal) * beside > cb_min) & (not split) & (not played)
                 shift[zi] = copy_b + np.where(exposed, 0.0, ctx.steal * beside)
                 beside_k[zi] = np.where(exposed, beside, np.nan)
             opt = (P + X * (cfg.ep - 1)) / (dp if z >= 1 else 1) * ctx.osb / ctx.bw

@@ -60,6 +60,11 @@ class StageTimes:
     # its parts in the order issued, each (fraction of that backward done when its gradients are
     # complete, seconds)
     grad_sync_parts: tuple = ()
+    # ZeRO 3's parameter all-gathers of that last backward, on the same communicator as its parts
+    # (beside_backward's `gathers`), and the seconds of bwd_s that price them apart from it
+    # (planner.comm.exposed_beside), which the last backward plays instead
+    bwd_gathers: tuple = ()
+    bwd_gather_s: float = 0.0
 
     def duration(self, kind: str) -> float:
         """Seconds of operation `kind`: F, B (the whole backward), I (input gradient) or W (weights)."""
@@ -70,12 +75,22 @@ class StageTimes:
         return self.bwd_s - self.bwd_weight_s if kind == "I" else self.bwd_s
 
 
-def beside_backward(work: float, parts, steal: float, busy_until: float = 0.0) -> tuple[float, list]:
+def beside_backward(work: float, parts, steal: float, busy_until: float = 0.0, gathers=()) -> tuple[float, list]:
     """A stage's last backward of `work` seconds alone with its gradient reduction's parts beside it
     ((fraction of the backward done when the part's gradients are complete, seconds) in the order
     issued; StageTimes.grad_sync_parts) on a communication stream busy until `busy_until`: the
     backward runs at 1 - `steal` of its rate while the stream is busy. Returns (the seconds the
-    backward takes, [(begin, end) of each part]), from the backward's start."""
+    backward takes, [(begin, end) of each part]), from the backward's start.
+
+    `gathers`: ZeRO 3's parameter all-gathers of that backward, (fraction of the backward done
+    where a layer's backward starts and needs its parameters, seconds), in the order needed. They
+    share the parts' stream: FSDP2 issues its all-gathers and reduce-scatters on the one shard
+    group, one NCCL communicator, which runs one collective at a time in the order issued
+    (pytorch/pytorch#186335, 2026: "serializes them on the wire"; #64803 and #70235 for FSDP1).
+    Each layer's pre-backward hook waits for its own gather and then issues the next layer's
+    (FSDP2's backward prefetch, one layer ahead); its post-backward hook issues its reduce-scatter,
+    so a gather queues behind the reduction of the layer before. The backward idles at a layer
+    whose gather has not ended."""
     slow = 1.0 - steal
     now = done = 0.0  # the backward's time and the work it has done by then
     comm, pieces = busy_until, []
@@ -90,10 +105,28 @@ def beside_backward(work: float, parts, steal: float, busy_until: float = 0.0) -
             now, done = comm, done + more
         now, done = now + max(0.0, target - done), max(done, target)
         return now
-    for frac, seconds in parts:
-        begin = max(comm, reach(min(frac, 1.0) * work))
-        comm = begin + seconds
-        pieces.append((begin, comm))
+
+    ends = []  # each gather's end, as issued
+
+    def issue(k):  # the gathers up to the k-th, at the backward's time now
+        nonlocal comm
+        while len(ends) <= min(k, len(gathers) - 1):
+            comm = max(comm, now) + gathers[len(ends)][1]
+            ends.append(comm)
+    # at one fraction: the layer before's reduction, then the layer's wait for its gather, then the next one's issue
+    events = sorted([(min(f, 1.0), 0, i) for i, (f, _) in enumerate(parts)]
+                    + [(min(f, 1.0), 1, k) for k, (f, _) in enumerate(gathers)])
+    issue(0)
+    for frac, kind, i in events:
+        reach(frac * work)
+        if kind == 0:
+            begin = max(comm, now)
+            comm = begin + parts[i][1]
+            pieces.append((begin, comm))
+        else:
+            issue(i)
+            now = max(now, ends[i])  # idle until its parameters are gathered
+            issue(i + 1)
     return reach(work), pieces
 
 
@@ -218,15 +251,25 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
 def _slowed_last_backward(orders, stages: list, micro_batches: int, overlap_grad_reduce: bool, steal: float) -> dict:
     """{operation: seconds added}: each stage's last backward (its last micro-batch's B, or W under a
     split backward), slowed by the parts of its reduction that run beside it (beside_backward)."""
-    if not (steal > 0 and overlap_grad_reduce):
+    if not (overlap_grad_reduce and (steal > 0 or any(st.bwd_gathers for st in stages))):
         return {}
     kind = "W" if any(op[0] == "W" for order in orders for op in order) else "B"
     out = {}
     for s, st in enumerate(stages):
-        if st.grad_sync_s > 0 and st.grad_sync_parts:
+        if st.grad_sync_s > 0 and st.grad_sync_parts and (steal > 0 or st.bwd_gathers):
             work = st.duration(kind)
-            out[(kind, s, micro_batches - 1)] = beside_backward(work, st.grad_sync_parts, steal)[0] - work
+            out[(kind, s, micro_batches - 1)] = beside_backward(*_last_backward(st, work), steal,
+                                                                **_gathers(st))[0] - work
     return out
+
+
+def _last_backward(st: StageTimes, work: float) -> tuple:
+    """beside_backward's work, parts: a stage's last backward of `work` seconds as priced."""
+    return work - st.bwd_gather_s if st.bwd_gathers else work, st.grad_sync_parts
+
+
+def _gathers(st: StageTimes) -> dict:
+    return {"gathers": st.bwd_gathers} if st.bwd_gathers else {}
 
 
 def prepared_ops(orders, stages: list, p2p: bool, blocking_p2p: bool, slowed: dict | None = None) -> list:
@@ -279,7 +322,7 @@ def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_r
             if overlap_grad_reduce and st.grad_sync_parts:
                 t0 = o.start_s
                 work = o.end_s - t0 - slowed.get((o.kind, o.stage, o.micro_batch), 0.0)
-                _, pieces = beside_backward(work, st.grad_sync_parts, steal, max(0.0, comm_free - t0))
+                _, pieces = beside_backward(*_last_backward(st, work), steal, max(0.0, comm_free - t0), **_gathers(st))
                 pieces = [(t0 + a, t0 + b) for a, b in pieces]
                 if steal > 0 and pieces[-1][1] > o.end_s:  # beside the rank's later operations too
                     later += steal * _overlap(pieces, ops[r][i + 1:], o.end_s)

@@ -166,7 +166,7 @@ def test_an_assignments_bound_is_below_its_estimate():
 
 def test_a_gradient_reduction_beside_the_backward_is_bounded_by_what_the_backward_cannot_hide():
     """On GPUs a stage's gradient reduction runs layer by layer beside its last backward
-    (planner.cost.sync_parts); each option's bound counts what its backward cannot hide of the last
+    (planner.comm.sync_parts); each option's bound counts what its backward cannot hide of the last
     part, the last two and all of them. Collectives slow enough that the reduction outlasts the
     backward: every assignment's LB is at most its estimate, and a one-stage plan's, which has no
     order among its blocks to play, is its estimate but for a latency."""

@@ -98,6 +98,30 @@ def test_a_reduction_beside_the_last_backward_slows_it_by_the_share_it_takes():
     assert off.end_s[0] == pytest.approx(7.75) and off.compute_end_s[0] == 6.0
 
 
+def test_zero3_gathers_share_the_reductions_communicator_in_the_last_backward():
+    # three layers of backward 1.0 each; each gathers 0.5 before it and reduces 1.0 after it, on
+    # one FIFO stream (steal 0). g0 [0, 0.5] (the backward waits), g1 issued then [0.5, 1.0]; r0
+    # ready at 1.5 runs [1.5, 2.5]; g2, issued at layer 1's start, queues behind it [2.5, 3.0], so
+    # layer 2 waits from 2.5 to 3.0; r1 [3.0, 4.0]; the backward ends at 4.0, r2 [4.0, 5.0]
+    gathers = ((0.0, 0.5), (1 / 3, 0.5), (2 / 3, 0.5))
+    parts = ((1 / 3, 1.0), (2 / 3, 1.0), (1.0, 1.0))
+    took, pieces = beside_backward(3.0, parts, 0.0, gathers=gathers)
+    assert took == pytest.approx(4.0)
+    assert [x for p in pieces for x in p] == pytest.approx([1.5, 2.5, 3.0, 4.0, 4.0, 5.0])
+    assert beside_backward(3.0, parts, 0.0) == (3.0, [(1.0, 2.0), (2.0, 3.0), (3.0, 4.0)])  # the reductions alone
+    # while the stream is busy the backward runs at 1 - steal: g1 [0.5, 1.0] beside layer 0 (done
+    # 0.25 by 1.0, the rest by 1.75), r0 [1.75, 2.75] and g2 [2.75, 3.25] beside layer 1 (done 0.75
+    # by 3.25, the rest by 3.5), so its gather is there when layer 2 needs it; r1 [3.5, 4.5] beside
+    # layer 2 (done 0.5 by 4.5, the rest by 5.0), r2 [5.0, 6.0]
+    took, pieces = beside_backward(3.0, parts, 0.5, gathers=gathers)
+    assert took == pytest.approx(5.0)
+    assert [x for p in pieces for x in p] == pytest.approx([1.75, 2.75, 3.5, 4.5, 5.0, 6.0])
+    # in a step: one micro-batch, its backward priced 3.5 (the gathers' 0.5 exposed apart), played 4.0
+    st = StageTimes(1.0, 3.5, grad_sync_s=3.0, grad_sync_parts=parts, bwd_gathers=gathers, bwd_gather_s=0.5)
+    tl = simulate("1f1b", 1, 1, 1, [st])
+    assert tl.compute_end_s[0] == pytest.approx(5.0) and tl.end_s[0] == pytest.approx(6.0)
+    assert tl.slowed_s == pytest.approx([0.5])
+
 def test_a_gpu_stage_reduces_its_gradients_layer_by_layer_beside_its_last_backward():
     """FSDP2 and Megatron-LM's DDP reduce each block's (bucket's) gradients once complete, beside
     the rest of the backward: on a GPU cluster a data-parallel plan without a pipeline exposes
@@ -132,6 +156,35 @@ def test_a_gpu_stage_reduces_its_gradients_layer_by_layer_beside_its_last_backwa
         pytest.approx(extra, rel=1e-6)
     assert slowed.breakdown["time"]["pipeline_bubble_s"] == 0.0
 
+
+def test_a_zero3_step_carries_its_gathers_and_reductions_one_after_another():
+    """FSDP2 issues its all-gathers and reduce-scatters on one communicator, which runs them one at a
+    time (planner.schedule.beside_backward): Llama 3 8B under ZeRO 3 on 4 nodes of 8 H100s whose
+    inter-node collectives run at 1.5 GB/s, one micro-batch, lasts at least every gather of its
+    forward, then every gather of its backward (not the head's: runtime.parallelize keeps it from
+    its forward to its backward) and every reduce-scatter. Priced apart, the backward's gathers
+    exposed beside its compute alone and its reduction beside it, the step came out 3.97 s."""
+    import json
+
+    from planner.build import build_plan
+    from planner.cluster import PROFILE_DIR, cluster_from_dict
+    from planner.cost import estimate
+    from planner.layers import layer_params_on_device
+    from planner.zoo import ZOO
+    d = json.loads((PROFILE_DIR / "dgx-h100-80gb.json").read_text())
+    for op in ("reduce_scatter", "all_gather"):
+        d["collectives"][op]["inter_node"] = {"alpha_s": 5e-5, "bus_bandwidth_bytes_per_s": 1.5e9}
+    h100 = cluster_from_dict(d).shaped_as(4, 8)
+    m = ZOO["llama3-8b"]
+    plan = build_plan(m, cluster_name=h100.name, device=h100.device.name, nodes=4, devices_per_node=8,
+                      global_batch=64, micro_batch=2, seq_len=8192, zero=3)
+    assert plan.pipeline.micro_batches == 1
+    est = estimate(plan, h100)
+    gathers, reductions = ([h100.collective_time(op, layer_params_on_device(m, i, 1) * nbytes, range(32))
+                            for i in range(m.num_layers_total)]
+                           for op, nbytes in (("all_gather", 2), ("reduce_scatter", 4)))  # bf16, float32
+    serial = sum(gathers) + sum(gathers[:-1]) + sum(reductions)  # 5.11 s
+    assert serial <= est.step_time_s < serial + gathers[-1]  # the head's gather is 0.09 s
 
 def test_without_a_pipeline_one_micro_batch_is_held_at_a_time():
     # gradient accumulation runs forward and backward of each micro-batch in turn
