@@ -345,3 +345,26 @@ class Inner(StageCosts):
                                 sequence_parallel=self.cfg.sp))
             start += len(rec)
         return build(self.cfg, stages)
+
+
+def backward_s(assign) -> float:
+    """An assignment's stages' backwards, as their menus bound them (planner.menus)."""
+    return sum(float(mn["b"][i]) for _, mn, i in assign)
+
+
+def recomputes_more(assign, other) -> bool:
+    """Whether `assign` has the stages, block counts and ZeRO levels of `other` and recomputes at
+    least as much in every block: planner.partition.Inner.to_plan sets a stage's modes full, then
+    selective, then none, so at least as many full blocks, and as many full or selective ones, is
+    a mode at least as costly at every position; every time the estimate adds grows with them, so
+    its step is no shorter."""
+    if len(assign) != len(other):
+        return False
+    for (k, mn, i), (k2, mn2, j) in zip(assign, other):
+        if k != k2 or int(mn["zero"][i]) != int(mn2["zero"][j]):
+            return False
+        nn, ns, nf = mn["cb"][mn["combo"][i]]
+        nn2, ns2, nf2 = mn2["cb"][mn2["combo"][j]]
+        if nf < nf2 or nf + ns < nf2 + ns2:
+            return False
+    return True

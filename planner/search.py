@@ -55,7 +55,7 @@ from planner.cost import Estimate, estimate
 from planner.layers import layer_cost
 from planner.precision import model_state_bytes, optimizer_step_bytes, sharded_param_bytes
 from planner.model import RECOMPUTE_MODES, ConfigError, ModelConfig
-from planner.partition import Inner
+from planner.partition import Inner, backward_s, recomputes_more
 from planner.plan import DTYPES, RUNTIME_RECV_BUFFERS, Mesh, Plan, Training
 from planner.build import build_plan, even_stages
 from planner.bounds import in_flight_counts
@@ -272,8 +272,9 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
             known[0] = cutoff_s if len(twins) < top else min(cutoff_s, sorted(twins.values())[top - 1])
         return known[0]
 
-    def price(cfg, inner, assign):
-        """Estimate an assignment's plan; keep it as the configuration's best if it fits and is faster."""
+    def price(cfg, inner, assign) -> bool:
+        """Estimate an assignment's plan; keep it as the configuration's best if it fits and is faster.
+        Whether it fits."""
         plan = inner.to_plan(assign, build)
         est = estimate(plan, cluster, memory_limit_bytes=limit, model_profile=model_profile, profile_extras=False)
         res.priced += 1
@@ -281,6 +282,7 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
         if est.fits and (mine is None or est.step_time_s < mine.estimate.step_time_s):
             best[cfg] = Found(plan, est, cfg)
             known[0] = None
+        return est.fits
 
     last = t0
     heap = [(lb, n, 0, cfg) for n, (lb, cfg) in enumerate(bounded)]
@@ -312,13 +314,20 @@ def search(model: ModelConfig, cluster: ClusterSpec, global_batch: int, seq_len:
         res.expanded = done
         # the candidates by bound (a few where not exhaustive), then the full sweep's rank-balanced
         # splits (several chunks a rank), a few of them besides; each while its bound can win
+        # the configuration's assignments priced that fit; where the layers' times are measured (a
+        # model profile) or processes share compute, more recomputation need not take longer
+        fitted = [] if model_profile is None and cluster.compute_slots is None else None
         for group, budget in ((cands, None if inner.exhaustive else space.max_priced_per_config),
                               (inner.rank_balanced, RANK_BALANCED_PRICED)):
-            for clb, assign in sorted(group, key=lambda x: x[0])[:budget]:
+            # by bound; among equal bounds (a step that its communication paces) the least backward first
+            for clb, assign in sorted(group, key=lambda x: (x[0], backward_s(x[1])))[:budget]:
                 mine = best.get(cfg)
                 if clb >= min(kth(), mine.estimate.step_time_s if mine else math.inf) * (1 - TOL):
                     break
-                price(cfg, inner, assign)
+                if fitted and any(recomputes_more(assign, a) for a in fitted):
+                    continue  # no faster than a plan of its configuration that fits
+                if price(cfg, inner, assign) and fitted is not None:
+                    fitted.append(assign)
     res.results = sorted(best.values(), key=lambda f: f.estimate.step_time_s)[:top]
     res.cutoff_s = kth()
     if not res.results and cutoff_s == math.inf:
