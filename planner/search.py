@@ -27,7 +27,8 @@ Wtot / (1 - (1 - 1/m)^p) for v = 1 and micro-batch 0's way through every stage f
 first pop, a memory-aware balance bound that also counts each block's data-parallel
 communication and copies, the embedding and head, each chunk's first block, and that a rank runs
 whole blocks (planner.bounds.Bounds.balance_bound); (3) on the next pop the candidates are generated and
-priced with the full estimate in increasing LB order, until LB reaches the K-th best price found.
+priced with the full estimate in increasing LB order, until LB reaches the K-th best price found
+(one recomputing at least what a priced one that fits does is skipped: partition.recomputes_more).
 Until K plans are priced, the first partition of a large inner problem is priced when found, so
 that the bound on k (blocks a stage) has an incumbent to work with. The search stops when the
 queue's smallest key reaches the K-th best price. All three keys are valid lower
