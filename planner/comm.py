@@ -197,21 +197,35 @@ def tied_ends(plan) -> tuple[int, int, tuple[bool, bool]]:
     return plan.stage_rank(0), plan.stage_rank(len(stages) - 1), sharded
 
 
+def _backward_shares(costs) -> list:
+    """Per layer, last layer first as the backward runs: (layer cost, fraction of the stage's
+    backward done when the layer's backward starts, and when it ends)."""
+    back = [c.bwd_compute_s + c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s for c in reversed(costs)]
+    total, done, out = sum(back), 0.0, []
+    for c, b in zip(reversed(costs), back):
+        out.append((c, done / total if total > 0 else 0.0, (done + b) / total if total > 0 else 1.0))
+        done += b
+    return out
+
+
+def _priced_once(layers, price) -> list:
+    """`price(layer cost)` of each of `layers` (costs), layers of equal size priced once."""
+    seen = {}
+    for c in layers:
+        key = (c.params, c.expert_params)
+        if key not in seen:
+            seen[key] = price(c)
+    return [seen[(c.params, c.expert_params)] for c in layers]
+
+
 def sync_parts(costs, reduce, replicas: float) -> tuple:
     """A stage's gradient reduction beside its last backward (planner.comm.reduce_beside_backward):
     per layer, last layer first as the backward runs, (fraction of the backward done when the
     layer's gradients are complete, seconds of `reduce(layer cost)`); HSDP's all-reduce across
-    the replicas follows the last. Layers of equal size are priced once."""
-    back = [c.bwd_compute_s + c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s for c in reversed(costs)]
-    total, done, seen, out = sum(back), 0.0, {}, []
-    for c, b in zip(reversed(costs), back):
-        done += b
-        if not c.params:  # nothing to reduce (a head tied to its embedding on the same stage)
-            continue
-        key = (c.params, c.expert_params)
-        if key not in seen:
-            seen[key] = reduce(c)
-        out.append([done / total if total > 0 else 1.0, seen[key]])
+    the replicas follows the last. Layers of equal size are priced once; a layer without
+    parameters (a head tied to its embedding on the same stage) reduces nothing."""
+    layers = [(c, end) for c, _, end in _backward_shares(costs) if c.params]
+    out = [[end, x] for (_, end), x in zip(layers, _priced_once([c for c, _ in layers], reduce))]
     out[-1] = [1.0, out[-1][1] + replicas]
     return tuple(map(tuple, out))
 
@@ -222,13 +236,6 @@ def backward_gathers(costs, kinds, gather) -> tuple:
     when the layer's backward starts, seconds of `gather(layer cost)`), with sync_parts' fractions.
     None for a head (runtime.parallelize keeps it gathered from its forward to its backward) or a
     layer without parameters of its own. Layers of equal size are priced once."""
-    back = [c.bwd_compute_s + c.bwd_tp_s + c.bwd_cp_s + c.bwd_ep_s for c in reversed(costs)]
-    total, done, seen, out = sum(back), 0.0, {}, []
-    for c, kind, b in zip(reversed(costs), reversed(kinds), back):
-        if c.params and kind != "head":
-            key = (c.params, c.expert_params)
-            if key not in seen:
-                seen[key] = gather(c)
-            out.append((done / total if total > 0 else 0.0, seen[key]))
-        done += b
-    return tuple(out)
+    layers = [(c, start) for (c, start, _), kind in zip(_backward_shares(costs), reversed(kinds))
+              if c.params and kind != "head"]
+    return tuple((start, x) for (_, start), x in zip(layers, _priced_once([c for c, _ in layers], gather)))

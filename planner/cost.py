@@ -46,8 +46,7 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import (backward_gathers, clip_norm_comm, exposed_beside, gather_beside_forward, overlap_steal,
-                           reduce_beside_backward, sync_parts,
-                          runtime_sync, tied_grad_comm)
+                          reduce_beside_backward, runtime_sync, sync_parts, tied_grad_comm)
 from planner.fp8 import gathered_bytes_per_param
 from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
 from planner.memory import memory_by_rank

@@ -62,7 +62,7 @@ class StageTimes:
     grad_sync_parts: tuple = ()
     # ZeRO 3's parameter all-gathers of that last backward, on the same communicator as its parts
     # (beside_backward's `gathers`), and the seconds of bwd_s that price them apart from it
-    # (planner.comm.exposed_beside), which the last backward plays instead
+    # (planner.comm.exposed_beside; 0 without them), which the last backward plays instead
     bwd_gathers: tuple = ()
     bwd_gather_s: float = 0.0
 
@@ -258,18 +258,9 @@ def _slowed_last_backward(orders, stages: list, micro_batches: int, overlap_grad
     for s, st in enumerate(stages):
         if st.grad_sync_s > 0 and st.grad_sync_parts and (steal > 0 or st.bwd_gathers):
             work = st.duration(kind)
-            out[(kind, s, micro_batches - 1)] = beside_backward(*_last_backward(st, work), steal,
-                                                                **_gathers(st))[0] - work
+            out[(kind, s, micro_batches - 1)] = beside_backward(work - st.bwd_gather_s, st.grad_sync_parts, steal,
+                                                                gathers=st.bwd_gathers)[0] - work
     return out
-
-
-def _last_backward(st: StageTimes, work: float) -> tuple:
-    """beside_backward's work, parts: a stage's last backward of `work` seconds as priced."""
-    return work - st.bwd_gather_s if st.bwd_gathers else work, st.grad_sync_parts
-
-
-def _gathers(st: StageTimes) -> dict:
-    return {"gathers": st.bwd_gathers} if st.bwd_gathers else {}
 
 
 def prepared_ops(orders, stages: list, p2p: bool, blocking_p2p: bool, slowed: dict | None = None) -> list:
@@ -322,7 +313,8 @@ def _finish(pp, virtual_stages, micro_batches, stages, ops, free, overlap_grad_r
             if overlap_grad_reduce and st.grad_sync_parts:
                 t0 = o.start_s
                 work = o.end_s - t0 - slowed.get((o.kind, o.stage, o.micro_batch), 0.0)
-                _, pieces = beside_backward(*_last_backward(st, work), steal, max(0.0, comm_free - t0), **_gathers(st))
+                _, pieces = beside_backward(work - st.bwd_gather_s, st.grad_sync_parts, steal,
+                                            max(0.0, comm_free - t0), st.bwd_gathers)
                 pieces = [(t0 + a, t0 + b) for a, b in pieces]
                 if steal > 0 and pieces[-1][1] > o.end_s:  # beside the rank's later operations too
                     later += steal * _overlap(pieces, ops[r][i + 1:], o.end_s)

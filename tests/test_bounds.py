@@ -264,3 +264,21 @@ def test_the_rank_split_balances_ranks_as_well_as_any_split(schedule, pp, v, blo
             assert sum(sizes) == blocks and all(np.isfinite(capped[s, k]) for s, k in enumerate(sizes))
             busiest = max(sum(capped[s, sizes[s]] for s in st) for st in stages_of)
             assert busiest == pytest.approx(best, rel=1e-12), (trial, cap, sizes)
+
+
+def test_plans_recomputing_more_than_one_that_fits_are_not_priced_and_the_picks_stay(monkeypatch):
+    """Of a configuration's assignments, one with the same stages, block counts and ZeRO levels
+    as a priced one that fits and at least its recomputation in every block
+    (planner.partition.recomputes_more) is not priced: the same plans come out, fewer priced (on a
+    stage whose communication paces it every option's bound is the same)."""
+    import planner.search as S
+    from planner.search import search
+    from planner.zoo import ZOO
+    model, cluster = ZOO["llama2-7b"], load_cluster("dgx-a100-80gb").shaped_as(1, 8)
+    kw = dict(global_batch=16, seq_len=2048, memory_limit_bytes=36 * GiB, top=5)
+    skipped = search(model, cluster, **kw)
+    monkeypatch.setattr(S, "recomputes_more", lambda a, b: False)
+    every = search(model, cluster, **kw)
+    assert [f.estimate.step_time_s for f in skipped.results] == [f.estimate.step_time_s for f in every.results]
+    assert [f.config for f in skipped.results] == [f.config for f in every.results]
+    assert skipped.priced < every.priced

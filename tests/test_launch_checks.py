@@ -113,6 +113,7 @@ def test_a_rank_names_eval_data_for_a_bad_id_in_a_validation_batch(tmp_path, pla
     with pytest.raises(ConfigError, match=f"^--eval-data: token id {p.model.vocab + 3} of .*bad.bin"):
         Evaluator(args, p).run(SimpleNamespace(plan=p), 0)
 
+
 def _model_dir(path, cfg, **shapes):
     """A transformers directory of `cfg` (config.json, model.safetensors of zeros), the tensors
     named in `shapes` (transformers' names, dots as __) of other shapes."""

@@ -122,6 +122,7 @@ def test_zero3_gathers_share_the_reductions_communicator_in_the_last_backward():
     assert tl.compute_end_s[0] == pytest.approx(5.0) and tl.end_s[0] == pytest.approx(6.0)
     assert tl.slowed_s == pytest.approx([0.5])
 
+
 def test_a_gpu_stage_reduces_its_gradients_layer_by_layer_beside_its_last_backward():
     """FSDP2 and Megatron-LM's DDP reduce each block's (bucket's) gradients once complete, beside
     the rest of the backward: on a GPU cluster a data-parallel plan without a pipeline exposes
@@ -185,6 +186,7 @@ def test_a_zero3_step_carries_its_gathers_and_reductions_one_after_another():
                            for op, nbytes in (("all_gather", 2), ("reduce_scatter", 4)))  # bf16, float32
     serial = sum(gathers) + sum(gathers[:-1]) + sum(reductions)  # 5.11 s
     assert serial <= est.step_time_s < serial + gathers[-1]  # the head's gather is 0.09 s
+
 
 def test_without_a_pipeline_one_micro_batch_is_held_at_a_time():
     # gradient accumulation runs forward and backward of each micro-batch in turn

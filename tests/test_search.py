@@ -397,18 +397,3 @@ def test_menus_built_together_are_those_built_one_block_count_at_a_time():
                 exposed += bool(len(one["b"]) != sum(len(alone.blocks(k)[5]) for _ in together.zeros))
     assert checked >= 100 and exposed > 0  # some menus re-sorted beside exposed communication
 
-
-def test_plans_recomputing_more_than_one_that_fits_are_not_priced_and_the_picks_stay(monkeypatch):
-    """Of a configuration's assignments, one with the same stages, block counts and ZeRO levels
-    as a priced one that fits and at least its recomputation in every block
-    (planner.partition.recomputes_more) is not priced: the same plans come out, fewer priced (on a
-    stage whose communication paces it every option's bound is the same)."""
-    import planner.search as S
-    model, cluster = ZOO["llama2-7b"], A100.shaped_as(1, 8)
-    kw = dict(global_batch=16, seq_len=2048, memory_limit_bytes=36 * GiB, top=5)
-    skipped = search(model, cluster, **kw)
-    monkeypatch.setattr(S, "recomputes_more", lambda a, b: False)
-    every = search(model, cluster, **kw)
-    assert [f.estimate.step_time_s for f in skipped.results] == [f.estimate.step_time_s for f in every.results]
-    assert [f.config for f in skipped.results] == [f.config for f in every.results]
-    assert skipped.priced < every.priced
