@@ -177,9 +177,10 @@ class Bounds:
         if (M <= 0).any():  # every rank holds those
             return math.inf
         tp_min = min(x.fwd_tp_s + x.bwd_tp_s for x in blk)
+        tp_f, tp_b = min(x.fwd_tp_s for x in blk), min(x.bwd_tp_s for x in blk)
         terms = self._zero_terms()
         if v > 1:  # a rank's chunks may differ in ZeRO level: each term at its least
-            terms = [tuple(min(x[j] for x in terms) for j in range(4))]
+            terms = [tuple(min(x[j] for x in terms) for j in range(5))]
         # a block is held at least as long as the rank's least held chunk holds it (kappa); every
         # chunk but the first and last stage has a block (k_range), held as long as its chunk
         # holds it: n_first blocks a rank must take, and at least what they hold beyond kappa
@@ -190,12 +191,12 @@ class Bounds:
         first_mem = (first[None, :, :, None] * beyond).min(axis=3).sum(axis=2)
         # the embedding and the head, on the ranks of the first and last stage: their work, and
         # their ZeRO state, activations and what they hold from I to W, beside the blocks
-        end_t, end_p, end_tp, end_mem = np.zeros(p), np.zeros(p), np.zeros(p), first_mem
+        end_t, end_p, end_tp, end_mem = np.zeros(p), np.zeros(p), np.zeros((2, p)), first_mem
         head = tied_head(ctx.model, lc["head"], cfg.tp) if ctx.model.tie_embeddings else lc["head"]  # at least
         for x, s, j in ((lc["emb"], 0, 0), (head, self.S - 1, self.L + 1)):
             r, c = self.rank_of[s], self.stages_of[self.rank_of[s]].index(s)
             end_t[r] += x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
-            end_tp[r] += x.fwd_tp_s + x.bwd_tp_s
+            end_tp[:, r] += x.fwd_tp_s, x.bwd_tp_s
             end_p[r] += x.params
             held = held_i_to_w_bytes(ctx.model, j, cfg.tp, tokens, ctx.e, 0.0, "none", cfg.sp) if self.split else 0.0
             end_mem[:, r] += F[:, r, c] * x.activation_bytes + W[:, r, c] * held
@@ -215,18 +216,21 @@ class Bounds:
         f_emb = chain(lc["emb"])
         first = [(f_emb if s == 0 else 0.0) + (f_blk if 0 < s < self.S - 1 else 0.0) for s in range(p - 1)]
         fill = np.concatenate(([0.0], np.cumsum(first))) / mbs
-        end_t, end_tp = end_t + fill, end_tp + fill
+        end_t, end_tp[0] = end_t + fill, end_tp[0] + fill
         pairs = [(i, j) for i in range(len(t0)) for j in range(i + 1, len(t0))]
         # every ZeRO level at once (the first axis of each array)
-        cs, gs, full, bare = (np.array(x) for x in zip(*terms))
+        cs, gs, full, bare, kb = (np.array(x) for x in zip(*terms))
         state = np.where(all_grads[None], full[:, None, None], bare[:, None, None])  # (levels, moments, ranks)
         P = blk[0].params
-        t, gb = t0[None, :] + cs[:, None] * P, (gs + cs) * P + tp_min
+        # the TP time a block's communication bound counts: a last backward that plays its
+        # gathers and reduction (_zero_terms' kb < 1) may run its TP collectives beside them
+        t, gb = t0[None, :] + cs[:, None] * P, (gs + cs) * P + np.where(kb < 1, tp_f + kb * tp_b, tp_min)
         # (levels, moments, ranks, modes): each moment's memory is a constraint; a rank takes at
         # most the least any of them allows
         mem = state[..., None] * P + kap_f[None, ..., None] * a + kap_w[None, ..., None] * h
         room = M[None, None, :] - state * end_p[None, None, :] - end_mem[None]  # (levels, moments, ranks)
-        off_t, off_g = end_t[None, :] + cs[:, None] * end_p[None, :], end_tp[None, :] + (gs + cs)[:, None] * end_p[None, :]
+        off_t = end_t[None, :] + cs[:, None] * end_p[None, :]
+        off_g = end_tp[0][None, :] + kb[:, None] * end_tp[1][None, :] + (gs + cs)[:, None] * end_p[None, :]
         holds = (room >= 0).all(axis=1)  # (levels, ranks): the level holds the rank's ends
         if not holds.any(axis=0).all():
             return math.inf  # a rank cannot hold its embedding, head or its chunks' first blocks
@@ -275,14 +279,16 @@ class Bounds:
         return mbs * lo
 
     def _zero_terms(self):
-        """Per allowed ZeRO level and per parameter: (c, g, state, state without gradients) of
+        """Per allowed ZeRO level and per parameter: (c, g, state, state without gradients, kb) of
         balance_bound: seconds per micro-batch every block adds (FSDP2's copies; the step's
         optimizer, ZeRO-1/2 gather and, for v = 1, gradient sync, over m micro-batches; under zbv's
         split backward the two ZeRO-3 gathers, exposed), the communication a block's forward and
         backward wait for (the menus' max(compute, gather) and max(compute, what runs beside the
-        backward), planner.stages.menu), and the ZeRO state bytes with and without the gradients'.
-        Collectives at their latency-free slope (ClusterSpec.seconds_per_byte), a lower bound of
-        their time."""
+        backward), planner.stages.menu), the ZeRO state bytes with and without the gradients', and
+        the share of a block's backward TP time g may add to: 1, or (m - 1) / m where the stage's
+        last backward plays ZeRO 2/3's gathers and reduce-scatters (planner.menus: its TP
+        collectives and FSDP2's copies may run beside them, so g leaves that backward's copies out). Collectives at their latency-free slope
+        (ClusterSpec.seconds_per_byte), a lower bound of their time."""
         ctx, cfg = self.ctx, self.cfg
         dp, mbs, e = cfg.shards, cfg.micro_batches, ctx.e
         # over the shard group, or the experts' own where cheaper (config_bound)
@@ -306,8 +312,11 @@ class Bounds:
             w = ctx.work  # in a forward or backward, as work (planner.menus: shared compute)
             c = w * (copy_f + copy_b) + step / mbs
             bare = state - self._state(z)[1]
+            played = beside_b and z >= 2 and dp > 1 and not self.split and (z == 3 or mbs > 1)
+            kb = (mbs - 1) / mbs if played else 1.0
             if self.split and z >= 2 and dp > 1:  # planner.cost: I and W each gather, exposed
-                out.append((c + 2 * w * ag, 0.0, state, bare))
+                out.append((c + 2 * w * ag, 0.0, state, bare, kb))
             else:
-                out.append((c, w * (ag + beside), state, bare))
+                # with c (g adds to c), less the last backward's copies where it plays (they run beside)
+                out.append((c, w * (ag + beside) - (w * copy_b / mbs if played else 0.0), state, bare, kb))
         return out

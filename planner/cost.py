@@ -22,7 +22,8 @@ Data-parallel gradient communication runs on a communication stream, layer by la
 each stage's last backward as its gradients are complete (planner.comm.reduce_beside_backward; on
 CPU processes after that backward), overlapping the rest of the backward (with
 training.overlap_grad_reduce false: after the whole backward); ZeRO-2 and 3 reduce-scatter every
-micro-batch's gradients on that stream, which slows a backward only where it takes longer; ZeRO-3
+micro-batch's gradients on that stream, which slows a backward only where it takes longer (the
+last one's are played with its reduction's parts); ZeRO-3
 gathers parameters before each forward and backward, overlapped with compute by prefetching; a
 collective beside compute slows that compute (planner.comm.exposed_beside, planner.schedule); the
 optimizer step (AdamW with gradient clipping) is memory-bound, and every pipeline rank's waits for
@@ -212,10 +213,11 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             parts = sync_parts(costs, lambda c: dp_collective("all_reduce" if st.zero == 0 else "reduce_scatter",
                                                               gb, c.params, c.expert_params), replicas)
         # ZeRO 3's backward gathers on the reduction's communicator, played with its parts in the
-        # stage's one backward (planner.schedule.beside_backward; several micro-batches' backwards
-        # are each priced with their own reduce-scatters above)
-        gathers = ()
-        if parts and ag and not split and mbs == 1:
+        # stage's last backward (planner.schedule.beside_backward) instead of priced beside it
+        # (zero3_b: exposed_beside; under ZeRO 2 and 3 the earlier micro-batches' backwards are each
+        # priced with their own reduce-scatters so, and the last one's are its parts)
+        gathers, played = (), bool(parts) and not split and (ag or (st.zero >= 2 and mbs > 1))
+        if played and ag:
             gathers = backward_gathers(costs, [m.layer_kind(i) for i in range(st.start, st.end)],
                                        lambda c: dp_collective("all_gather", pe, c.params, c.expert_params))
         if split and st.zero >= 2 and dp > 1:
@@ -241,7 +243,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
                                       bwd_s=comp_b + tpc_b + cpc_b + epc_b + zero3_b + zero3_w + copy_b
                                       + pipe_op * (2 if split else 1),
                                       send_fwd_s=send, send_bwd_s=send_back, grad_sync_s=sync, grad_sync_parts=parts,
-                                      bwd_gathers=gathers, bwd_gather_s=zero3_b if gathers else 0.0,
+                                      bwd_gathers=gathers, bwd_gather_s=zero3_b if played else 0.0,
                                       bwd_weight_s=sum(c.bwd_weight_s for c in costs) + zero3_w
                                       + (pipe_op if split else 0.0)))
         stage_info.append(dict(index=si, pp_rank=r, layers=list(st.layers), zero=st.zero,

@@ -23,6 +23,7 @@ from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_group
 from planner.memory import (accumulation_bytes, document_mask_bytes, first_backward_bytes, held_i_to_w_bytes,
                             tied_matrix_grad_bytes)
 from planner.model import RECOMPUTE_MODES
+from planner.pareto import pareto, top_mode
 
 # one value per (k, ZeRO level); "transient" is the backward's (FSDP2's buffers and a new accumulated
 # gradient), "end" a stage holding a tied embedding and head at the end of its backward, where the
@@ -135,7 +136,7 @@ class Menus:
                 if self.fb:  # and by the largest mode, as blocks() classes them
                     rid = rid * 3 + top_mode(cb_all[on], mode_act)
                 cls = kid[on] * (rid.max() + 1) + rid
-                keep = np.sort(np.concatenate((keep, on[_pareto(bx, act[on], cls, [x[on] for x in more])])))
+                keep = np.sort(np.concatenate((keep, on[pareto(bx, act[on], cls, [x[on] for x in more])])))
             rows.append(keep)
             tags.append(np.full(len(keep), zi))
             bs.append(b)
@@ -151,26 +152,33 @@ class Menus:
         # the ZeRO-3 gather beyond the compute, and FSDP2's copies (the scalar "f" so far)
         ag = np.repeat(gather_f.T.reshape(nk * nz), runs)
         scal[0] += comp_f[rows] + tp_f[rows] + exposed_beside(ag, comp_f[rows], steal)
+        dlast = np.zeros(len(rows))
         if beside_sync is not None:  # the reduction beside the last backward: what it cannot hide
-            two, back0, whole, back_last, gathers = beside_sync
-            gathers = np.repeat(gathers.T.reshape(nk * nz), runs)
-            # a backward that plays ZeRO 3's gathers with the parts (planner.schedule.beside_backward)
-            # lasts at least b (exposed_beside's bound), but places its parts as one of its compute
-            # and copies alone would, only later: bb
-            bb = np.where(gathers > 0, base[rows] + np.repeat(copy_bk.T.reshape(nk * nz), runs), b)
+            two, back0, whole, back_last, gathers, last = (np.repeat(x.T.reshape(nk * nz), runs) if np.ndim(x) == 2
+                                                           else x for x in beside_sync)
+            # a last backward that plays ZeRO 2/3's communication with the parts
+            # (planner.schedule.beside_backward) lasts at least its compute, copies and steal x its
+            # gathers (b's shift at one micro-batch: `last`), but places its parts as one of its
+            # compute and copies alone would, only later: bb. Else both are b.
+            played = ~np.isnan(last)
+            b_last = np.where(played, base[rows] + last, b)
+            bb = np.where(played, base[rows] + np.repeat(copy_bk.T.reshape(nk * nz), runs), b)
             share = bb / np.maximum(base[rows], 1e-300)  # of the backward, a second of its compute
-            every = np.repeat(whole.T.reshape(nk * nz), runs)
+            every = whole
             rest = bb - share * back_last[kr]  # the backward's compute from the first part's gradients on
             # and the parts before the last slow that compute while they run beside it (at least
             # as much of them as it lasts: planner.schedule.beside_backward)
             after = np.maximum.reduce([scal[1] + steal * np.minimum(every - scal[1], rest),
-                                       np.repeat(two.T.reshape(nk * nz), runs) - share * back0[kr],
-                                       every - rest])
+                                       two - share * back0[kr], every - rest])
             # beyond b: the last part at least; and the gathers and parts run one after another
-            scal[1] = np.maximum.reduce([scal[1], after + bb - b, every + gathers - b])
+            scal[1] = np.maximum.reduce([b_last + scal[1], after + bb, every + gathers]) - b
+            # where b holds an earlier micro-batch's reduce-scatters beside it, the last backward
+            # itself may end sooner (its parts run on past it): what a chain through it loses
+            dlast = np.minimum(0.0, b_last - b)
         c = mbs * (scal[0] + b) + scal[1] + scal[2] + scal[3]
         cols = dict(zip(SCALARS, scal))
-        cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c)
+        cols.update(b=b, act=act[rows], replay=replay[rows], combo=rows - start[kr], held_iw=held_iw[rows], c=c,
+                    dlast=dlast)
         # gradients (a rank of v > 1 chunks has a chunk's only from its first backward on), and the
         # most a first backward holds of one micro-batch (planner.memory): read only where a rank
         # of one stage peaks there
@@ -197,7 +205,7 @@ class Menus:
         # each option's row as planner.stages.StageCosts.evaluate reads it (its column names)
         rows_all = np.stack((cols["f"], cols["f"] + cols["b"], cols["opt"] + cols["gather"], cols["sync"], cols["fixed"],
                              cols["act"], cols["held_iw"], cols["replay"] + cols["transient"], cols["end"],
-                             cols["fsdp"], cols["logits"], cols["grads"], cols["first"]), axis=1)
+                             cols["fsdp"], cols["logits"], cols["grads"], cols["first"], cols["dlast"]), axis=1)
         row_bytes = sum(col.itemsize for col in cols.values()) + mem.itemsize + 3 * act_c.itemsize + rows_all[0].nbytes
         out = {}
         for j, k in enumerate(ks):
@@ -218,12 +226,13 @@ class Menus:
         (planner.comm.reduce_beside_backward; else None last) the scalar "sync" is its last part,
         the stage's first layer's, which waits for that backward's end, and last come (the last two
         parts, the backward of the layer before the last part at most, all the parts, the backward of
-        the first part's layer at least, ZeRO 3's backward gathers where a stage's one backward plays
-        them on the parts' communicator, else 0): the parts run one after another, each once the
-        compute's share of the backward up to its layer is done, so the step ends at least that much
-        after that backward's end, what an option's backward cannot hide; with the gathers, all of
-        them and the parts after the backward's start (planner.comm.sync_parts, planner.schedule;
-        _build_menus)."""
+        the first part's layer at least, ZeRO 3's backward gathers where the stage's last backward
+        plays them on the parts' communicator, else 0, and where that backward plays ZeRO 2/3's
+        communication (planner.cost) its own bound's shift beyond its compute, else NaN): the parts
+        run one after another, each once the compute's share of the backward up to its layer is
+        done, so the step ends at least that much after that backward's end, what an option's
+        backward cannot hide; with the gathers, all of them and the parts after the backward's
+        start (planner.comm.sync_parts, planner.schedule; _build_menus)."""
         ctx, lc, cfg = self.ctx, self.lc, self.cfg
         split, model = self.split, ctx.model
         blk = [lc["blk"][r] for r in RECOMPUTE_MODES]
@@ -285,7 +294,8 @@ class Menus:
             l1 = np.array([o[1] if len(o) > 1 else -1 for o in order])
             back0 = np.array([back(ends[0]) if emb else hi if k else back(ends[-1]) for k in ks])
             back_last = np.array([back(ends[-1]) if head else lo if k else back(ends[0]) for k in ks])
-            beside_sync = (np.zeros((nz, nk)), back0, np.zeros((nz, nk)), back_last, np.zeros((nz, nk)))
+            beside_sync = (np.zeros((nz, nk)), back0, np.zeros((nz, nk)), back_last, np.zeros((nz, nk)),
+                           np.full((nz, nk), np.nan))
         sc = np.zeros((len(SCALARS), nz, nk))
         shift = np.zeros((nz, nk))
         beside_k = np.full((nz, nk), np.nan)  # exposed beside the backward: the options reorder
@@ -308,14 +318,15 @@ class Menus:
                 beside_sync[2][zi] = kf * red[0] + red[1:].sum() + replicas  # all
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
             beside = w * (ag_b + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag_b)
-            # its one backward plays its gathers with the reduction's parts (planner.cost): it lasts
+            # its last backward plays its gathers with the reduction's parts (planner.cost): it lasts
             # at least its work and steal x the gathers (the compute idles or slows while they run)
-            played = beside_sync is not None and z == 3 and dp > 1 and mbs == 1 and not split
-            if played:
-                beside_sync[4][zi] = w * ag_b
+            played = beside_sync is not None and z >= 2 and dp > 1 and not split and (z == 3 or mbs > 1)
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
             copy_f, copy_b, copy_s = (x * P for x in copies)
             copy_f, copy_b = w * copy_f, w * copy_b
+            if played:
+                beside_sync[4][zi] = w * ag_b
+                beside_sync[5][zi] = copy_b + ctx.steal * w * ag_b
             gather_f[zi] = w * ag
             copy_bk[zi] = copy_b
             if split and z >= 2 and dp > 1:  # planner.cost: I and W gather, W then reduce-scatters
@@ -323,7 +334,7 @@ class Menus:
                 w_sync[zi] = w * reduced
             else:  # the same shift for every option (the compute it slows), or where exposed beside
                 # some options' backward (planner.comm.exposed_beside)
-                exposed = ((1 - ctx.steal) * beside > cb_min) & (not split) & (not played)
+                exposed = ((1 - ctx.steal) * beside > cb_min) & (not split) & (not (played and mbs == 1))
                 shift[zi] = copy_b + np.where(exposed, 0.0, ctx.steal * beside)
                 beside_k[zi] = np.where(exposed, beside, np.nan)
             opt = (P + X * (cfg.ep - 1)) / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
@@ -364,34 +375,3 @@ class Menu(dict):
     def __missing__(self, name):
         col = self[name] = self._cols[name][self._sl]
         return col
-
-
-def _pareto(b, act, replay, more=()):
-    """Indices not dominated in (b, act) within their replay class; with `more` (arrays of other
-    times that differ among the options), in all of them (dominated by another no worse in every
-    one, or the same and earlier)."""
-    n = len(b)
-    if n == 1:
-        return np.zeros(1, dtype=int)
-    if len(more):
-        pts = np.stack([b, act, *more])
-        no_worse = (pts[:, :, None] <= pts[:, None, :]).all(axis=0) & (replay[:, None] == replay[None, :])
-        better = (pts[:, :, None] < pts[:, None, :]).any(axis=0) | np.tri(n, k=-1, dtype=bool).T
-        return np.flatnonzero(~(no_worse & better).any(axis=0))
-    order = np.lexsort((act, b, replay))  # by class, then b, then act
-    r, a = replay[order], act[order]
-    # one running minimum over all classes: each earlier class lifted above every later one
-    cls = np.concatenate(([0], np.cumsum(r[1:] != r[:-1])))
-    span = float(a.max() - a.min()) + 1.0
-    lifted = a + (cls[-1] - cls) * span
-    prev = np.empty(n)
-    prev[0] = np.inf
-    np.minimum.accumulate(lifted[:-1], out=prev[1:])
-    return np.sort(order[lifted < prev])
-
-
-def top_mode(cb, mode_act):
-    """Per recompute combination (rows of counts per mode), the index among the modes present of
-    the one holding the most activations per block (0 for a stage without blocks)."""
-    present = np.where(cb > 0, np.asarray(mode_act)[None, :], -1.0)
-    return np.where((cb > 0).any(axis=1), np.argmax(present, axis=1), 0)

@@ -61,8 +61,9 @@ class StageTimes:
     # complete, seconds)
     grad_sync_parts: tuple = ()
     # ZeRO 3's parameter all-gathers of that last backward, on the same communicator as its parts
-    # (beside_backward's `gathers`), and the seconds of bwd_s that price them apart from it
-    # (planner.comm.exposed_beside; 0 without them), which the last backward plays instead
+    # (beside_backward's `gathers`), and the seconds of bwd_s that price ZeRO 2/3's communication
+    # beside a backward (planner.comm.exposed_beside; 0 where the last backward plays nothing),
+    # which the last backward plays with its parts instead
     bwd_gathers: tuple = ()
     bwd_gather_s: float = 0.0
 
@@ -251,12 +252,12 @@ def simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
 def _slowed_last_backward(orders, stages: list, micro_batches: int, overlap_grad_reduce: bool, steal: float) -> dict:
     """{operation: seconds added}: each stage's last backward (its last micro-batch's B, or W under a
     split backward), slowed by the parts of its reduction that run beside it (beside_backward)."""
-    if not (overlap_grad_reduce and (steal > 0 or any(st.bwd_gathers for st in stages))):
+    if not (overlap_grad_reduce and (steal > 0 or any(st.bwd_gathers or st.bwd_gather_s for st in stages))):
         return {}
     kind = "W" if any(op[0] == "W" for order in orders for op in order) else "B"
     out = {}
     for s, st in enumerate(stages):
-        if st.grad_sync_s > 0 and st.grad_sync_parts and (steal > 0 or st.bwd_gathers):
+        if st.grad_sync_s > 0 and st.grad_sync_parts and (steal > 0 or st.bwd_gathers or st.bwd_gather_s):
             work = st.duration(kind)
             out[(kind, s, micro_batches - 1)] = beside_backward(work - st.bwd_gather_s, st.grad_sync_parts, steal,
                                                                 gathers=st.bwd_gathers)[0] - work

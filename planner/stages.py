@@ -27,7 +27,8 @@ import numpy as np
 
 from planner.fsdp_memory import zero_state_bytes
 from planner.memory import backward_flow_bytes, first_backward_binds, first_backward_peak, stage_recv_bytes
-from planner.menus import Menus, _pareto, top_mode
+from planner.menus import Menus
+from planner.pareto import pareto, top_mode
 from planner.precision import fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.plan import split_backward, stage_rank
@@ -219,14 +220,14 @@ class StageCosts(Menus, Bounds):
                 if self.fb:  # a stage's first backward also depends on its largest mode (menus' "top")
                     classes = np.unique(replay, return_inverse=True)[1] * 3 + top_mode(cb, col("activation_bytes"))
             comp_f, tp_f, comp_w = cb @ col("fwd_compute_s"), cb @ col("fwd_tp_s"), cb @ col("bwd_weight_s")
-            keep = _pareto(comp_b + tp_b, act, classes, self._by_mode(comp_f + tp_f, comp_w))
+            keep = pareto(comp_b + tp_b, act, classes, self._by_mode(comp_f + tp_f, comp_w))
             self.ctx._blocks[key] = (cb, comp_b, tp_b, act, replay, keep, comp_f, tp_f, comp_w)
         return self.ctx._blocks[key]
 
     def _by_mode(self, fwd, wgrad):
         """Of an option's forward and (under a split backward) weight-gradient times, those that a
         block's recompute mode changes (a model profile's measurements): what options must also be
-        no worse in to dominate another (planner.menus._pareto)."""
+        no worse in to dominate another (planner.pareto.pareto)."""
         blk = [self.lc["blk"][r] for r in RECOMPUTE_MODES]
         differ = lambda a: len({a(x) for x in blk}) > 1  # noqa: E731
         return ([fwd] if differ(lambda x: x.fwd_compute_s + x.fwd_tp_s) else []) + \
@@ -256,7 +257,7 @@ class StageCosts(Menus, Bounds):
         return s == 0, s == self.S - 1
 
     # columns of an option's row (Menus._build_menus' "rows"; what evaluate reads)
-    F, FB, TAIL, SYNC, FIXED, ACT, HELD_IW, REPLAY, END, FSDP, LOGITS, GRADS, FIRST = range(13)
+    F, FB, TAIL, SYNC, FIXED, ACT, HELD_IW, REPLAY, END, FSDP, LOGITS, GRADS, FIRST, DLAST = range(14)
 
     def _evaluate_setup(self):
         """What evaluate reads of the configuration, as arrays over pipeline ranks."""
@@ -283,8 +284,8 @@ class StageCosts(Menus, Bounds):
             return []
         ev = self.__dict__.get("_ev") or self._evaluate_setup()
         p, mbs = self.cfg.pp, self.cfg.micro_batches
-        rows = np.array([[mn["rows"][i] for _, mn, i in a] for a in assigns])  # (assignments, stages, 13)
-        a = rows[:, ev.sidx]  # (assignments, ranks, chunks, 13): each rank's stages
+        rows = np.array([[mn["rows"][i] for _, mn, i in a] for a in assigns])  # (assignments, stages, 14)
+        a = rows[:, ev.sidx]  # (assignments, ranks, chunks, 14): each rank's stages
         # memory first: an assignment that does not fit is not timed
         fixed = a[..., self.FIXED].sum(axis=-1) + ev.recv
         acts = a[..., self.ACT]
@@ -307,15 +308,22 @@ class StageCosts(Menus, Bounds):
         # every rank's end (planner.cost: the gradient norm over the pipeline ranks), so the step
         # ends with the longest
         once = a[:, :, 0, self.SYNC] + a[..., self.TAIL].sum(axis=-1).max(axis=-1, keepdims=True)
+        # a stage's last backward at its own bound where that is below FB's (DLAST <= 0): its first
+        # chunk's in SYNC, the other chunks' here
+        work = work + a[:, :, 1:, self.DLAST].sum(axis=-1)
         # the chain to rank r: the earlier stages' forwards, and (1F1B, interleaved) their backwards
-        # after r's last; under zbv their weight gradients need not wait: forwards only
+        # after r's last (the last backwards, rank 0's in its SYNC); under zbv their weight
+        # gradients need not wait: forwards only
         hop = rows[:, :p, self.F if ev.zbv else self.FB] + ev.lag
+        if not ev.zbv:
+            hop[:, 1:] += rows[:, 1:p, self.DLAST]
         pre = np.concatenate((np.zeros((len(rows), 1)), np.cumsum(hop[:, :-1], axis=1)), axis=1)
         lb = (work + once).max(axis=-1)
         if ev.zbv:
             lb = np.maximum(lb, (pre + work + once).max(axis=-1))
-        else:
-            lb = np.maximum(lb, (pre + work - ev.own_back).max(axis=-1) + once[:, 0])  # ends on rank 0
+        else:  # ends on rank 0; rank r > 0's last backward at its own bound
+            own = np.concatenate((np.zeros((len(rows), 1)), a[:, 1:, 0, self.DLAST]), axis=1)
+            lb = np.maximum(lb, (pre + work + own - ev.own_back).max(axis=-1) + once[:, 0])
         if self.share:  # every F and B of every stage, done by its tp x dp processes, at most that fast
             lb = np.maximum(lb, mbs * rows[..., self.FB].sum(axis=-1) / self.share)
         if self.cfg.v > 1 and not ev.zbv:  # micro-batch 0's forward through every stage and backward back

@@ -282,3 +282,27 @@ def test_plans_recomputing_more_than_one_that_fits_are_not_priced_and_the_picks_
     assert [f.estimate.step_time_s for f in skipped.results] == [f.estimate.step_time_s for f in every.results]
     assert [f.config for f in skipped.results] == [f.config for f in every.results]
     assert skipped.priced < every.priced
+
+
+def test_zero_2_and_3_with_several_micro_batches_are_bounded_below_their_played_last_backward():
+    """Under ZeRO 2 and 3 every micro-batch's backward reduce-scatters beside it, and the stage's
+    last backward plays its gathers and reduce-scatters on one communicator (planner.cost), ending
+    sooner than an earlier backward where its reduction runs on past it. On 8 GPUs whose gathers
+    and reduce-scatters are slow and whose TP all-reduces are fast, pipelines up to 4 ranks of 2 to
+    8 micro-batches: the configuration bounds stay below every assignment, and every assignment's
+    LB below its estimate (counting each stage's last backward as an earlier one in the chain back
+    to rank 0 it was not). The expert-parallel case above caught the configuration bounds counting
+    the TP time and FSDP2 copies that last backward runs beside its communication."""
+    d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
+    for op, bw in (("all_reduce", 2e11), ("reduce_scatter", 1e9), ("all_gather", 1e9)):
+        d["collectives"][op]["intra_node"] = {"alpha_s": 3e-5, "bus_bandwidth_bytes_per_s": bw}
+    cluster = cluster_from_dict(d).shaped_as(1, 8)
+    space = SearchSpace(zero=(0, 2, 3), recompute=("none", "full"), schedules=("1f1b",))
+    checked = 0
+    for gbs in (8, 16):
+        train = Training(global_batch=gbs, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True)
+        ctx = Ctx(shrunk(4), cluster, train, 80 * GiB, space)
+        fit, _ = _bounds_below_best(ctx, gbs)
+        assert fit >= 30
+        checked += assert_bounds_below_estimates(ctx, gbs, 1024, per_config=4)
+    assert checked >= 300
