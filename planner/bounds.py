@@ -287,8 +287,9 @@ class Bounds:
         backward), planner.stages.menu), the ZeRO state bytes with and without the gradients', and
         the share of a block's backward TP time g may add to: 1, or (m - 1) / m where the stage's
         last backward plays ZeRO 2/3's gathers and reduce-scatters (planner.menus: its TP
-        collectives and FSDP2's copies may run beside them, so g leaves that backward's copies out). Collectives at their latency-free slope
-        (ClusterSpec.seconds_per_byte), a lower bound of their time."""
+        collectives and FSDP2's copies may run beside them, so g leaves that backward's copies
+        out). Collectives at their latency-free slope (ClusterSpec.seconds_per_byte), a lower bound
+        of their time."""
         ctx, cfg = self.ctx, self.cfg
         dp, mbs, e = cfg.shards, cfg.micro_batches, ctx.e
         # over the shard group, or the experts' own where cheaper (config_bound)

@@ -94,13 +94,17 @@ def overlap_slowdown() -> float:
     return overlap_ratio(work, _timed, torch.ones(4 * 2**20))
 
 
-def _cpu_device(progress, per_node: int) -> tuple[dict, dict, float, float]:
+def _cpu_device(progress, per_node: int, quick: bool = False) -> tuple[dict, dict, float, float]:
     """(device object, its sources, overlap_slowdown, compute_slots) of a CPU process, every rank
-    at once (a device here is a process; they share the machine's cores)."""
+    at once (a device here is a process; they share the machine's cores). `quick`: the products up
+    to 512 x 512 x 512 only (a CPU without bf16 instructions takes seconds for each larger bf16 one)."""
     shapes = [(256, 384, 128), (256, 128, 384), (512, 512, 512), (1024, 1536, 512), (256, 4096, 512)]
+    squares = (512, 1024)
+    if quick:
+        shapes, squares = shapes[:3], squares[:1]
     peak, eff = {}, {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):  # the runtime computes in either
-        peak[name] = mean_over_ranks(max(matmul_rate(s, s, s, dtype=dt) for s in (512, 1024)))
+        peak[name] = mean_over_ranks(max(matmul_rate(s, s, s, dtype=dt) for s in squares))
         achieved = mean_over_ranks(statistics.median(matmul_rate(*s, budget_s=0.05, dtype=dt) for s in shapes))
         eff[name] = min(1.0, achieved / peak[name])
     bw = mean_over_ranks(memory_bandwidth())
@@ -123,8 +127,8 @@ def _cpu_device(progress, per_node: int) -> tuple[dict, dict, float, float]:
     }
     sources = {
         "device.peak_flops": "measured: torch.matmul in fp32 and in bf16 on every rank at once; 'peak' is the "
-                             "best rate of a square 512/1024 matmul on this CPU (no datasheet peak for a CPU "
-                             "process), averaged over ranks",
+                             f"best rate of a square {'/'.join(map(str, squares))} matmul on this CPU (no "
+                             "datasheet peak for a CPU process), averaged over ranks",
         "device.matmul_efficiency": "measured: median rate at transformer-like shapes "
                                     f"{shapes} over the measured peak above, per dtype",
         "device.memory_bandwidth_bytes_per_s": "measured: best of 5 copies of a 64 MiB fp32 tensor, "
@@ -169,7 +173,7 @@ def profile_cluster(args) -> dict | None:
         progress.step("device")
         progress.step("overlap")
     else:
-        device, dev_sources, slow, slots = _cpu_device(progress, per_node)
+        device, dev_sources, slow, slots = _cpu_device(progress, per_node, args.quick)
         warning = host_warning(slots, lead="\n" if rank == 0 else "")  # the progress bar's line is open
         if warning:
             dev_sources["compute_slots"] += f"; WARNING: {warning}"
@@ -273,7 +277,7 @@ def parse_args(argv):
     c = sub.add_parser("cluster", help="measure devices and collectives")
     c.add_argument("-o", "--out", required=True)
     c.add_argument("--name", type=profile_name, default=None, help="profile name (default cpu-gloo-N)")
-    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats, smaller products (tests)")
     m = sub.add_parser("model", help="measure per-layer times and bytes of a model")
     m.add_argument("--model", required=True)
     m.add_argument("--cluster-profile", required=True)
