@@ -17,10 +17,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# the tests that start no ranks side by side, a worker a core (4 at most); then those that do, one at a time
+# the tests that start no ranks side by side, a worker a core (4 at most); then those that start ranks
+# but check nothing speed or load moves, two at a time; then the rest one at a time (tests/conftest.py)
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m in_process -n auto --maxprocesses 4
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not in_process"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m side_by_side -n 2
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not in_process and not side_by_side"
 
 demo: install
 	@mkdir -p $(OUT)

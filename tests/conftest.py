@@ -1,8 +1,14 @@
 """Fixtures shared by test modules: a measured cluster profile and a model profile of the tiny
-model on 2 gloo ranks, measured once per session (about 35 s on 2 cores). And the `in_process`
-mark: the modules below start no processes of their own beyond a CLI call and time nothing, so
-`make test` runs them beside each other (pytest-xdist, a worker per core) before the modules that
-start ranks, which run one test at a time, each having the cores to itself."""
+model on 2 gloo ranks, measured once per session (about 35 s on 2 cores). And two marks:
+`in_process`, the modules below that start no processes of their own beyond a CLI call and time
+nothing, which `make test` runs beside each other (pytest-xdist, a worker per core) first; and
+`side_by_side`, modules that start ranks but check nothing their speed or the host's load moves
+(losses, gradients, memory, one-line errors, predictions; their tests that read the session's
+measured profiles excepted), which it runs two tests at a time:
+their launches leave about half of 2 cores idle (process starts, gloo's waits; 52% busy for
+test_bad_input and test_runtime_cli one at a time, 90% two at a time). The rest (timings, the
+host's share, the shaped two-node link, the session's measured profiles) runs one test at a
+time, each having the cores to itself."""
 from pathlib import Path
 
 import pytest
@@ -36,10 +42,22 @@ IN_PROCESS = {  # a new module is left out (run one test at a time) until it is 
 }
 
 
+SIDE_BY_SIDE = {  # start ranks; check nothing their speed or load moves (a new module stays out until checked)
+    "test_bad_input", "test_blend", "test_checkpoint", "test_context_parallel", "test_documents", "test_dropout",
+    "test_evaluate", "test_first_backward", "test_fp16", "test_fsdp_groups", "test_heap_trace", "test_hf_weights",
+    "test_hsdp", "test_loss", "test_lr_schedule", "test_moe", "test_pipeline_buffers", "test_runtime",
+    "test_runtime_cli", "test_sequence_parallel", "test_tied", "test_tokens", "test_vocab",
+}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        if Path(item.path).stem in IN_PROCESS:
-            if {"cluster_profile", "model_profile"} & set(getattr(item, "fixturenames", ())):
+        stem, profiled = Path(item.path).stem, {"cluster_profile", "model_profile"} & set(
+            getattr(item, "fixturenames", ()))
+        if stem in IN_PROCESS:
+            if profiled:
                 raise pytest.UsageError(f"{item.nodeid} measures the session's profiles on 2 ranks: take its module "
                                         "out of IN_PROCESS in tests/conftest.py")
             item.add_marker(pytest.mark.in_process)
+        elif stem in SIDE_BY_SIDE and not profiled:  # the profiles are measured with the cores to themselves
+            item.add_marker(pytest.mark.side_by_side)
