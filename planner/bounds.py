@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from planner.comm import gather_beside_forward, reduce_beside_backward
+from planner.comm import gather_beside_forward, plays_last_backward, reduce_beside_backward
 from planner.layers import tied_head
 from planner.memory import held_i_to_w_bytes
 from planner.orders import interleaved_sequence, rank_order
@@ -313,7 +313,7 @@ class Bounds:
             w = ctx.work  # in a forward or backward, as work (planner.menus: shared compute)
             c = w * (copy_f + copy_b) + step / mbs
             bare = state - self._state(z)[1]
-            played = beside_b and z >= 2 and dp > 1 and not self.split and (z == 3 or mbs > 1)
+            played = plays_last_backward(ctx.train, ctx.cluster, z, dp, mbs, self.split)
             kb = (mbs - 1) / mbs if played else 1.0
             if self.split and z >= 2 and dp > 1:  # planner.cost: I and W each gather, exposed
                 out.append((c + 2 * w * ag, 0.0, state, bare, kb))

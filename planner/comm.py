@@ -144,6 +144,17 @@ def reduce_beside_backward(training, cluster: ClusterSpec) -> bool:
     return training.overlap_grad_reduce and cluster.backend != "gloo"
 
 
+def plays_last_backward(training, cluster: ClusterSpec, zero: int, shards: int, micro_batches: int,
+                        split: bool) -> bool:
+    """Whether a stage's last backward plays its ZeRO 2/3 communication with its reduction's parts
+    on one communicator (planner.schedule.beside_backward; priced so in planner.cost, bounded so
+    in planner.menus and planner.bounds): its reduction runs beside it (reduce_beside_backward)
+    over more than one shard, the backward is not split, and it has ZeRO 3's gathers or ZeRO 2/3's
+    reduce-scatters of an earlier micro-batch to replace."""
+    return (reduce_beside_backward(training, cluster) and shards > 1 and not split and zero >= 2
+            and (zero == 3 or micro_batches > 1))
+
+
 def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool, partial_bytes: float = 0.0) -> float:
     """Seconds of the all-reduces the runtime issues once per step before its optimizer step on a
     rank of pipeline rank `pp_rank`: runtime.optim.clip_grad_norm's, one scalar per sharded mesh

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from planner.cluster import ClusterSpec
 from planner.comm import (backward_gathers, clip_norm_comm, exposed_beside, gather_beside_forward, overlap_steal,
-                          reduce_beside_backward, runtime_sync, sync_parts, tied_grad_comm)
+                          plays_last_backward, reduce_beside_backward, runtime_sync, sync_parts, tied_grad_comm)
 from planner.fp8 import gathered_bytes_per_param
 from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
 from planner.memory import memory_by_rank
@@ -216,7 +216,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         # stage's last backward (planner.schedule.beside_backward) instead of priced beside it
         # (zero3_b: exposed_beside; under ZeRO 2 and 3 the earlier micro-batches' backwards are each
         # priced with their own reduce-scatters so, and the last one's are its parts)
-        gathers, played = (), bool(parts) and not split and (ag or (st.zero >= 2 and mbs > 1))
+        gathers, played = (), bool(parts) and plays_last_backward(t, cluster, st.zero, dp, mbs, split)
         if played and ag:
             gathers = backward_gathers(costs, [m.layer_kind(i) for i in range(st.start, st.end)],
                                        lambda c: dp_collective("all_gather", pe, c.params, c.expert_params))

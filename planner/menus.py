@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.comm import exposed_beside, gather_beside_forward, reduce_beside_backward
+from planner.comm import exposed_beside, gather_beside_forward, plays_last_backward, reduce_beside_backward
 from planner.layers import tied_head
 from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups
 from planner.memory import (accumulation_bytes, document_mask_bytes, first_backward_bytes, held_i_to_w_bytes,
@@ -320,7 +320,7 @@ class Menus:
             beside = w * (ag_b + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag_b)
             # its last backward plays its gathers with the reduction's parts (planner.cost): it lasts
             # at least its work and steal x the gathers (the compute idles or slows while they run)
-            played = beside_sync is not None and z >= 2 and dp > 1 and not split and (z == 3 or mbs > 1)
+            played = plays_last_backward(ctx.train, ctx.cluster, z, dp, mbs, split)
             # FSDP2's buffer copies on the compute stream (planner.precision.fsdp_copy_bytes)
             copy_f, copy_b, copy_s = (x * P for x in copies)
             copy_f, copy_b = w * copy_f, w * copy_b
