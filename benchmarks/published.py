@@ -22,7 +22,7 @@ Held out (reported apart, no target): Korthikanti et al. 2022's Megatron-LM iter
 (heldout_runs.csv); MosaicML's llm-foundry throughput table for A100 80GB (heldout_mosaicml.csv):
 MPT models of 125M to 30B parameters on 8 GPUs, FSDP FULL_SHARD (ZeRO-3), bf16, with and without
 activation checkpointing, sequence lengths 512 to 65536; and torchtitan's FSDP2 runs of Llama 2
-13B and 70B and Llama 3 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
+13B and 70B and Llama 3 8B and 70B on 64 A100s (heldout_torchtitan.csv), the stack trident's runtime is
 built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-Core's Mixtral
 8x7B with expert parallelism (heldout_moe.csv); NeMo AutoModel's Llama 3 70B with context
 parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv);
@@ -68,7 +68,8 @@ MOSAICML_CSV = ROOT / "benchmarks" / "heldout_mosaicml.csv"
 # docs/performance.md of github.com/pytorch/torchtitan (commit 157a12c56, 2024-04-24): FSDP2 on 64
 # A100 80GB, bf16 parameters with float32 gradient reduction (torchtitan/parallelisms/
 # parallelize_llama.py at that commit), F.scaled_dot_product_attention, no torch.compile; the rows
-# whose activation checkpointing trident can express: none, and full (every block). Their "WPS" is
+# whose activation checkpointing trident can express: none, full (every block) and "selective op"
+# (its per-op policy: planner.sac; not "selective layer", every second block). Their "WPS" is
 # tokens per second per GPU, so step time = local batch x sequence length / WPS. The interconnect
 # is not stated; priced as DGX A100 nodes (8 GPUs, a 200 Gb/s NIC per GPU).
 TORCHTITAN_CSV = ROOT / "benchmarks" / "heldout_torchtitan.csv"
@@ -193,6 +194,7 @@ def candidates(row, model, gpus, framework: bool = True):
     src = source_settings(row["source"], row["arch"])
     how["elementwise_kernels"] = src["elementwise_kernels"] if framework else "eager"
     how["fsdp_copies"] = src["fsdp_copies"] if framework else True
+    how["selective_recompute"] = src["selective_recompute"] if framework else "attention"
     how.update(attention=src["attention"], dropout=src["dropout"], fp8=row.get("fp8") or None,
                fp8_param_gather=row.get("fp8_param_gather") == "true")
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]

@@ -39,6 +39,9 @@ BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-20
 #   separately); MT-NLG used DeepSpeed's ZeRO stage 1 with its pipeline; MosaicML's rows ran FSDP
 #   FULL_SHARD, torchtitan's and NeMo AutoModel's FSDP2 resharding after forward (ZeRO-3); Llama 3
 #   does not say: search.
+# - selective_recompute (planner.sac): what a "selective" row replays; torchtitan's "selective op"
+#   (its per-op policy: every second matrix product and what is not a product or attention) in its
+#   own runs, Korthikanti et al.'s attention core elsewhere.
 _MEGATRON_LOSS = "fused-fp32-loss"  # fused blocks, Megatron-LM's default float32 loss (above)
 SOURCES = {
     "megatron-sc21-table1": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(0,)),
@@ -46,22 +49,23 @@ SOURCES = {
     "korthikanti-2022-table5": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(0,)),
     "korthikanti-2022-section6": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(0,)),
     "mosaicml-llm-foundry-2023": dict(attention="flash-triton", dropout=0.0, zeros=(3,)),
-    "torchtitan-2024": dict(elementwise_kernels="eager", fsdp_copies=True, zeros=(3,)),
+    "torchtitan-2024": dict(elementwise_kernels="eager", fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
     "bigscience-tr11-2022": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
     "megatron-core-v0.8": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
     "megatron-core-v0.9": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
     "megatron-core-r0.8-h100": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(1,)),
     "nemo-automodel-2026": dict(fsdp_copies=True, zeros=(3,)),
-    "torchtitan-trainy-2025": dict(fsdp_copies=True, zeros=(3,)),
-    "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,)),
-    "torchtitan-2025-06": dict(fsdp_copies=True, zeros=(3,)),
-    "torchao-2025-03": dict(fsdp_copies=True, zeros=(3,)),
+    "torchtitan-trainy-2025": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
+    "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
+    "torchtitan-2025-06": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
+    "torchao-2025-03": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
 }
 
 
 def source_settings(source: str, arch: str) -> dict:
-    """attention, dropout, elementwise_kernels, fsdp_copies and the ZeRO levels to try for a source."""
-    return {"attention": "unfused" if source in BEFORE_FLASH_ATTENTION else "flash",
+    """attention, dropout, elementwise_kernels, fsdp_copies, selective_recompute and the ZeRO levels to
+    try for a source."""
+    return {"attention": "unfused" if source in BEFORE_FLASH_ATTENTION else "flash", "selective_recompute": "attention",
             "dropout": 0.1 if arch == "gpt" else 0.0, "elementwise_kernels": "fused", "fsdp_copies": False,
             "zeros": (0, 1, 2, 3), **SOURCES.get(source, {})}
 

@@ -355,7 +355,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
     # counts what the step executes, as Megatron-LM's published TFLOP/s with full recomputation
     blocks = [plan.recompute_of_layer(i) for i in range(1, m.layers + 1)]
     tflops = m.model_flops_per_step(t.global_batch, t.seq_len) / step / world / 1e12
-    hw_tflops = m.executed_flops_per_step(t.global_batch, t.seq_len, blocks) / step / world / 1e12
+    executed = m.executed_flops_per_step(t.global_batch, t.seq_len, blocks, t.selective_recompute)
+    hw_tflops = executed / step / world / 1e12
     stages_out = [{**{k: v for k, v in si.items() if k != "costs"},
                    "memory": next(x for x in mem_by_rank if x["pp_rank"] == si["pp_rank"])["total_bytes"]}
                   for si in stage_info]

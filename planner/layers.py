@@ -18,6 +18,7 @@ from planner.moe import dispatch_bytes, expert_load_costs, expert_parallel_comm,
 from planner.plan import DTYPES, Plan, Stage, split_backward
 from planner.pointwise import pointwise_seconds
 from planner.precision import GRAD_ACCUMULATION_BYTES, autocast_cast_bytes, casts_weights, runtime_held_bytes
+from planner.sac import kept_bytes, replayed_products
 
 
 @dataclass
@@ -97,8 +98,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
         gemms = m.block_gemms(b, s, tp)
         # the linear products, on FP8 tensor cores under training.fp8 with their operands' casts (planner.fp8)
         rate8 = fp8_rate(cluster.device) if t.fp8 else None
-        linear_s = [fp8_gemm_time(g, rate8, bw) if t.fp8 and is_fp8_product(m, g) else gemm_time(*g, e, grate, bw)
-                    for g in gemms[:-2]]
+        product_s = lambda g: (fp8_gemm_time(g, rate8, bw) if t.fp8 and is_fp8_product(m, g)  # noqa: E731
+                               else gemm_time(*g, e, grate, bw))
+        linear_s = [product_s(g) for g in gemms[:-2]]
         if t.fp8:
             fp8_f, fp8_b = fp8_cast_times(m, t, gemms[:-2], cluster.device, plan.pipeline.micro_batches)
         dense = wgrad = sum(linear_s)
@@ -118,7 +120,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     el_f, el_b = pointwise_seconds(cluster.device, t.elementwise_kernels, m, index, b, s, tp, sp, e, dropout,
                                    t.attention, autocast=casts_weights(t, dp), attention_dropout=attn_drop,
                                    draws=(tp if sp else 1) * cp)
-    again = regathers(t, rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))  # kept shards gathered anew
+    ops = rec == "selective" and t.selective_recompute == "ops"  # torchtitan's per-op policy (planner.sac)
+    # kept shards gathered anew (not where the replay gathers them)
+    again = regathers(t, "full" if ops else rec, split_backward(plan.pipeline.schedule, plan.mesh.pp))
     act_bytes = e * b * s * m.hidden
     gather_bytes = gathered_act_bytes(m, t, kind, act_bytes, e)  # 8-bit under FP8 linears
     tp_f, tp_b = tp_comm(cluster, kind, act_bytes, sp, tp_ranks, b, s, again, gather_bytes)
@@ -168,6 +172,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
     if rec == "full":
         bwd_c += fwd_c
         tp_b += tp_f
+    elif ops:  # the forward replayed but its saved products and attention; its collectives but reduce-scatters
+        bwd_c += sum(product_s(g) for g in replayed_products(m, b * s, tp)) + fwd_c - mm_f
+        tp_b += (2 * cluster.collective_time("all_gather", gather_bytes, tp_ranks) if sp and tp > 1 else tp_f)
     elif rec == "selective":
         if t.attention == "unfused":
             core = sum(gemm_time(*g, e, grate, bw) for g in m.block_gemms(b, s, tp)[-2:])
@@ -182,8 +189,9 @@ def layer_cost(plan: Plan, cluster: ClusterSpec, index: int, stage: Stage, tp_ra
                                replay=rec == "full" and r != rec) for r in (rec, "none")]
     cp_f, cp_b, gathered = context_parallel_parts(plan, cluster, index, rec, tp_ranks)
     fp8_less = saved_input_bytes_less(m, t, b, s, tp, sp, e) if kind == "block" else 0.0  # 8-bit saved inputs
-    act = m.activation_bytes(index, recompute=rec, **kw) + held[0] + (gathered + repeated if rec == "none" else 0.0)
-    act += load_kept - fp8_less if rec != "full" else 0.0
+    act = (kept_bytes(m, b, s, tp, sp, e) if ops else m.activation_bytes(index, recompute=rec, **kw)) + held[0]
+    act += gathered + repeated if rec == "none" else 0.0
+    act += load_kept - fp8_less if rec != "full" and not ops else 0.0
     replay = (m.activation_bytes(index, recompute="none", **kw) + held[1] + gathered + repeated + load_kept - fp8_less
               - act if rec != "none" else 0.0)
     ep_f, ep_b = expert_parallel_comm(cluster, plan, kind, rec, tp_ranks)

@@ -255,12 +255,16 @@ class ModelConfig:
         passes = 4.0 if recompute == "full" else 3.0
         return passes * fwd_blocks + 3.0 * fwd_head
 
-    def executed_flops_per_step(self, global_batch: int, seq_len: int, recompute_of_blocks: list) -> float:
+    def executed_flops_per_step(self, global_batch: int, seq_len: int, recompute_of_blocks: list,
+                                selective: str = "attention") -> float:
         """FLOPs a step executes, recomputation included (what hardware FLOPs utilization counts,
         Korthikanti et al. 2022, section 6.1): the model FLOPs, plus one more forward of each block
-        recomputed in full, or of its attention core under selective recomputation."""
+        recomputed in full, or under selective recomputation of its attention core (`selective`
+        "ops": of its replayed products, planner.sac)."""
+        from planner.sac import replayed_flops
         block = self.layer_forward_flops(1, global_batch, seq_len)
-        core = self.attention_core_flops(global_batch, seq_len)
+        core = (replayed_flops(self, global_batch * seq_len) if selective == "ops"
+                else self.attention_core_flops(global_batch, seq_len))
         extra = sum(block if r == "full" else core if r == "selective" else 0.0 for r in recompute_of_blocks)
         return self.model_flops_per_step(global_batch, seq_len) + extra
 

@@ -42,8 +42,7 @@ def split_backward(schedule: str, pp: int) -> bool:
 
 
 def stage_rank(schedule: str, pp: int, stage_index: int) -> int:
-    """Pipeline rank of model chunk `stage_index`: loop-style (chunk i on rank i % pp), or in a V
-    under zbv (chunk i on rank 2 pp - 1 - i from the second half on)."""
+    """Pipeline rank of model chunk `stage_index`: i % pp, or in a V under zbv (2 pp - 1 - i from pp on)."""
     if schedule == "zbv" and stage_index >= pp:
         return 2 * pp - 1 - stage_index
     return stage_index % pp
@@ -58,8 +57,8 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # options added after format 1, written only when they differ from their defaults (Plan.to_dict)
 ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
                               "async_tp_allreduce", "grad_accumulation", "elementwise_kernels", "fsdp_copies",
-                              "sp_saved_inputs", "lr_warmup_steps", "lr_decay", "lr_decay_steps", "min_lr",
-                              "attention_dropout", "document_mask", "eod_mask_loss", "reset_position_ids",
+                              "sp_saved_inputs", "selective_recompute", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
+                              "min_lr", "attention_dropout", "document_mask", "eod_mask_loss", "reset_position_ids",
                               "moe_aux_loss", "moe_load_factor"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp", "ep")}
 
@@ -147,13 +146,13 @@ class Training:
     # reduce buffers on the compute stream (FSDP2 and replicate, the runtime's; planner.precision
     # fsdp_copy_bytes); false: flat buffers with nothing to copy (Megatron-LM's DDP, FSDP1)
     fsdp_copies: bool = True
-    # what a column-parallel linear keeps for its weight gradient under sequence parallelism:
-    # "shard", this rank's sequence shard, all-gathered again in the backward (Megatron-LM's
-    # LinearWithGradAccumulationAndAsyncCommunication, Korthikanti et al. 2022's accounting; the
-    # runtime's runtime.sp_shard); "gathered", the all-gathered (whole) input, as DTensor's
-    # ColwiseParallel keeps it behind PrepareModuleInput: more memory
-    # (planner.precision.sp_gathered_bytes), no second all-gather (planner.comm.tp_comm)
+    # what a column-parallel linear keeps for its weight gradient under sequence parallelism: "shard", this
+    # rank's sequence shard, all-gathered again in the backward (Megatron-LM's LinearWithGradAccumulation-
+    # AndAsyncCommunication, Korthikanti et al. 2022's accounting; runtime.sp_shard); "gathered", the whole
+    # input, as DTensor's ColwiseParallel keeps it: more memory (planner.precision.sp_gathered_bytes), no
+    # second all-gather (planner.comm.tp_comm)
     sp_saved_inputs: str = "shard"
+    selective_recompute: str = "attention"  # under "selective": attention core (Korthikanti's) | ops (planner.sac)
     # the learning rate of each step (runtime.optim.lr_at; Megatron-LM's --lr-warmup-iters,
     # --lr-decay-style, --lr-decay-iters, --min-lr): a linear warm-up to lr over the first
     # lr_warmup_steps steps, then lr_decay ("constant", "linear" or "cosine") down to min_lr at step

@@ -8,6 +8,7 @@ from planner.plan import (DTYPES, GRAD_ACCUMULATION, LR_DECAYS, RECV_BUFFERS, SC
                           SP_SAVED_INPUTS, P2P_MODES, _is_int, _need)
 from planner.fp8 import FP8_RECIPES
 from planner.pointwise import ELEMENTWISE_KERNELS
+from planner.sac import SELECTIVE_RECOMPUTE
 
 
 # the most micro-batches a step may have: the schedule simulator plays every one (about 0.1 s per
@@ -90,6 +91,10 @@ def check(plan) -> None:
     _one_of(t.elementwise_kernels, ELEMENTWISE_KERNELS, "training.elementwise_kernels")
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")
+    _one_of(t.selective_recompute, SELECTIVE_RECOMPUTE, "training.selective_recompute")
+    _need(t.selective_recompute != "ops" or m.moe is None, "training.selective_recompute",
+          "ops is priced for dense blocks (planner.sac: an MoE block's grouped expert products are not in the "
+          "policy's list); use attention")
     check_optimizer(t)
     _need(is_real(t.dropout) and 0 <= t.dropout < 1, "training.dropout", f"{t.dropout!r} must be from 0 to below 1")
     _need(t.attention_dropout is None or (is_real(t.attention_dropout) and 0 <= t.attention_dropout < 1),

@@ -27,6 +27,8 @@ def describe_plan(plan: Plan) -> str:
     m, t, mesh, p = plan.model, plan.training, plan.mesh, plan.pipeline
     recs = sorted({r for st in p.stages for r, l in zip(st.recompute, range(st.start, st.end))
                    if m.layer_kind(l) == "block"})
+    if "selective" in recs and t.selective_recompute == "ops":  # torchtitan's per-op policy (planner.sac)
+        recs = [r if r != "selective" else "selective (per op)" for r in recs]
     zeros = sorted({st.zero for st in p.stages})
     sp = sp_mode(plan)
     split = " | ".join(f"{st.start}-{st.end - 1}" for st in p.stages)

@@ -14,6 +14,7 @@ from planner.model import ATTENTION_KERNELS, ConfigError
 from planner.plan import GRAD_ACCUMULATION, LR_DECAYS, Training
 from planner.pointwise import ELEMENTWISE_KERNELS
 from planner.plan_checks import check_optimizer
+from planner.sac import SELECTIVE_RECOMPUTE
 from planner.zoo import ZOO
 
 
@@ -74,6 +75,10 @@ def add_framework_args(p) -> None:
                    help="memory-bound operations one PyTorch kernel each (the runtime) or fused as Megatron-LM "
                         "fuses them (a one-kernel SwiGLU keeps 3 ffn_hidden a token, not 4), with a fused "
                         "cross-entropy or (fused-fp32-loss) Megatron-LM's default float32 one (prediction only)")
+    g.add_argument("--selective-recompute", choices=SELECTIVE_RECOMPUTE, default="attention",
+                   help="what --recompute selective replays: the attention core (the runtime; Korthikanti et al. "
+                        "2022) or, as torchtitan's per-op policy, all but attention and every other matrix "
+                        "product (planner.sac; prediction only)")
     g.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
@@ -140,7 +145,7 @@ def training_settings(args) -> dict:
     kw.update(overlap_grad_reduce=not args.no_overlap_grad_reduce, overlap_param_gather=not args.no_overlap_param_gather,
               fsdp_copies=not args.no_fsdp_copies)
     return dict(kw, **{k: getattr(args, k) for k in ("async_tp_allreduce", "grad_accumulation", "attention",
-                                                      "elementwise_kernels",
+                                                      "elementwise_kernels", "selective_recompute",
                                                       "dropout", "attention_dropout", "document_mask", "eod_mask_loss",
                                                       "reset_position_ids", "moe_aux_loss",
                                                       "moe_load_factor", "fp8", "fp8_param_gather",

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # mesh's ep)
 MEASURED_WITH = {f.name: f.default for f in dataclasses.fields(Training) if f.name in (
     "dropout", "attention_dropout", "document_mask", "moe_load_factor", "fp8", "fp8_param_gather",
-    "elementwise_kernels", "tp_comm_overlap", "async_tp_allreduce")}
+    "elementwise_kernels", "tp_comm_overlap", "async_tp_allreduce", "selective_recompute")}
 
 
 def unmeasured(plan) -> bool:

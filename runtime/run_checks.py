@@ -83,6 +83,7 @@ PREDICTION_ONLY = (
     ("training.tp_comm_overlap", False, "TransformerEngine's userbuffers or torchtitan's async TP"),
     ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),
     ("training.elementwise_kernels", "eager", "Megatron-LM's fused kernels"),
+    ("training.selective_recompute", "attention", "torchtitan's per-op selective checkpointing"),
     ("training.fsdp_copies", True, "flat-buffer data parallelism (Megatron-LM's DDP, FSDP1)"),
     ("pipeline.lockstep", False, "DeepSpeed's pipeline engine"),
     ("pipeline.p2p", "full", "Megatron-LM or DeepSpeed"),

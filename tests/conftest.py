@@ -37,7 +37,7 @@ IN_PROCESS = {  # a new module is left out (run one test at a time) until it is 
     "test_backward_flow", "test_bounds", "test_cli", "test_cluster_cli", "test_compare", "test_cost", "test_curves",
     "test_dp_overlap", "test_expert_parallel", "test_fp8", "test_fused_kernels", "test_input_checks",
     "test_launch_checks", "test_memory_parts", "test_metrics", "test_model", "test_plan", "test_pointwise",
-    "test_published", "test_recompute", "test_runnable", "test_schedule", "test_search", "test_search_cli",
+    "test_published", "test_recompute", "test_runnable", "test_sac", "test_schedule", "test_search", "test_search_cli",
     "test_sends", "test_sizing", "test_tp_overlap",
 }
 

@@ -72,6 +72,7 @@ def edit(plan, path, value):
     ("training.elementwise_kernels", "triton", "training.elementwise_kernels"),
     ("training.fsdp_copies", "no", "training.fsdp_copies"),
     ("training.sp_saved_inputs", "sharded", "training.sp_saved_inputs"),
+    ("training.selective_recompute", "layer", "training.selective_recompute"),
     ("training.attention", "xformers", "training.attention"),
     ("training.fp8", "e5m2", "training.fp8"),
     ("training.fp8_param_gather", "yes", "training.fp8_param_gather"),

@@ -34,14 +34,16 @@ _SPEC.loader.exec_module(published)
 # Session 61 priced Megatron-LM's default float32 cross-entropy (fused-fp32-loss): Megatron-Core 18.2% /
 # 22.8%, Mixtral 15.9% / 18.7%, Korthikanti 1.6% / 4.1%, BLOOM 19.1% / 34.3%. Session 62 counted
 # what fused SwiGLU keeps (3 ffn_hidden a token, not 4): Meta's Llama 3 CP row fits with selective
-# recomputation, -5.9% (full: +3.8%); three 405B rows that ran now fit.
+# recomputation, -5.9% (full: +3.8%); three 405B rows that ran now fit. Session 66 priced torchtitan's
+# per-op selective recomputation (planner.sac) and added its three "selective op" rows: torchtitan
+# 14.4% / 17.8% (its three new rows -15.5, -15.8, -17.8%, as fast as its others), FP8 13.8% / 29.9%.
 CEILINGS = {
-    "heldout_fp8.csv": (0.14, 0.30),
+    "heldout_fp8.csv": (0.139, 0.30),
     "heldout_dgxc.csv": (0.098, 0.223),
     "heldout_megatron_core.csv": (0.184, 0.23),
     "heldout_runs.csv": (0.020, 0.045),
     "heldout_mosaicml.csv": (0.075, 0.255),
-    "heldout_torchtitan.csv": (0.127, 0.156),
+    "heldout_torchtitan.csv": (0.147, 0.181),
     "heldout_llama3_cp.csv": (0.06, 0.06),
     "heldout_moe.csv": (0.161, 0.19),
     "heldout_nemo_automodel.csv": (0.062, 0.105),
@@ -90,7 +92,8 @@ def test_the_published_runs_are_predicted_and_the_command_prints_them(capsys):
 
 def test_the_fp8_and_async_tp_speedups_are_priced():
     """benchmarks/fp8_speedup.py: the 9 published pairs (Float8, async TP) each priced a speedup,
-    within the error measured (mean 3.3%, worst 8.8% since session 60's sustained H100 BF16 rate;
+    within the error measured (mean 2.0%, worst 6.6% since session 66 priced torchtitan's per-op
+    selective recomputation, planner.sac; 3.3%, 8.8% since session 60's sustained H100 BF16 rate;
     5.0%, 8.6% since session 58; 5.3%, 8.1% since session
     55's sustained FP8 curves, which took the four FSDP Float8 pairs from 1-4% short to 6-7% short;
     4.4% / 8.1% before)."""
@@ -100,4 +103,4 @@ def test_the_fp8_and_async_tp_speedups_are_priced():
     out = speedup.price(_rows(speedup.PAIRS_CSV))
     assert len(out) == 9 and all(r["predicted_speedup"] > 1 for r in out)
     errs = [abs(r["error"]) for r in out]
-    assert sum(errs) / len(errs) <= 0.035 and max(errs) <= 0.09, errs
+    assert sum(errs) / len(errs) <= 0.022 and max(errs) <= 0.068, errs

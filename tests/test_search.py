@@ -238,19 +238,20 @@ def test_shared_compute_keeps_the_search_exact(limit):
     check_same(shrunk(6, 512), shared, 16, 1024, limit * GiB, space, stage_level((1, 3), ("none",)))
 
 
-@pytest.mark.parametrize("limit,attention", [(1.17, "flash"), (1.2, "unfused"), (1.25, "unfused"),
-                                             (1.4, "unfused"), (80.0, "flash")])
-def test_per_layer_recompute_equals_exhaustive_enumeration(limit, attention):
+@pytest.mark.parametrize("limit,training", [(1.17, dict(attention="flash")), (1.2, dict(attention="unfused")),
+                                            (1.25, dict(attention="unfused")), (1.4, dict(attention="unfused")),
+                                            (80.0, dict(attention="flash")), (1.15, dict(selective_recompute="ops")),
+                                            (1.2, dict(selective_recompute="ops"))])
+def test_per_layer_recompute_equals_exhaustive_enumeration(limit, training):
     """Recompute chosen per layer (none / selective / full counts per stage, at most two of them
     a stage), ZeRO per stage; mixing all three would find nothing faster here (planner.stages). With
-    the materialized softmax (unfused) selective recomputation saves memory; these limits make the
-    search mix recompute modes within a stage."""
+    the materialized softmax (unfused) or torchtitan's per-op policy (planner.sac) selective
+    recomputation saves memory; these limits make the search mix recompute modes within a stage."""
     space = SearchSpace(tp=(2,), pp=(2,), micro_batch=(2,), zero=(0, 3), recompute_granularity="layer",
                         schedules=("1f1b",), sequence_parallel=(False,), orders=(("pp", "dp", "tp"),))
     model, cluster, modes = shrunk(5, 512), A100.shaped_as(1, 8), ("none", "selective", "full")
-    best = check_same(model, cluster, 8, 1024, limit * GiB, space, layer_level((0, 3), modes), attention=attention)
-    three = brute_force(model, cluster, 8, 1024, limit * GiB, space, layer_level((0, 3), modes, mixed=3),
-                        attention=attention)
+    best = check_same(model, cluster, 8, 1024, limit * GiB, space, layer_level((0, 3), modes), **training)
+    three = brute_force(model, cluster, 8, 1024, limit * GiB, space, layer_level((0, 3), modes, mixed=3), **training)
     assert (best is None) == (three is None)
     if three is not None:
         assert best.estimate.step_time_s == pytest.approx(three.step_time_s, rel=1e-9)
