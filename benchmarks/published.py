@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import json
 import sys
@@ -206,6 +207,20 @@ def candidates(row, model, gpus, framework: bool = True):
                    schedule=sched, global_batch=gbs, **how)
 
 
+# a recompute cell naming torchtitan's "selective layer" checkpointing at its frequency 2 (ac_freq "2":
+# torchtitan/parallelisms/parallelize_llama.py at 157a12c56 wraps a block where its count of blocks
+# seen is even, so the 2nd, 4th, ... block is recomputed in full, the others not at all)
+EVERY_SECOND = "full-every-2"
+
+
+def every_second_block_full(plan):
+    """The plan with its 2nd, 4th, ... block recomputed in full, the rest of its layers not (EVERY_SECOND)."""
+    m = plan.model
+    stages = [dataclasses.replace(st, recompute=["full" if m.layer_kind(i) == "block" and i % 2 == 0 else "none"
+                                                 for i in range(st.start, st.end)]) for st in plan.pipeline.stages]
+    return dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, stages=stages)).validate()
+
+
 def predict_row(row, framework: bool = True):
     model = row_model(row)
     gpus = int(row["gpus"])
@@ -217,7 +232,9 @@ def predict_row(row, framework: bool = True):
             dtype = RUN_SETTINGS.get((row["source"], row["model"]), {}).get("dtype") or row["dtype"]
             plan = build_plan(model, cluster_name=cluster.name, device=cluster.device.name, nodes=gpus // per_node,
                               devices_per_node=per_node, seq_len=int(row["seq_len"]), dtype=dtype,
-                              sequence_parallel=row["sequence_parallel"] == "true", **c)
+                              sequence_parallel=row["sequence_parallel"] == "true",
+                              **dict(c, recompute="none" if c["recompute"] == EVERY_SECOND else c["recompute"]))
+            plan = every_second_block_full(plan) if c["recompute"] == EVERY_SECOND else plan
         except ConfigError:
             continue
         est = estimate(plan, cluster)

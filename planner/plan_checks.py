@@ -8,7 +8,7 @@ from planner.plan import (DTYPES, GRAD_ACCUMULATION, LR_DECAYS, RECV_BUFFERS, SC
                           SP_SAVED_INPUTS, P2P_MODES, _is_int, _need)
 from planner.fp8 import FP8_RECIPES
 from planner.pointwise import ELEMENTWISE_KERNELS
-from planner.sac import SELECTIVE_RECOMPUTE
+from planner.sac import SELECTIVE_RECOMPUTE, priced as sac_priced
 
 
 # the most micro-batches a step may have: the schedule simulator plays every one (about 0.1 s per
@@ -92,9 +92,9 @@ def check(plan) -> None:
     _one_of(t.grad_accumulation, GRAD_ACCUMULATION, "training.grad_accumulation")
     _one_of(t.sp_saved_inputs, SP_SAVED_INPUTS, "training.sp_saved_inputs")
     _one_of(t.selective_recompute, SELECTIVE_RECOMPUTE, "training.selective_recompute")
-    _need(t.selective_recompute != "ops" or m.moe is None, "training.selective_recompute",
-          "ops is priced for dense blocks (planner.sac: an MoE block's grouped expert products are not in the "
-          "policy's list); use attention")
+    _need(t.selective_recompute != "ops" or sac_priced(m), "training.selective_recompute",
+          "ops is priced for bias-free dense Llama-family blocks, torchtitan's (planner.sac: a biased product is "
+          "aten.addmm, experts are grouped products, neither in its list); use attention")
     check_optimizer(t)
     _need(is_real(t.dropout) and 0 <= t.dropout < 1, "training.dropout", f"{t.dropout!r} must be from 0 to below 1")
     _need(t.attention_dropout is None or (is_real(t.attention_dropout) and 0 <= t.attention_dropout < 1),

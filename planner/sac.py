@@ -11,11 +11,11 @@ second matrix product of a block's forward (the policy counts them: the 2nd, 4th
 replay everything else in the backward: the other products, every norm, rotary embedding,
 activation, product and residual add, the all-gathers and all-reduces. A Llama block issues its
 products as q, k, v, o, gate (w1), up (w3), down (w2) (torchtitan's Attention and FeedForward:
-`w2(silu(w1(x)) * w3(x))`): k, o and up are replayed. A GPT block's (one QKV product, the output
-projection, the two MLP products): the output projection and the second MLP product. An
-FP8 linear (torchao's Float8Linear) reaches the policy as aten.mm on its 8-bit operands, counted
-alike. Mixture-of-experts blocks: their experts' grouped products are not in the list (not priced
-here: planner.plan_checks refuses the policy for them).
+`w2(silu(w1(x)) * w3(x))`): k, o and up are replayed. An FP8 linear (torchao's Float8Linear)
+reaches the policy as aten.mm on its 8-bit operands, counted alike. Priced for bias-free Llama-family
+dense blocks, torchtitan's (planner.plan_checks refuses the rest): a product with a bias (GPT's,
+Qwen2's q, k and v) is aten.addmm, which the policy neither saves nor counts, and an MoE block's
+experts are grouped products, not in the list.
 
 So a block keeps its input (the checkpoint's), the saved products' outputs (a row-parallel
 product's, o's and down's, before its reduction: the whole hidden width on every TP rank),
@@ -28,13 +28,15 @@ from __future__ import annotations
 SELECTIVE_RECOMPUTE = ("attention", "ops")  # training.selective_recompute; "attention": Korthikanti's core
 
 
+def priced(model) -> bool:
+    """Whether the policy is priced for the model's blocks (module doc): Llama-family, dense, no biases."""
+    return model.arch == "llama" and not model.qkv_bias and model.moe is None
+
+
 def block_products(model, tokens: float, tp: int) -> list[tuple[str, tuple]]:
-    """A dense block's linear products in the order its forward issues them, each (name, (count,
-    M, N, K)) as planner.model.ModelConfig.block_gemms sizes them on one TP rank."""
+    """A dense Llama block's linear products in the order its forward issues them, each (name,
+    (count, M, N, K)) as planner.model.ModelConfig.block_gemms sizes them on one TP rank."""
     h, q, kv, f = model.hidden, model.q_dim // tp, model.kv_dim // tp, model.ffn_hidden // tp
-    if model.arch == "gpt":
-        return [("qkv", (1, tokens, q + 2 * kv, h)), ("o", (1, tokens, h, q)), ("fc1", (1, tokens, f, h)),
-                ("fc2", (1, tokens, h, f))]
     return [("q", (1, tokens, q, h)), ("k", (1, tokens, kv, h)), ("v", (1, tokens, kv, h)), ("o", (1, tokens, h, q)),
             ("gate", (1, tokens, f, h)), ("up", (1, tokens, f, h)), ("down", (1, tokens, h, f))]
 
