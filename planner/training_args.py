@@ -78,7 +78,7 @@ def add_framework_args(p) -> None:
     g.add_argument("--selective-recompute", choices=SELECTIVE_RECOMPUTE, default="attention",
                    help="what --recompute selective replays: the attention core (the runtime; Korthikanti et al. "
                         "2022) or, as torchtitan's per-op policy, all but attention and every other matrix "
-                        "product (planner.sac; prediction only)")
+                        "product (planner.sac)")
     g.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")

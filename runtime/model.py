@@ -23,7 +23,7 @@ from planner.model import ModelConfig
 from runtime.documents import masked_attention
 from runtime.dropout import ATTENTION_OUT, EMBEDDING, MLP_OUT
 from runtime.moe import MoEFeedForward
-from runtime.recompute import replay_once
+from runtime.recompute import per_op_contexts, replay_once
 
 
 class RMSNorm(nn.Module):
@@ -153,6 +153,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg) if cfg.moe is None else MoEFeedForward(cfg)
 
         self.full_recompute = False  # checkpoint the whole block: keep only its input for backward
+        self.per_op = False  # torchtitan's per-op selective recomputation of the block (runtime.recompute)
         self.replay_once = False  # recompute for a split backward (runtime.recompute)
         self.dropout = None  # training.dropout: runtime.dropout.Dropout
 
@@ -168,6 +169,8 @@ class Block(nn.Module):
         return x + (h if key is None else self.dropout.hidden(h, key[:3], key[3], MLP_OUT))
 
     def forward(self, x, cos=None, sin=None, key=None, mask=None):
+        if self.per_op and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, key, mask, use_reentrant=False, context_fn=per_op_contexts)
         if self.full_recompute and torch.is_grad_enabled():
             if self.replay_once:
                 return replay_once(self._forward, x, cos, sin, key, mask)

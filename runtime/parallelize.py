@@ -138,8 +138,8 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, k
     vocabulary slice of the logits as a local tensor, for runtime.loss's vocab-parallel loss.
     Between layers the hidden state is a local tensor, sequence-sharded under SP. With
     `keep_shards` (training.sp_saved_inputs "shard") the inputs SP gathers for the column-parallel
-    linears are kept as shards for the backward (runtime.sp_shard), except in fully recomputed
-    blocks."""
+    linears are kept as shards for the backward (runtime.sp_shard), except in blocks recomputed in
+    full or per op (whose checkpoint keeps none of them)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     for layer in chunk.layers.values():
         if isinstance(layer, Embedding):
@@ -165,7 +165,7 @@ def apply_tp(chunk: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, k
                 keep_shards_of(layer.output, tp_mesh, lambda: True)
             elif isinstance(layer, Block):
                 for module in (layer.attention, layer.feed_forward)[:1 if isinstance(layer.feed_forward, MoEFeedForward) else 2]:
-                    keep_shards_of(module, tp_mesh, lambda layer=layer: not layer.full_recompute)
+                    keep_shards_of(module, tp_mesh, lambda layer=layer: not (layer.full_recompute or layer.per_op))
     retie(chunk)
 
 
@@ -183,8 +183,11 @@ def retie(chunk: Transformer) -> None:
             head.weight = emb.weight
 
 
-def apply_recompute(chunk: Transformer, modes: dict[int, str], split_backward: bool = False) -> None:
-    """`modes` maps a layer index to none | selective | full (the plan stage's recompute list).
+def apply_recompute(chunk: Transformer, modes: dict[int, str], split_backward: bool = False,
+                    per_op: bool = False) -> None:
+    """`modes` maps a layer index to none | selective | full (the plan stage's recompute list);
+    `per_op`: "selective" is torchtitan's per-op policy (training.selective_recompute "ops", planner.sac:
+    the block checkpointed with runtime.recompute.per_op_contexts), else the attention core alone.
     Under a split backward (zbv's I and W) a fully recomputed block replays once for both
     (runtime.recompute); a selective one's attention core is read by I alone, which torch's
     checkpoint replays once and frees at once."""
@@ -192,7 +195,8 @@ def apply_recompute(chunk: Transformer, modes: dict[int, str], split_backward: b
         mode = modes.get(int(name), "none")
         if isinstance(layer, Block):
             layer.full_recompute = mode == "full"
-            layer.attention.selective_recompute = mode == "selective"
+            layer.per_op = per_op and mode == "selective"  # training.selective_recompute "ops" (planner.sac)
+            layer.attention.selective_recompute = mode == "selective" and not per_op
             layer.replay_once = split_backward
         elif mode != "none":
             raise ConfigError(f"recompute: layer {name} is not a block; only blocks are recomputed")

@@ -72,6 +72,28 @@ class _Region:
         self.saved = saved
 
 
+def per_op_contexts():
+    """torch.utils.checkpoint's context_fn for torchtitan's per-op selective recomputation
+    (planner.sac): the outputs of matrix products (aten.mm) but every second one, of fused attention
+    (CUDA's flash and efficient kernels, CPU's flash kernel), of reduce-scatters and of aten.max are
+    kept; everything else in the region is replayed in the backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    ops = torch.ops.aten
+    keep = {ops.mm.default, ops._scaled_dot_product_flash_attention.default,
+            ops._scaled_dot_product_efficient_attention.default,
+            ops._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, ops.max.default}
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func == ops.mm.default:
+            counts["recompute" if ctx.is_recompute else "forward"] += 1
+            if counts["recompute" if ctx.is_recompute else "forward"] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
 def replay_once(fn: Callable, *args):
     """fn(*args), its saved tensors replayed at most once (module doc)."""
     region = _Region(fn, args)

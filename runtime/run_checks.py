@@ -10,7 +10,7 @@ from pathlib import Path
 
 from planner.args import OneLineParser
 from planner.model import ConfigError
-from planner.plan import Plan
+from planner.plan import Plan, split_backward
 from runtime.evaluate import add_eval_args
 from runtime.loss_scale import INITIAL, initial_scale
 
@@ -83,7 +83,6 @@ PREDICTION_ONLY = (
     ("training.tp_comm_overlap", False, "TransformerEngine's userbuffers or torchtitan's async TP"),
     ("training.grad_accumulation", "separate-fp32", "Megatron-LM or DeepSpeed"),
     ("training.elementwise_kernels", "eager", "Megatron-LM's fused kernels"),
-    ("training.selective_recompute", "attention", "torchtitan's per-op selective checkpointing"),
     ("training.fsdp_copies", True, "flat-buffer data parallelism (Megatron-LM's DDP, FSDP1)"),
     ("pipeline.lockstep", False, "DeepSpeed's pipeline engine"),
     ("pipeline.p2p", "full", "Megatron-LM or DeepSpeed"),
@@ -121,6 +120,10 @@ def check_plan(path: str, args: argparse.Namespace, world: int) -> Plan:
         if value != runs:
             raise ConfigError(f"{name}: {json.dumps(value)} describes {who} for prediction; the runtime runs "
                               f"{json.dumps(runs)}, set it to that to run")
+    if t.selective_recompute == "ops" and split_backward(plan.pipeline.schedule, plan.mesh.pp) and any(
+            "selective" in s.recompute for s in plan.pipeline.stages):
+        raise ConfigError("training.selective_recompute: ops under zbv's split backward would replay each block in I "
+                          "and again in W, which the plan prices once; use another schedule, or attention, to run")
     if plan.mesh.pp > 1 and plan.pipeline.schedule == "1f1b" and plan.pipeline.micro_batches < plan.mesh.pp:
         raise ConfigError(f"pipeline.micro_batches: {plan.pipeline.micro_batches} is fewer than pp={plan.mesh.pp}, "
                           "which torch's Schedule1F1B refuses; use gpipe or more micro-batches")

@@ -98,8 +98,8 @@ class Trainer:
         experts = apply_expert_parallel(chunk, self.mesh, m)  # runtime.moe: their FSDP2 mesh, or None
         if m.tp > 1:
             apply_tp(chunk, self.mesh["tp"], st.sequence_parallel, self.plan.training.sp_saved_inputs == "shard")
-        apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)},
-                        split_backward=split_backward(self.plan.pipeline.schedule, m.pp))
+        apply_recompute(chunk, {st.start + j: r for j, r in enumerate(st.recompute)}, split_backward(
+            self.plan.pipeline.schedule, m.pp), self.plan.training.selective_recompute == "ops")
         apply_data_parallel(chunk, self.dp_mesh, st.zero, AUTOCAST_DTYPES.get(self.dtype), experts)
         chunk.to_empty(device=self.device)
         retie(chunk)  # to_empty gives plain tied parameters two copies

@@ -96,7 +96,7 @@ def test_a_plan_predicted_not_to_fit_needs_force(tmp_path, capsys):
     (dict(attention="flash-triton"), "training.attention"),
     (dict(elementwise_kernels="fused"), "training.elementwise_kernels"),
     (dict(fsdp_copies=False), "training.fsdp_copies"),
-    (dict(selective_recompute="ops"), "training.selective_recompute"),
+    (dict(pp=2, schedule="zbv", recompute="selective", selective_recompute="ops"), "training.selective_recompute"),
     (dict(pp=2, lockstep=True), "pipeline.lockstep"),
     (dict(pp=2, sent_outputs="freed"), "pipeline.sent_outputs"),
     (dict(pp=2, p2p="scatter-gather"), "pipeline.p2p"),
