@@ -41,6 +41,7 @@ MAX_SIZE = {"layers": 10_000, "hidden": 1_000_000, "ffn_hidden": 10_000_000, "he
 from planner import moe as moe_parts
 from planner.values import MAX_NAME, ConfigError, is_int, is_one_line, is_real  # noqa: F401 (their home was here)
 from planner.rope import RopeScaling
+from planner.sac import replayed_flops
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -261,7 +262,6 @@ class ModelConfig:
         Korthikanti et al. 2022, section 6.1): the model FLOPs, plus one more forward of each block
         recomputed in full, or under selective recomputation of its attention core (`selective`
         "ops": of its replayed products, planner.sac)."""
-        from planner.sac import replayed_flops
         block = self.layer_forward_flops(1, global_batch, seq_len)
         core = (replayed_flops(self, global_batch * seq_len) if selective == "ops"
                 else self.attention_core_flops(global_batch, seq_len))

@@ -41,13 +41,19 @@ def block_products(model, tokens: float, tp: int) -> list[tuple[str, tuple]]:
             ("gate", (1, tokens, f, h)), ("up", (1, tokens, f, h)), ("down", (1, tokens, h, f))]
 
 
+def product_saved(n: int) -> bool:
+    """Whether the policy keeps the output of a block's n-th matrix product (counted from 1), not
+    every second one (runtime.recompute.per_op_contexts runs this rule)."""
+    return n % 2 == 1
+
+
 def replayed_products(model, tokens: float, tp: int) -> list[tuple]:
-    """The products the policy replays: every second one issued."""
-    return [g for i, (_, g) in enumerate(block_products(model, tokens, tp)) if i % 2 == 1]
+    """The products the policy replays."""
+    return [g for n, (_, g) in enumerate(block_products(model, tokens, tp), 1) if not product_saved(n)]
 
 
 def saved_products(model, tokens: float, tp: int) -> list[tuple]:
-    return [g for i, (_, g) in enumerate(block_products(model, tokens, tp)) if i % 2 == 0]
+    return [g for n, (_, g) in enumerate(block_products(model, tokens, tp), 1) if product_saved(n)]
 
 
 def kept_bytes(model, micro_batch: float, seq_len: int, tp: int, sequence_parallel: bool, e: int) -> float:

@@ -78,6 +78,7 @@ def per_op_contexts():
     (CUDA's flash and efficient kernels, CPU's flash kernel), of reduce-scatters and of aten.max are
     kept; everything else in the region is replayed in the backward."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from planner.sac import product_saved
     ops = torch.ops.aten
     keep = {ops.mm.default, ops._scaled_dot_product_flash_attention.default,
             ops._scaled_dot_product_efficient_attention.default,
@@ -86,9 +87,10 @@ def per_op_contexts():
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx, func, *args, **kwargs):
-        if func == ops.mm.default:
-            counts["recompute" if ctx.is_recompute else "forward"] += 1
-            if counts["recompute" if ctx.is_recompute else "forward"] % 2 == 0:
+        if func == ops.mm.default:  # the forward and its replay count their products apart
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if not product_saved(counts[key]):
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in keep else CheckpointPolicy.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(policy)
