@@ -20,6 +20,7 @@ launches never run in this process, so each starts from the state right after th
 The server starts no thread (forkrun checks it in each launcher)."""
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -63,6 +64,7 @@ def serve() -> None:
     forkrun.die_with_parent()
     for name in PRELOAD:
         importlib.import_module(name)
+    gc.freeze()  # as tests/forkrun.py does: a one-process launch's collections pass over no import's objects
     _answer({"ready": True})
     for line in sys.stdin:  # one launch at a time; the caller's end of stdin stops the server
         req = json.loads(line)
