@@ -28,7 +28,8 @@ built on; Llama 3 405B's context-parallel row (heldout_llama3_cp.csv); Megatron-
 parallelism under FSDP2 and Qwen3-30B-A3B with expert parallelism (heldout_nemo_automodel.csv);
 FP8 runs of Megatron-Bridge (H100, B200, GB200) and torchtitan (H200) (heldout_fp8.csv); and NVIDIA's
 DGX Cloud recipes, BF16 and FP8 runs of the same configurations on H100 and GB200 (heldout_dgxc.csv);
-and Megatron-Core's weak-scaling runs on H100s (heldout_megatron_core.csv).
+Megatron-Core's weak-scaling runs on H100s (heldout_megatron_core.csv); and KempnerForge's one-node
+runs of a Llama 3 8B on H200s, FSDP2 and DTensor TP (heldout_kempnerforge.csv).
 Not printed by default: BLOOM's Megatron-DeepSpeed runs (heldout_bloom.csv, below), on a cluster
 trident cannot price from sources; `--heldout benchmarks/heldout_bloom.csv` prints them.
 tests/test_published.py runs every file and keeps each within the errors the README reports.
@@ -156,6 +157,15 @@ BLOOM_CSV = ROOT / "benchmarks" / "heldout_bloom.csv"
 # are not printed: searched. TFLOP/s count num_floating_point_operations at core_r0.8.0 (no
 # recomputation), which equals trident's model FLOPs for these shapes.
 MEGATRON_CORE_CSV = ROOT / "benchmarks" / "heldout_megatron_core.csv"
+# KempnerForge's MFU report (github.com/KempnerInstitute/KempnerForge, benchmarks/mfu_scaling/
+# mfu_scaling_2026-04-05.md, its runs at commit 01b461a): Llama-3 shapes on nodes of 4 H200s (141 GB,
+# NVLink; priced as the HGX H200 profile's), sequences of 4,096, full recomputation, bf16, fused AdamW,
+# torch.compile, FSDP2 (dp_shard) and DTensor TP with sequence parallelism (tensor_parallel.py); each
+# row's step time as its table prints it (20 steps a run; tokens/s x step time gives the batch its
+# table states: micro-batch 4, 2 accumulated, per data-parallel rank). Its "7B" is Llama 3 8B's shape
+# (8.03B). The six one-node runs; the eight across nodes are left out: the report names InfiniBand,
+# not its rate or NICs a node.
+KEMPNERFORGE_CSV = ROOT / "benchmarks" / "heldout_kempnerforge.csv"
 
 
 def row_model(row) -> ModelConfig:
@@ -196,6 +206,8 @@ def candidates(row, model, gpus, framework: bool = True):
     how["elementwise_kernels"] = src["elementwise_kernels"] if framework else "eager"
     how["fsdp_copies"] = src["fsdp_copies"] if framework else True
     how["selective_recompute"] = src["selective_recompute"] if framework else "attention"
+    if not src["master_weights"]:  # the weights themselves in bf16 (run_settings.py): what the run holds
+        how["master_weights"] = False
     how.update(attention=src["attention"], dropout=src["dropout"], fp8=row.get("fp8") or None,
                fp8_param_gather=row.get("fp8_param_gather") == "true")
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]
@@ -304,7 +316,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV))
     ap.add_argument("--heldout", nargs="*", default=[str(p) for p in (HELDOUT_CSV, MOSAICML_CSV, TORCHTITAN_CSV, LLAMA3_CP_CSV, MOE_CSV,
-                                                          NEMO_AUTOMODEL_CSV, FP8_CSV, DGXC_CSV, MEGATRON_CORE_CSV)],
+                                                          NEMO_AUTOMODEL_CSV, FP8_CSV, DGXC_CSV, MEGATRON_CORE_CSV,
+                                                          KEMPNERFORGE_CSV)],
                     help="runs reported apart, each file on its own (default: %(default)s)")
     ap.add_argument("--no-heldout", action="store_true")
     ap.add_argument("--json", action="store_true")
