@@ -207,7 +207,7 @@ def candidates(row, model, gpus, framework: bool = True):
     how["fsdp_copies"] = src["fsdp_copies"] if framework else True
     how["selective_recompute"] = src["selective_recompute"] if framework else "attention"
     if not src["master_weights"]:  # the weights themselves in bf16 (run_settings.py): what the run holds
-        how["master_weights"] = False
+        how.update(master_weights=False, adam_moments=src["adam_moments"])
     how.update(attention=src["attention"], dropout=src["dropout"], fp8=row.get("fp8") or None,
                fp8_param_gather=row.get("fp8_param_gather") == "true")
     recs = [row["recompute"]] if row["recompute"] else ["none", "selective", "full"]

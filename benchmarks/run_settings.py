@@ -46,8 +46,8 @@ BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-20
 #   KempnerForge, whose build_parallel_model casts the model to its param_dtype, bf16, after
 #   sharding (kempnerforge/distributed/parallel.py at 01b461a, the commit its MFU report names):
 #   bf16 weights, gradients and AdamW moments (its single-GPU run's 80.7 GB for 8.03B parameters),
-#   FSDP2 reducing in fp32 (default_mp_policy). master_weights false prices float32 moments (the
-#   issue's 12-byte example): the nearest setting (README). Its scripts/train.py compiles the model
+#   FSDP2 reducing in fp32 (default_mp_policy): master_weights false, adam_moments param_dtype (its
+#   AdamW's moments are zeros_like the bf16 parameters). Its scripts/train.py compiles the model
 #   (torch.compile; the report's runs but one), what `fused` counts.
 _MEGATRON_LOSS = "fused-fp32-loss"  # fused blocks, Megatron-LM's default float32 loss (above)
 SOURCES = {
@@ -66,16 +66,16 @@ SOURCES = {
     "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
     "torchtitan-2025-06": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
     "torchao-2025-03": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
-    "kempnerforge-2026-04": dict(fsdp_copies=True, master_weights=False),
+    "kempnerforge-2026-04": dict(fsdp_copies=True, master_weights=False, adam_moments="param_dtype"),
 }
 
 
 def source_settings(source: str, arch: str) -> dict:
-    """attention, dropout, elementwise_kernels, fsdp_copies, selective_recompute, master_weights and the
-    ZeRO levels to try for a source."""
+    """attention, dropout, elementwise_kernels, fsdp_copies, selective_recompute, master_weights,
+    adam_moments and the ZeRO levels to try for a source."""
     return {"attention": "unfused" if source in BEFORE_FLASH_ATTENTION else "flash", "selective_recompute": "attention",
             "dropout": 0.1 if arch == "gpt" else 0.0, "elementwise_kernels": "fused", "fsdp_copies": False,
-            "master_weights": True, "zeros": (0, 1, 2, 3), **SOURCES.get(source, {})}
+            "master_weights": True, "adam_moments": "fp32", "zeros": (0, 1, 2, 3), **SOURCES.get(source, {})}
 
 
 # Megatron-LM's scripts for the SC21 paper, examples/sc21/run_table_1.sh at tag v2.6 (commit

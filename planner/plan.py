@@ -59,7 +59,7 @@ ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "ove
                               "async_tp_allreduce", "grad_accumulation", "elementwise_kernels", "fsdp_copies",
                               "sp_saved_inputs", "selective_recompute", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr", "attention_dropout", "document_mask", "eod_mask_loss", "reset_position_ids",
-                              "moe_aux_loss", "moe_load_factor"),
+                              "moe_aux_loss", "moe_load_factor", "adam_moments"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp", "ep")}
 
 
@@ -85,6 +85,7 @@ class Training:
     # (Megatron-LM's --fp8-param-gather, torchtitan's enable_fsdp_float8_all_gather; planner.fp8)
     fp8_param_gather: bool = False
     master_weights: bool = True  # fp32 master copy in the optimizer (mixed precision); ignored for fp32
+    adam_moments: str = "fp32"  # AdamW's moments: fp32 | param_dtype, that of what it updates (planner.precision)
     optimizer: str = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1

@@ -59,6 +59,7 @@ def check(plan) -> None:
     _need(t.optimizer == "adamw", "training.optimizer", f"{t.optimizer!r}; only adamw is supported")
     _one_of(t.attention, ATTENTION_KERNELS, "training.attention")
     _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
+    _one_of(t.adam_moments, ("fp32", "param_dtype"), "training.adam_moments")
     _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
     _need(isinstance(t.overlap_param_gather, bool), "training.overlap_param_gather", "must be true or false")
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")

@@ -27,7 +27,17 @@ def model_state_bytes(t, dp: int = 2) -> tuple[int, int, int]:
         return 4, grad_bytes(t), ADAM_STATE_BYTES
     e = DTYPES[t.dtype]
     master = MASTER_BYTES if (t.master_weights and t.dtype != "fp32") else 0
-    return e, grad_bytes(t), ADAM_STATE_BYTES + master
+    return e, grad_bytes(t), adam_state_bytes(t) + master
+
+
+def adam_state_bytes(t) -> int:
+    """Bytes per parameter of AdamW's two moments: float32 (training.adam_moments "fp32"), or
+    "param_dtype", torch's AdamW's own choice (its state is zeros_like the parameter): the dtype of
+    what AdamW updates, float32 where there is a master copy, the 16-bit weights themselves where
+    there is none (KempnerForge's bf16 runs, benchmarks/run_settings.py)."""
+    e = DTYPES[t.dtype]
+    own = 4 if (t.master_weights or e == 4) else e
+    return ADAM_STATE_BYTES if t.adam_moments == "fp32" else 2 * own
 
 
 def sharded_param_bytes(t) -> int:
@@ -80,7 +90,8 @@ def optimizer_step_bytes(t) -> int:
     A fused AdamW kernel (the runtime's, torch's _fused_adamw_; apex's, DeepSpeed's, Megatron-LM's)
     reads the parameter it updates (the float32 master copy under mixed precision), its gradient
     and both float32 moments, and writes the parameter and moments back in one pass: 2 p + g + 16
-    bytes, 28 for float32 parameters and gradients; in place, it allocates nothing. (torch's
+    bytes, 28 for float32 parameters and gradients (16-bit moments, adam_state_bytes: 2 p + g + 8);
+    in place, it allocates nothing. (torch's
     foreach AdamW, the runtime's until session 50, runs eight passes, 4 p + 3 g + 56 bytes: on an
     H200, benchmarks/gpu_check.py of 2026-11-30, its kernels and the clipping's took 28.8 ms for
     1.24e9 float32 parameters, 96 bytes a parameter at 4.14 TB/s, the copy bandwidth measured
@@ -96,7 +107,7 @@ def optimizer_step_bytes(t) -> int:
     mixed = t.master_weights and e == 2
     p = 4 if mixed else e  # what AdamW updates
     g = 4 if mixed else grad_bytes(t)  # the gradient it reads
-    s = ADAM_STATE_BYTES // 2  # one moment
+    s = adam_state_bytes(t) // 2  # one moment
     eager = t.elementwise_kernels == "eager"
     n = 2 * p + g + 4 * s + 3 * g
     if mixed and grad_bytes(t) == 2:

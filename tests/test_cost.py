@@ -30,6 +30,22 @@ def test_70b_model_states_need_about_840_gb():
     assert mem["parameters_bytes"] + mem["optimizer_bytes"] == pytest.approx(10 / 12 * states, rel=1e-3)
 
 
+def test_adam_moments_in_the_parameters_dtype_take_its_bytes():
+    """training.adam_moments "param_dtype" (torch's AdamW: its moments zeros_like the parameter): 16-bit
+    weights without a master copy keep 16-bit moments, 2 + 2 + 4 bytes a parameter, and the step moves 8
+    bytes fewer; with a master copy, or in float32, the moments stay float32 either way."""
+    from planner.precision import model_state_bytes, optimizer_step_bytes
+    pure, own = (plan_for("llama2-70b", dpn=1, global_batch=1, master_weights=False, adam_moments=m).training
+                 for m in ("fp32", "param_dtype"))
+    assert sum(model_state_bytes(pure, dp=1)) == 12 and sum(model_state_bytes(own, dp=1)) == 8
+    assert optimizer_step_bytes(pure) - optimizer_step_bytes(own) == 8
+    assert estimate(plan_for("llama2-70b", dpn=1, global_batch=1, master_weights=False, adam_moments="param_dtype"),
+                    A100).breakdown["memory"]["optimizer_bytes"] == 4 * ZOO["llama2-70b"].num_parameters()
+    for kw in (dict(), dict(dtype="fp32")):
+        a, b = (plan_for(adam_moments=m, **kw).training for m in ("fp32", "param_dtype"))
+        assert model_state_bytes(a) == model_state_bytes(b) and optimizer_step_bytes(a) == optimizer_step_bytes(b)
+
+
 def test_zero_levels_shard_what_they_promise():
     dp = 8
     for mixed in (True, False):

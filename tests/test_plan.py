@@ -77,6 +77,7 @@ def edit(plan, path, value):
     ("training.fp8", "e5m2", "training.fp8"),
     ("training.fp8_param_gather", "yes", "training.fp8_param_gather"),
     ("training.tp_comm_overlap", 1, "training.tp_comm_overlap"),
+    ("training.adam_moments", "bf16", "training.adam_moments"),
 ])
 def test_validation_names_the_field(path, value, field):
     text = edit(make(), path, value)
@@ -139,9 +140,9 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
     assert "recv_buffers" not in d["pipeline"] and "p2p" not in d["pipeline"]
     assert "async_tp_allreduce" not in d["training"] and "grad_accumulation" not in d["training"]
     assert "elementwise_kernels" not in d["training"] and "fsdp_copies" not in d["training"]
-    assert "sent_outputs" not in d["pipeline"]
+    assert "sent_outputs" not in d["pipeline"] and "adam_moments" not in d["training"]
     plan = make(overlap_grad_reduce=False, lockstep=True, recv_buffers="preallocated", p2p="scatter-gather",
-                sent_outputs="freed",
+                sent_outputs="freed", adam_moments="param_dtype",
                 async_tp_allreduce=True, grad_accumulation="fused", elementwise_kernels="fused", fsdp_copies=False,
                 fp8="current", fp8_param_gather=True, tp_comm_overlap=True)
     assert "fp8" not in d["training"] and "tp_comm_overlap" not in d["training"]
@@ -149,7 +150,7 @@ def test_execution_options_round_trip_and_are_omitted_at_their_defaults(tmp_path
     back = Plan.from_json(first)
     assert back.training.overlap_grad_reduce is False and back.pipeline.lockstep is True
     assert back.pipeline.recv_buffers == "preallocated" and back.pipeline.p2p == "scatter-gather"
-    assert back.pipeline.sent_outputs == "freed"
+    assert back.pipeline.sent_outputs == "freed" and back.training.adam_moments == "param_dtype"
     assert back.training.async_tp_allreduce is True and back.training.grad_accumulation == "fused"
     assert back.training.elementwise_kernels == "fused" and back.training.fsdp_copies is False
     assert (back.training.fp8, back.training.fp8_param_gather, back.training.tp_comm_overlap) == ("current", True, True)

@@ -38,7 +38,7 @@ _SPEC.loader.exec_module(published)
 # per-op selective recomputation (planner.sac) and added its three "selective op" rows and its two
 # "selective layer" ones (every second block in full): torchtitan 14.3% / 17.8% (the five new rows
 # -13.4% to -17.8%, as fast as its others), FP8 13.8% / 29.9%. Session 67 added KempnerForge's one-node H200
-# runs: 13.1% / 24.7% (FSDP2 -1.1%, +3.0%; one GPU +9.3%; DTensor TP -15.9% to -24.7%).
+# runs: 13.1% / 24.9% (FSDP2 -1.3%, +2.8%; one GPU +8.8%; DTensor TP -16.2% to -24.9%).
 CEILINGS = {
     "heldout_fp8.csv": (0.139, 0.30),
     "heldout_dgxc.csv": (0.098, 0.223),
