@@ -8,6 +8,7 @@ from planner.plan import (DTYPES, GRAD_ACCUMULATION, LR_DECAYS, RECV_BUFFERS, SC
                           SP_SAVED_INPUTS, P2P_MODES, _is_int, _need)
 from planner.fp8 import FP8_RECIPES
 from planner.pointwise import ELEMENTWISE_KERNELS
+from planner.precision import ADAM_MOMENTS
 from planner.sac import SELECTIVE_RECOMPUTE, priced as sac_priced
 
 
@@ -59,7 +60,7 @@ def check(plan) -> None:
     _need(t.optimizer == "adamw", "training.optimizer", f"{t.optimizer!r}; only adamw is supported")
     _one_of(t.attention, ATTENTION_KERNELS, "training.attention")
     _need(isinstance(t.master_weights, bool), "training.master_weights", "must be true or false")
-    _one_of(t.adam_moments, ("fp32", "param_dtype"), "training.adam_moments")
+    _one_of(t.adam_moments, ADAM_MOMENTS, "training.adam_moments")
     _need(isinstance(t.overlap_grad_reduce, bool), "training.overlap_grad_reduce", "must be true or false")
     _need(isinstance(t.overlap_param_gather, bool), "training.overlap_param_gather", "must be true or false")
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")

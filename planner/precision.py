@@ -11,6 +11,7 @@ from __future__ import annotations
 from planner.plan import DTYPES
 
 ADAM_STATE_BYTES = 8  # two float32 moments per parameter
+ADAM_MOMENTS = ("fp32", "param_dtype")  # training.adam_moments (adam_state_bytes)
 MASTER_BYTES = 4  # float32 master copy under mixed precision
 # bytes per parameter and micro-batch of adding a micro-batch's gradient to the accumulated one
 # (training.grad_accumulation): read both, write the sum; fused into the weight-gradient GEMM, none
@@ -30,14 +31,19 @@ def model_state_bytes(t, dp: int = 2) -> tuple[int, int, int]:
     return e, grad_bytes(t), adam_state_bytes(t) + master
 
 
+def updated_bytes(t) -> int:
+    """Bytes per parameter of what AdamW updates: the float32 master copy under mixed precision,
+    else the parameters in their own dtype."""
+    e = DTYPES[t.dtype]
+    return 4 if (t.master_weights and e == 2) else e
+
+
 def adam_state_bytes(t) -> int:
     """Bytes per parameter of AdamW's two moments: float32 (training.adam_moments "fp32"), or
     "param_dtype", torch's AdamW's own choice (its state is zeros_like the parameter): the dtype of
-    what AdamW updates, float32 where there is a master copy, the 16-bit weights themselves where
-    there is none (KempnerForge's bf16 runs, benchmarks/run_settings.py)."""
-    e = DTYPES[t.dtype]
-    own = 4 if (t.master_weights or e == 4) else e
-    return ADAM_STATE_BYTES if t.adam_moments == "fp32" else 2 * own
+    what AdamW updates (updated_bytes), float32 where there is a master copy, the 16-bit weights
+    themselves where there is none (KempnerForge's bf16 runs, benchmarks/run_settings.py)."""
+    return ADAM_STATE_BYTES if t.adam_moments == "fp32" else 2 * updated_bytes(t)
 
 
 def sharded_param_bytes(t) -> int:
@@ -105,7 +111,7 @@ def optimizer_step_bytes(t) -> int:
     keeps no 16-bit copy to write (autocast casts at each use, FSDP2 as it gathers)."""
     e = DTYPES[t.dtype]
     mixed = t.master_weights and e == 2
-    p = 4 if mixed else e  # what AdamW updates
+    p = updated_bytes(t)  # what AdamW updates
     g = 4 if mixed else grad_bytes(t)  # the gradient it reads
     s = adam_state_bytes(t) // 2  # one moment
     eager = t.elementwise_kernels == "eager"
