@@ -16,6 +16,15 @@ measured) one in its network, its node size or its device memory:
   measured or published for nodes that size); each device keeps its inter-node share unless
   --nic-gbps / --nics-per-node say otherwise.
 - `--memory-gib M`: the device's memory (GiB, as the shipped profiles record it).
+- `--nvlink-mesh`: the node's devices link each pair directly, with an equal share of a device's
+  NVLink ports, and no switch (NVIDIA's 4-GPU HGX boards: 6 of a Hopper GPU's 18 links to each of
+  the other three, `nvidia-smi topo -m` printing NV6 for every pair; NVL bridges likewise). A
+  collective among k devices of a node then drives k - 1 of a device's D - 1 link bundles: its
+  intra-node bus bandwidth is (k - 1) / (D - 1) of the base's, whose devices reach every peer
+  through the switch at their whole NVLink rate (NCCL's rings share the same per-link protocol
+  overhead either way); a send between two devices drives one bundle. A measured curve
+  (`bus_bandwidth_by_size`) is capped at its tier's flat figure, the ring's: the shipped curves
+  above it are NVLink SHARP all-reduces, which need an NVSwitch.
 
 The derived profile records its base (name and sha256), the changes, and for every changed field
 its base value's source; its `kind` is "derived".
@@ -44,11 +53,11 @@ def _share_gbps(bytes_per_s: float) -> float:
 
 def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: float | None = None,
            nics_per_node: int | None = None, devices_per_node: int | None = None,
-           memory_gib: float | None = None) -> tuple[dict, list[str]]:
+           memory_gib: float | None = None, mesh: bool = False) -> tuple[dict, list[str]]:
     """(the derived profile, a line per change); `base` is a checked profile dict."""
-    if nic_gbps is None and nics_per_node is None and devices_per_node is None and memory_gib is None:
+    if nic_gbps is None and nics_per_node is None and devices_per_node is None and memory_gib is None and not mesh:
         raise ConfigError("cluster derive: nothing to change; give --nic-gbps, --nics-per-node, "
-                          "--devices-per-node or --memory-gib")
+                          "--devices-per-node, --memory-gib or --nvlink-mesh")
     out = copy.deepcopy(base)
     sources = out.setdefault("sources", {})
     changes = []
@@ -60,7 +69,8 @@ def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: floa
     if dpn != dpn_base:
         out["devices_per_node"] = dpn
         out.pop("topology", None)  # a measured rank -> node map of the base's nodes
-        sources["devices_per_node"] = f"derived: {dpn} (base {base_name}: {dpn_base})"
+        was = sources.get("devices_per_node")
+        sources["devices_per_node"] = f"derived: {dpn} (base {base_name}: {dpn_base})" + (f"; base: {was}" * bool(was))
         changes.append(f"{dpn} devices a node (base: {dpn_base})")
     if nics_per_node is not None and nics_per_node > MAX_NICS_A_DEVICE * dpn:
         raise ConfigError(f"--nics-per-node: {nics_per_node} is more than {MAX_NICS_A_DEVICE} a device "
@@ -90,6 +100,13 @@ def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: floa
                        (f"; every inter-node bus bandwidth x {scale:.4g}" if scale != 1 else " (as the base)"))
     elif dpn != dpn_base:
         changes.append("each device keeps its inter-node share")
+    if mesh:
+        if dpn < 2:
+            raise ConfigError(f"--nvlink-mesh: {base_name if dpn == dpn_base else 'the derived profile'}'s nodes hold "
+                              "one device, with no links between devices; give --devices-per-node 2 or more")
+        _mesh(out, dpn, sources)
+        changes.append(f"devices linked pairwise, no switch: a group of k in a node at (k - 1) / {dpn - 1} "
+                       "of the base's intra-node bus bandwidth")
     if memory_gib is not None:
         old_gib = base["device"]["memory_bytes"] / GiB
         out["device"]["memory_bytes"] = int(round(memory_gib * GiB))
@@ -123,6 +140,39 @@ def _scale_tier(ab: dict, scale: float, where: str, sources: dict) -> None:
         note("by_group_size")
 
 
+def _mesh(out: dict, dpn: int, sources: dict) -> None:
+    """The intra-node figures of a node of `dpn` devices linked pairwise (module doc)."""
+    tier = out["tiers"].setdefault("intra_node", {})
+    tier["link"] = (f"NVLink, each pair of a node's {dpn} devices linked directly, no switch "
+                    f"(base: {tier.get('link', '')})")
+    share = lambda k: (k - 1) / (dpn - 1)  # noqa: E731 - a group of k's part of a device's links
+    for op in COLLECTIVES:
+        ab, where = out["collectives"][op]["intra_node"], f"collectives.{op}.intra_node"
+        flat = ab["bus_bandwidth_bytes_per_s"]
+        if op == "send_recv":  # one pair
+            ab["bus_bandwidth_bytes_per_s"] = flat * share(2)
+            key = f"{where}.bus_bandwidth_bytes_per_s"
+            sources[key] = f"derived: the base's x 1/{dpn - 1}, one pair's links; base: {sources.get(key, '')}"
+            continue
+        if "bus_bandwidth_by_size" in ab:
+            ab["bus_bandwidth_by_size"] = [[s, min(bw, flat)] for s, bw in ab["bus_bandwidth_by_size"]]
+            sources[f"{where}.bus_bandwidth_by_size"] = (f"derived: the base's, capped at its flat {flat / 1e9:g} GB/s "
+                                                         "(no NVSwitch, no NVLink SHARP); base: "
+                                                         f"{sources.get(where + '.bus_bandwidth_by_size', '')}")
+        groups = {int(n): v for n, v in (ab.get("by_group_size") or {}).items() if int(n) <= dpn}
+        for k in range(2, dpn):
+            groups.setdefault(k, {"alpha_s": ab["alpha_s"], "bus_bandwidth_bytes_per_s": flat})
+        for k, v in groups.items():
+            v["bus_bandwidth_bytes_per_s"] *= share(k)
+            for seg in v.get("segments", []):
+                seg["bus_bandwidth_bytes_per_s"] *= share(k)
+        ab["by_group_size"] = {str(k): groups[k] for k in sorted(groups)}
+        if groups:
+            sources[f"{where}.by_group_size"] = (f"derived: a group of k devices of a node at (k - 1)/{dpn - 1} of the "
+                                                 "base's bus bandwidth for k (its flat figure where it gives none): "
+                                                 "k - 1 of each device's link bundles")
+
+
 def cmd_derive(args) -> int:
     path, base, digest = read_profile(args.base, PROFILE_DIR, "cluster derive")
     cluster_from_dict(base, source=str(path))  # the base must be a valid profile
@@ -133,7 +183,8 @@ def cmd_derive(args) -> int:
         raise ConfigError(f"-o: {out_path} is a shipped profile; write the derived one to another file")
     name = args.name or out_path.stem
     derived, changes = derive(base, path.stem, digest, name, nic_gbps=args.nic_gbps, nics_per_node=args.nics_per_node,
-                              devices_per_node=args.devices_per_node, memory_gib=args.memory_gib)
+                              devices_per_node=args.devices_per_node, memory_gib=args.memory_gib,
+                              mesh=args.nvlink_mesh)
     cluster_from_dict(derived, source=str(out_path))  # what is written reads back
     try:
         out_path.write_text(json.dumps(derived, indent=1) + "\n")
@@ -197,7 +248,7 @@ def register(sub) -> None:
     s = act.add_parser("show", help="what a profile says: device, links, collective costs")
     s.add_argument("profile", help="shipped profile name or a profile JSON path")
     s.set_defaults(func=cmd_show)
-    d = act.add_parser("derive", help="write a profile that differs from BASE in network, node size or memory")
+    d = act.add_parser("derive", help="write a profile that differs from BASE in network, node size, links or memory")
     d.add_argument("base", help="shipped profile name or a profile JSON path")
     d.add_argument("-o", "--output", type=nonempty, required=True,
                    help="the derived profile's path (use with --cluster)")
@@ -207,4 +258,6 @@ def register(sub) -> None:
                    help="inter-node NICs a node (default: one per device)")
     d.add_argument("--devices-per-node", type=positive_int, help="devices a node (at most the base's)")
     d.add_argument("--memory-gib", type=number_in(0.001, 1e6, " GiB"), help="each device's memory, GiB")
+    d.add_argument("--nvlink-mesh", action="store_true",
+                   help="devices linked pairwise in a node, no NVSwitch (4-GPU HGX boards, NVL bridges)")
     d.set_defaults(func=cmd_derive)

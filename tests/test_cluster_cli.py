@@ -81,6 +81,55 @@ def test_smaller_nodes_fewer_nics_and_memory(tmp_path, capsys):
     # its DP all-reduce now crosses a 50 Gb/s share: never faster than on one 8-GPU node
     assert est["step_time_s"] > est80["step_time_s"]
 
+def test_a_pairwise_nvlink_mesh_gives_a_group_its_share_of_the_links(tmp_path, capsys):
+    """--nvlink-mesh: a group of k of a node's 4 devices drives k - 1 of each device's 3 link bundles,
+    a send one; the NVLink SHARP curve is capped at the ring's figure; a measured figure per group
+    size scales by the same share; the network is the base's; the shipped 4-GPU H200 profile is what
+    the command writes; TP 2 costs more on it than on the NVSwitch node; one device a node is refused."""
+    base_path = _measured_style_base(tmp_path)
+    d = json.loads(base_path.read_text())
+    d["collectives"]["all_gather"]["intra_node"]["by_group_size"] = {
+        "2": {"alpha_s": 2e-5, "bus_bandwidth_bytes_per_s": 3e11},
+        "8": {"alpha_s": 4e-5, "bus_bandwidth_bytes_per_s": 3.6e11}}
+    base_path.write_text(json.dumps(d))
+    out = tmp_path / "h100x4.json"
+    assert main(["cluster", "derive", str(base_path), "--devices-per-node", "4", "--nvlink-mesh", "-o", str(out)]) == 0
+    base, new = load_cluster(str(base_path)), load_cluster(str(out))
+    assert new.devices_per_node == 4 and "no switch" in new.tiers["intra_node"]["link"]
+    for op in ("all_reduce", "reduce_scatter", "all_to_all", "all_gather"):
+        b, m = base.collectives[op]["intra_node"], new.collectives[op]["intra_node"]
+        two = (2e-5, 1e11) if op == "all_gather" else (b.alpha_s, b.bus_bandwidth_bytes_per_s / 3)
+        assert m.at(2, 2**30) == pytest.approx(two) and m.at(2, 2**10) == pytest.approx(two), op
+        assert m.at(3, 2**30) == pytest.approx((b.alpha_s, b.bus_bandwidth_bytes_per_s * 2 / 3)), op
+        assert m.at(4, 2**30)[1] == pytest.approx(min(b.at(4, 2**30)[1], b.bus_bandwidth_bytes_per_s)), op
+        assert new.collectives[op]["inter_node"] == base.collectives[op]["inter_node"]
+    assert base.collectives["all_reduce"]["intra_node"].at(4, 2**32)[1] > 4.7e11  # NVLS on the switch
+    assert new.collectives["all_reduce"]["intra_node"].at(4, 2**32)[1] == pytest.approx(3.7e11)  # the ring's
+    pair = (2, 1, 2)
+    send = [c.shaped_collective_time("send_recv", GiB, pair) for c in (base, new)]
+    assert send[1] > 2.9 * send[0]
+    raw = json.loads(out.read_text())
+    assert "(k - 1)/3" in raw["sources"]["collectives.all_gather.intra_node.by_group_size"]
+    capsys.readouterr()
+    # the shipped profile: the command's output but for its description and the topology's evidence
+    assert main(["cluster", "derive", "hgx-h200-141gb", "--devices-per-node", "4", "--nvlink-mesh",
+                 "--name", "hgx-h200-4gpu-141gb", "-o", str(tmp_path / "h200x4.json")]) == 0
+    written, shipped = (json.loads(p.read_text())
+                        for p in (tmp_path / "h200x4.json", PROFILE_DIR / "hgx-h200-4gpu-141gb.json"))
+    assert "NV6" in shipped["sources"].pop("nvlink_mesh")
+    assert {**written, "description": ""} == {**shipped, "description": ""}
+    capsys.readouterr()
+    plan = ["plan", "--model", "llama3-8b", "--gpus", "2", "--global-batch", "8", "--micro-batch", "4", "--tp", "2",
+            "--sequence-parallel", "--recompute", "full", "--json", "--cluster"]
+    steps = {}
+    for name in ("hgx-h200-141gb", "hgx-h200-4gpu-141gb"):
+        assert main([*plan, name]) == 0
+        est = json.loads(capsys.readouterr().out)
+        steps[name] = (est["step_time_s"], est["breakdown"]["time"]["tp_comm_s"])
+    assert steps["hgx-h200-4gpu-141gb"][1] > 2.5 * steps["hgx-h200-141gb"][1]
+    assert steps["hgx-h200-4gpu-141gb"][0] > steps["hgx-h200-141gb"][0]
+
+
 def test_show_lists_the_device_the_links_and_every_collective(capsys):
     assert main(["cluster", "show", "dgx-h100-80gb"]) == 0
     out = capsys.readouterr().out
@@ -134,6 +183,8 @@ def test_every_shipped_figure_has_its_source_and_prices_a_plan(profile, capsys):
     (["cluster", "show", "{tmp}/bad.json"], "format_version"),
     (["cluster", "derive", "{tmp}/derived.json", "--nics-per-node", "4", "-o", "{tmp}/x.json"], "--nic-gbps"),
     (["cluster", "derive", "dgx-h100-80gb", "--nics-per-node", "1000", "-o", "{tmp}/x.json"], "--nics-per-node"),
+    (["cluster", "derive", "dgx-h100-80gb", "--devices-per-node", "1", "--nvlink-mesh", "-o", "{tmp}/x.json"],
+     "--nvlink-mesh"),
     (["cluster"], "action"),
 ])
 def test_bad_requests_get_one_line(tmp_path, capsys, argv, field):
