@@ -24,7 +24,8 @@ measured) one in its network, its node size or its device memory:
   through the switch at their whole NVLink rate (NCCL's rings share the same per-link protocol
   overhead either way); a send between two devices drives one bundle. A measured curve
   (`bus_bandwidth_by_size`) is capped at its tier's flat figure, the ring's: the shipped curves
-  above it are NVLink SHARP all-reduces, which need an NVSwitch.
+  above it are NVLink SHARP all-reduces, which need an NVSwitch. Its profile takes neither
+  --nvlink-mesh nor another node size again (derive those from the switched profile).
 
 The derived profile records its base (name and sha256), the changes, and for every changed field
 its base value's source; its `kind` is "derived".
@@ -45,6 +46,7 @@ GiB = 2**30
 # a node's inter-node NICs at most, per device: the shipped nodes have one a device (DGX A100, H100,
 # B200: 8 compute NICs for 8 GPUs), each device reaching them through its own PCIe link
 MAX_NICS_A_DEVICE = 4
+MESH_LINK = "linked directly, no switch"  # in a --nvlink-mesh profile's tiers.intra_node.link
 
 
 def _share_gbps(bytes_per_s: float) -> float:
@@ -63,6 +65,9 @@ def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: floa
     changes = []
     dpn_base = base["devices_per_node"]
     dpn = devices_per_node or dpn_base
+    if MESH_LINK in base.get("tiers", {}).get("intra_node", {}).get("link", "") and (mesh or dpn != dpn_base):
+        raise ConfigError(f"{'--nvlink-mesh' if mesh else '--devices-per-node'}: {base_name}'s nodes are linked "
+                          "pairwise already (tiers.intra_node.link); derive from the switched profile it came from")
     if dpn > dpn_base:
         raise ConfigError(f"--devices-per-node: {dpn} but {base_name}'s nodes have {dpn_base}; its intra-node "
                           f"figures hold for up to {dpn_base} devices: write a profile for larger nodes")
@@ -143,8 +148,7 @@ def _scale_tier(ab: dict, scale: float, where: str, sources: dict) -> None:
 def _mesh(out: dict, dpn: int, sources: dict) -> None:
     """The intra-node figures of a node of `dpn` devices linked pairwise (module doc)."""
     tier = out["tiers"].setdefault("intra_node", {})
-    tier["link"] = (f"NVLink, each pair of a node's {dpn} devices linked directly, no switch "
-                    f"(base: {tier.get('link', '')})")
+    tier["link"] = f"NVLink, each pair of a node's {dpn} devices {MESH_LINK} (base: {tier.get('link', '')})"
     share = lambda k: (k - 1) / (dpn - 1)  # noqa: E731 - a group of k's part of a device's links
     for op in COLLECTIVES:
         ab, where = out["collectives"][op]["intra_node"], f"collectives.{op}.intra_node"

@@ -185,6 +185,8 @@ def test_every_shipped_figure_has_its_source_and_prices_a_plan(profile, capsys):
     (["cluster", "derive", "dgx-h100-80gb", "--nics-per-node", "1000", "-o", "{tmp}/x.json"], "--nics-per-node"),
     (["cluster", "derive", "dgx-h100-80gb", "--devices-per-node", "1", "--nvlink-mesh", "-o", "{tmp}/x.json"],
      "--nvlink-mesh"),
+    (["cluster", "derive", "hgx-h200-4gpu-141gb", "--nvlink-mesh", "-o", "{tmp}/x.json"], "linked pairwise already"),
+    (["cluster", "derive", "hgx-h200-4gpu-141gb", "--devices-per-node", "2", "-o", "{tmp}/x.json"], "--devices-per-node"),
     (["cluster"], "action"),
 ])
 def test_bad_requests_get_one_line(tmp_path, capsys, argv, field):
