@@ -206,6 +206,7 @@ def candidates(row, model, gpus, framework: bool = True):
     how["elementwise_kernels"] = src["elementwise_kernels"] if framework else "eager"
     how["fsdp_copies"] = src["fsdp_copies"] if framework else True
     how["selective_recompute"] = src["selective_recompute"] if framework else "attention"
+    how["defer_grad_sync"] = src["defer_grad_sync"] and framework
     if not src["master_weights"]:  # the weights themselves in bf16 (run_settings.py): what the run holds
         how.update(master_weights=False, adam_moments=src["adam_moments"])
     how.update(attention=src["attention"], dropout=src["dropout"], fp8=row.get("fp8") or None,

@@ -49,6 +49,9 @@ BEFORE_FLASH_ATTENTION = {"megatron-sc21-table1", "mt-nlg-530b", "korthikanti-20
 #   FSDP2 reducing in fp32 (default_mp_policy): master_weights false, adam_moments param_dtype (its
 #   AdamW's moments are zeros_like the bf16 parameters). Its scripts/train.py compiles the model
 #   (torch.compile; the report's runs but one), what `fused` counts.
+# - defer_grad_sync (training.defer_grad_sync): KempnerForge's FSDP2 accumulation turns the gradient
+#   sync off but on the last micro-batch (kempnerforge/training/grad.py maybe_no_sync at 01b461a:
+#   model.set_requires_gradient_sync(False)); the others reduce-scatter every micro-batch's.
 _MEGATRON_LOSS = "fused-fp32-loss"  # fused blocks, Megatron-LM's default float32 loss (above)
 SOURCES = {
     "megatron-sc21-table1": dict(elementwise_kernels=_MEGATRON_LOSS, zeros=(0,)),
@@ -66,16 +69,18 @@ SOURCES = {
     "torchtitan-2024-12": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
     "torchtitan-2025-06": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
     "torchao-2025-03": dict(fsdp_copies=True, zeros=(3,), selective_recompute="ops"),
-    "kempnerforge-2026-04": dict(fsdp_copies=True, master_weights=False, adam_moments="param_dtype"),
+    "kempnerforge-2026-04": dict(fsdp_copies=True, master_weights=False, adam_moments="param_dtype",
+                                 defer_grad_sync=True),
 }
 
 
 def source_settings(source: str, arch: str) -> dict:
     """attention, dropout, elementwise_kernels, fsdp_copies, selective_recompute, master_weights,
-    adam_moments and the ZeRO levels to try for a source."""
+    adam_moments, defer_grad_sync and the ZeRO levels to try for a source."""
     return {"attention": "unfused" if source in BEFORE_FLASH_ATTENTION else "flash", "selective_recompute": "attention",
             "dropout": 0.1 if arch == "gpt" else 0.0, "elementwise_kernels": "fused", "fsdp_copies": False,
-            "master_weights": True, "adam_moments": "fp32", "zeros": (0, 1, 2, 3), **SOURCES.get(source, {})}
+            "master_weights": True, "adam_moments": "fp32", "defer_grad_sync": False, "zeros": (0, 1, 2, 3),
+            **SOURCES.get(source, {})}
 
 
 # Megatron-LM's scripts for the SC21 paper, examples/sc21/run_table_1.sh at tag v2.6 (commit

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from planner.comm import gather_beside_forward, plays_last_backward, reduce_beside_backward
+from planner.fsdp_memory import grads_sharded
 from planner.layers import tied_head
 from planner.memory import held_i_to_w_bytes
 from planner.orders import interleaved_sequence, rank_order
@@ -306,7 +307,7 @@ class Bounds:
             state, (copy_f, copy_b, copy_s) = self._per_param(z)
             ag = s_ag * e if z == 3 else 0.0
             sync = (s_ar if z == 0 else s_rs) * ctx.gb
-            beside = ag + sync if (z >= 2 and dp > 1 and mbs > 1) else ag
+            beside = ag + sync if (dp > 1 and mbs > 1 and grads_sharded(z, mbs, ctx.train.defer_grad_sync)) else ag
             step = ctx.osb / ctx.bw / (dp if z >= 1 else 1) + copy_s + (s_ag * e if z in (1, 2) and not hidden else 0.0)
             if cfg.v == 1 and not beside_b:  # evaluate counts a rank's first stage's sync (HSDP: and the replicas')
                 step += sync + (s_rep if z >= 1 else 0.0)

@@ -100,6 +100,8 @@ def cmd_plan(args) -> int:
                            (args.virtual_stages > 1 and args.pp == 1, "--virtual-stages has no effect with --pp 1"),
                            (args.tp_comm_overlap and not args.sequence_parallel,
                             "--tp-comm-overlap has no effect without --sequence-parallel"),
+                           (args.defer_grad_sync and (args.zero < 2 or plan.pipeline.micro_batches == 1),
+                            "--defer-grad-sync has no effect without ZeRO 2 or 3 and several micro-batches"),
                            (True, dropout_note(args))):
         if asked and ignored:
             print(f"trident: note: {ignored}", file=sys.stderr)

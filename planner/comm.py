@@ -150,9 +150,10 @@ def plays_last_backward(training, cluster: ClusterSpec, zero: int, shards: int, 
     on one communicator (planner.schedule.beside_backward; priced so in planner.cost, bounded so
     in planner.menus and planner.bounds): its reduction runs beside it (reduce_beside_backward)
     over more than one shard, the backward is not split, and it has ZeRO 3's gathers or ZeRO 2/3's
-    reduce-scatters of an earlier micro-batch to replace."""
+    reduce-scatters of an earlier micro-batch to replace (not where training.defer_grad_sync keeps them
+    to the last)."""
     return (reduce_beside_backward(training, cluster) and shards > 1 and not split and zero >= 2
-            and (zero == 3 or micro_batches > 1))
+            and (zero == 3 or (micro_batches > 1 and not training.defer_grad_sync)))
 
 
 def clip_norm_comm(cluster: ClusterSpec, mesh, pp_rank: int, fsdp: bool, partial_bytes: float = 0.0) -> float:

@@ -153,8 +153,8 @@ def configs(ctx, global_batch: int):
                         scheds += [("1f1b", 1)] if ("1f1b", 1) not in scheds else []
                     elif s == "interleaved-1f1b":
                         scheds += [(s, v) for v in sp_.virtual_stages if v > 1 and pp * v <= total and mbs % pp == 0]
-                    elif s == "zbv":
-                        if 2 * pp <= total:
+                    elif s == "zbv":  # not with the sync deferred (planner.plan_checks)
+                        if 2 * pp <= total and not ctx.train.defer_grad_sync:
                             scheds.append((s, 2))
                     elif s == "gpipe" or mbs >= pp:  # 1F1B needs a micro-batch per stage (planner.plan)
                         scheds.append((s, 1))

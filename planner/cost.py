@@ -49,6 +49,7 @@ from planner.cluster import ClusterSpec
 from planner.comm import (backward_gathers, clip_norm_comm, exposed_beside, gather_beside_forward, overlap_steal,
                           plays_last_backward, reduce_beside_backward, runtime_sync, sync_parts, tied_grad_comm)
 from planner.fp8 import gathered_bytes_per_param
+from planner.fsdp_memory import grads_sharded
 from planner.layers import layer_cost, partial_grad_params, replicated_params, tied_head
 from planner.memory import memory_by_rank
 from planner.model import ConfigError
@@ -170,6 +171,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             dense = cluster.collective_time(op, (p - x) * per_param, dp_ranks)
             return dense + (cluster.collective_time(op, x * per_param, ex_ranks) if x else 0.0)
         grad_total = params * gb
+        # ZeRO 2/3 reduce-scatter each micro-batch's gradients, unless deferred to the last (ZeRO 1's)
+        reduces_each = mbs > 1 and grads_sharded(st.zero, mbs, t.defer_grad_sync)
         zero3_f = zero3_b = zero3_w = 0.0
         split = split_backward(pipe.schedule, pp)  # its backward is two operations, I and W
         measured_dp = dp > 1 and all(c.dp_measured for c in costs)
@@ -188,7 +191,8 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         # (measured with the data-parallel wrapping where the model profile has it)
         copy_f = copy_b = copy_step = 0.0
         if t.fsdp_copies and not measured_dp:
-            copy_f, copy_b, copy_step = (x * params / bw for x in fsdp_copy_bytes(st.zero, shard, mbs, e, gb))
+            copy_f, copy_b, copy_step = (x * params / bw for x in fsdp_copy_bytes(st.zero, shard, mbs, e, gb,
+                                                                                  t.defer_grad_sync))
         if measured_dp:  # the model profile measured the runtime's data-parallel wrapping itself
             zero3_f = sum(c.dp_measured["forward_s"] for c in costs)
             zero3_b = sum(c.dp_measured["backward_s"] for c in costs)
@@ -196,7 +200,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
             # all-reduces the whole chunk's gradients at once: one collective, priced by the cluster
             sync = (cluster.collective_time("all_reduce", grad_total, dp_ranks) if st.zero == 0 else
                     sum(c.dp_measured["backward_sync_s"] for c in costs))
-            if st.zero >= 2 and mbs > 1:  # every backward is a synchronizing one, as measured
+            if reduces_each:  # every backward is a synchronizing one, as measured
                 zero3_b, sync = zero3_b + sync, 0.0
             sync += replicas
         elif dp <= 1:
@@ -206,7 +210,7 @@ def estimate(plan: Plan, cluster: ClusterSpec, memory_limit_bytes: float | None 
         else:
             rs = dp_collective("reduce_scatter", gb)
             sync = rs + replicas
-            if st.zero >= 2 and mbs > 1:  # each micro-batch's, beside its backward (and its gathers)
+            if reduces_each:  # each micro-batch's, beside its backward (and its gathers)
                 zero3_b = exposed_beside(ag_b + rs, comp_b, steal)
         parts = ()
         if sync and not measured_dp and reduce_beside_backward(t, cluster):

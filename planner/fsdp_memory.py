@@ -5,15 +5,24 @@ the reduce-scatter inputs of each ZeRO level. planner.memory adds them to a rank
 from __future__ import annotations
 
 
-def grads_sharded(zero: int, micro_batches: int) -> bool:
+def grads_sharded(zero: int, micro_batches: int, defer: bool = False) -> bool:
     """Whether a stage holds its gradients sharded over data parallelism between micro-batches:
     ZeRO 2 and 3 reduce-scatter every micro-batch's (the ZeRO paper's P_os+g and P_os+g+p);
-    ZeRO 1 accumulates them unsharded and reduces once, after the last."""
-    return zero >= 2
+    ZeRO 1 accumulates them unsharded and reduces once, after the last, as ZeRO 2 and 3 do where
+    the sync is deferred (`defer`: training.defer_grad_sync, with more than one micro-batch)."""
+    return zero >= 2 and not (defer and micro_batches > 1)
+
+
+def gradient_zero(zero: int, micro_batches: int, defer: bool) -> int:
+    """The ZeRO level whose gradients a stage's are: ZeRO 1's for ZeRO 2 and 3 whose sync is
+    deferred to the last of several micro-batches (training.defer_grad_sync), its own otherwise.
+    ZeRO 2 deferred is ZeRO 1 (its parameters stay gathered across micro-batches either way);
+    ZeRO 3 deferred keeps its sharded parameters, gathered for each forward and backward."""
+    return 1 if zero >= 2 and not grads_sharded(zero, micro_batches, defer) else zero
 
 
 def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: float, ob: float,
-                     spb: float, fsdp: bool = False) -> tuple[float, float, float]:
+                     spb: float, fsdp: bool = False, defer: bool = False) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes per parameter a device holds at a ZeRO level:
     the ZeRO paper's partitioning of optimizer states (1+), gradients (grads_sharded) and
     parameters (3: FSDP2's shard, spb bytes each; planner.precision). `fsdp`: FSDP2 shards them
@@ -21,7 +30,7 @@ def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: floa
     its shard and gathering the working copy for the layer alone, as over several."""
     shard = dp if dp > 1 else 1
     return (spb / shard if zero == 3 and (shard > 1 or fsdp) else pb,
-            gb / (shard if grads_sharded(zero, micro_batches) else 1),
+            gb / (shard if grads_sharded(zero, micro_batches, defer) else 1),
             ob / (shard if zero >= 1 else 1))
 
 
@@ -47,7 +56,7 @@ def fsdp_groups(tie_embeddings: bool, embedding: float | None, head: float | Non
 def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list, root_params: float,
                      pb: float, gb: float, shard_pb: float | None = None, split: bool = False,
                      rs_temp: bool = False, own: tuple = (0.0, 0.0), head_held: bool = False,
-                     resharded: bool = False) -> tuple[float, float]:
+                     resharded: bool = False, defer: bool = False) -> tuple[float, float]:
     """(held, transient): bytes the runtime's ZeRO (FSDP2 fully_shard per block, on the embedding
     and on the head, and on the stage's root module) holds beyond the ZeRO paper's accounting of
     one stage, per device; `held` all step, `transient` only while the stage computes, so a rank
@@ -65,7 +74,8 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     rank the head's backward is a moment of its own. ZeRO 2 and 3 reduce-scatter in every
     backward, group by group: their transient is the backward's worst moment (backward_moments).
     ZeRO 2/3 with several micro-batches keep the last input of each backward until the next: held
-    by every stage of a rank.
+    by every stage of a rank. Deferring the sync (`defer`, training.defer_grad_sync) makes ZeRO 2
+    ZeRO 1; ZeRO 3 then reduce-scatters in its last backward alone, which keeps nothing after it.
     Under a split backward (`split`: zbv's I and W, runtime.pipeline) ZeRO 2 and 3 compute a
     chunk's weight gradients at once (W) before reduce-scattering them group by group: the whole
     chunk's unsharded gradients beside one group's flat input; ZeRO 3 also gathers the whole
@@ -79,6 +89,8 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     Measured on CPU against run.json peaks (benchmarks/zero_memory.py,
     benchmarks/prediction_accuracy.py; tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
     emb, head = own
+    if zero == 2 and gradient_zero(zero, micro_batches, defer) == 1:
+        zero = 1  # ZeRO 2 deferring its sync is ZeRO 1
     if zero == 0:  # replicate: the chunk is one group
         root_params, emb, head = root_params + emb + head, 0.0, 0.0
     blocks = list(block_params)
@@ -89,7 +101,7 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     # (runtime.pipeline), the head's, else the last block's, else the embedding's or the root's
     last = ((head or (blocks[-1] if blocks else emb or root_params)) if split
             else (root_params or emb or (blocks[0] if blocks else head)))
-    retains = zero >= 2 and dp > 1 and (micro_batches > 1 or split)
+    retains = zero >= 2 and dp > 1 and (micro_batches > 1 or split) and grads_sharded(zero, micro_batches, defer)
     held, transient = _fsdp_extra(zero, dp, blocks, root_params, pb, gb, shard_pb, emb, head,
                                   head_held or split)
     if split and zero >= 2 and dp > 1:

@@ -269,8 +269,8 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             block_params = [c.params for c, k in zip(si["costs"], kinds) if k == "block"]
             ends = {k: c.params for c, k in zip(si["costs"], kinds) if k != "block"}
             root_params, own = fsdp_groups(m.tie_embeddings, ends.get("embedding"), ends.get("head"))
-            ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb)
-            xs = zero_state_bytes(st.zero, dpx, mbs, pb, gb, ob, spb, fsdp=True)
+            ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb, defer=t.defer_grad_sync)
+            xs = zero_state_bytes(st.zero, dpx, mbs, pb, gb, ob, spb, fsdp=True, defer=t.defer_grad_sync)
             p_bytes, g_bytes = p_bytes + (P - X) * ps + X * xs[0], g_bytes + (P - X) * gs + X * xs[1]
             o_bytes += (P - X) * os_ + X * xs[2]
             grads_of[i] = (P - X) * gs + X * xs[1]
@@ -281,7 +281,7 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
                 p_bytes, o_bytes = p_bytes + moved, o_bytes - moved
             held, transient = fsdp_extra_parts(st.zero, dp, mbs, block_params, root_params, pb, gb, spb,
                                                two, rs_temp, own, head_held=v > 1,
-                                               resharded=pp == 1 and mbs == 1)
+                                               resharded=pp == 1 and mbs == 1, defer=t.defer_grad_sync)
             if first:
                 block_acts = [c.activation_bytes for c, k in zip(si["costs"], kinds) if k == "block"]
                 first_bytes = float(first_backward_bytes(

@@ -19,7 +19,7 @@ import numpy as np
 
 from planner.comm import exposed_beside, gather_beside_forward, plays_last_backward, reduce_beside_backward
 from planner.layers import tied_head
-from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups
+from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_groups, grads_sharded
 from planner.memory import (accumulation_bytes, document_mask_bytes, first_backward_bytes, held_i_to_w_bytes,
                             tied_matrix_grad_bytes)
 from planner.model import RECOMPUTE_MODES
@@ -305,7 +305,7 @@ class Menus:
         # what runs in a forward or backward, collectives included, counts as work where measured
         # layers are (Ctx.work: processes sharing compute, as the estimate plays them); the step's
         # gradient sync, optimizer and gathers do not
-        w = ctx.work
+        w, defer = ctx.work, ctx.train.defer_grad_sync
         for zi, z in enumerate(self.zeros):
             state, copies = self._per_param(z)
             ag, ag_b = (gathered, gathered_b) if z == 3 else (np.zeros(nk), np.zeros(nk))
@@ -317,7 +317,7 @@ class Menus:
                 beside_sync[0][zi] = sync + np.where(l1 >= 0, red[l1], 0.0)  # the last two
                 beside_sync[2][zi] = kf * red[0] + red[1:].sum() + replicas  # all
             # ZeRO-2/3 reduce-scatter each micro-batch's gradients beside its backward
-            beside = w * (ag_b + reduced if (z >= 2 and dp > 1 and mbs > 1) else ag_b)
+            beside = w * (ag_b + reduced if (dp > 1 and mbs > 1 and grads_sharded(z, mbs, defer)) else ag_b)
             # its last backward plays its gathers with the reduction's parts (planner.cost): it lasts
             # at least its work and steal x the gathers (the compute idles or slows while they run)
             played = plays_last_backward(ctx.train, ctx.cluster, z, dp, mbs, split)
@@ -340,12 +340,12 @@ class Menus:
             opt = (P + X * (cfg.ep - 1)) / (dp if z >= 1 else 1) * ctx.osb / ctx.bw
             gather = (gathered_step if z in (1, 2) else 0.0) + copy_s
             # all FSDP2's buffers depend on, and k
-            extra = (z, dp, mbs > 1, split, cfg.v > 1, cfg.pp == 1, blk[0].params, groups)
+            extra = (z, dp, mbs > 1, split, cfg.v > 1, cfg.pp == 1, blk[0].params, groups, defer)
             if len(ctx._fsdp_extra.get(extra, ())) <= max(ks):  # every k up to the largest, at once
                 ctx._fsdp_extra[extra] = np.array([
                     fsdp_extra_parts(z, dp, mbs, [blk[0].params] * k, groups[0], ctx.pb, ctx.gb, ctx.spb, split,
                                      ctx.cluster.backend == "gloo", groups[1], head_held=cfg.v > 1,
-                                     resharded=cfg.pp == 1 and mbs == 1)
+                                     resharded=cfg.pp == 1 and mbs == 1, defer=defer)
                     for k in range(max(ks) + 1)])
             held_b, transient = ctx._fsdp_extra[extra][list(ks)].T
             fsdp = np.full(nk, forward_loss_bytes(z, dp, groups[1][1], ctx.pb, cfg.v > 1))  # beside the loss

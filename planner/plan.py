@@ -59,7 +59,7 @@ ADDED_OPTIONS = {"training": ("fp8", "fp8_param_gather", "tp_comm_overlap", "ove
                               "async_tp_allreduce", "grad_accumulation", "elementwise_kernels", "fsdp_copies",
                               "sp_saved_inputs", "selective_recompute", "lr_warmup_steps", "lr_decay", "lr_decay_steps",
                               "min_lr", "attention_dropout", "document_mask", "eod_mask_loss", "reset_position_ids",
-                              "moe_aux_loss", "moe_load_factor", "adam_moments"),
+                              "moe_aux_loss", "moe_load_factor", "adam_moments", "defer_grad_sync"),
                  "pipeline": ("lockstep", "recv_buffers", "p2p", "sent_outputs"), "mesh": ("dp_replicate", "cp", "ep")}
 
 
@@ -147,17 +147,17 @@ class Training:
     # reduce buffers on the compute stream (FSDP2 and replicate, the runtime's; planner.precision
     # fsdp_copy_bytes); false: flat buffers with nothing to copy (Megatron-LM's DDP, FSDP1)
     fsdp_copies: bool = True
-    # what a column-parallel linear keeps for its weight gradient under sequence parallelism: "shard", this
-    # rank's sequence shard, all-gathered again in the backward (Megatron-LM's LinearWithGradAccumulation-
-    # AndAsyncCommunication, Korthikanti et al. 2022's accounting; runtime.sp_shard); "gathered", the whole
-    # input, as DTensor's ColwiseParallel keeps it: more memory (planner.precision.sp_gathered_bytes), no
-    # second all-gather (planner.comm.tp_comm)
+    # ZeRO 2/3 reduce-scatter in the last micro-batch's backward alone (FSDP2 gradient sync off before it)
+    defer_grad_sync: bool = False
+    # what a column-parallel linear keeps for its weight gradient under sequence parallelism: "shard", this rank's
+    # sequence shard, all-gathered again in the backward (Megatron-LM's LinearWithGradAccumulationAndAsync-
+    # Communication, Korthikanti et al. 2022's accounting; runtime.sp_shard); "gathered", the whole input, as
+    # DTensor's ColwiseParallel keeps it: more memory (planner.precision.sp_gathered_bytes), no 2nd all-gather
     sp_saved_inputs: str = "shard"
     selective_recompute: str = "attention"  # under "selective": attention core (Korthikanti's) | ops (planner.sac)
-    # the learning rate of each step (runtime.optim.lr_at; Megatron-LM's --lr-warmup-iters,
-    # --lr-decay-style, --lr-decay-iters, --min-lr): a linear warm-up to lr over the first
-    # lr_warmup_steps steps, then lr_decay ("constant", "linear" or "cosine") down to min_lr at step
-    # lr_decay_steps (counted from the first step, warm-up included), min_lr after it
+    # the learning rate of each step (runtime.optim.lr_at; Megatron-LM's --lr-warmup-iters, --lr-decay-style,
+    # --lr-decay-iters, --min-lr): a linear warm-up to lr over the first lr_warmup_steps steps, then lr_decay
+    # ("constant", "linear" or "cosine") down to min_lr at step lr_decay_steps (from the first step), min_lr after
     lr_warmup_steps: int = 0
     lr_decay: str = "constant"
     lr_decay_steps: int = 0

@@ -66,6 +66,7 @@ def check(plan) -> None:
     _need(isinstance(t.async_tp_allreduce, bool), "training.async_tp_allreduce", "must be true or false")
     _need(isinstance(t.tp_comm_overlap, bool), "training.tp_comm_overlap", "must be true or false")
     _need(isinstance(t.fsdp_copies, bool), "training.fsdp_copies", "must be true or false")
+    _need(isinstance(t.defer_grad_sync, bool), "training.defer_grad_sync", "must be true or false")
     _need(isinstance(t.document_mask, bool), "training.document_mask", "must be true or false")
     _need(isinstance(t.eod_mask_loss, bool), "training.eod_mask_loss", "must be true or false")
     _need(isinstance(t.reset_position_ids, bool), "training.reset_position_ids", "must be true or false")
@@ -216,4 +217,6 @@ def check(plan) -> None:
     _need(mesh.dp_replicate == 1 or all(st.zero >= 1 for st in p.stages), "mesh.dp_replicate",
           f"{mesh.dp_replicate} (HSDP) shards within groups of dp / dp_replicate, which needs ZeRO 1-3 on every "
           "stage; set the stages' zero to 1, 2 or 3, or dp_replicate to 1")
+    _need(not (t.defer_grad_sync and p.schedule == "zbv" and mesh.pp > 1), "training.defer_grad_sync",
+          "true is not for zbv, whose split backward reduces each micro-batch's weight gradients at W; set it false")
     _need(plan.prediction is None or isinstance(plan.prediction, dict), "prediction", "must be an object or null")

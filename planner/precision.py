@@ -8,6 +8,7 @@ runtime (FSDP2 MixedPrecisionPolicy) and Megatron-LM's bf16 runs hold their grad
 """
 from __future__ import annotations
 
+from planner.fsdp_memory import gradient_zero
 from planner.plan import DTYPES
 
 ADAM_STATE_BYTES = 8  # two float32 moments per parameter
@@ -68,7 +69,8 @@ def grad_bytes(t) -> int:
     return max(e, 4)
 
 
-def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int) -> tuple[int, int, int]:
+def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int,
+                    defer: bool = False) -> tuple[int, int, int]:
     """(per forward, per backward, per step) bytes per parameter that the runtime's data
     parallelism copies on the compute stream around its collectives (torch 2.13,
     torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): foreach_all_gather_copy_out reads
@@ -79,10 +81,15 @@ def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int) -> 
     before every forward and backward and reduce-scatters every backward; ZeRO-2 reduce-scatters
     every backward and gathers once a step; ZeRO-1 and 0 reduce once a step, ZeRO-1 gathering once.
     Frameworks that gather into and reduce from flat buffers (Megatron-LM's DDP, PyTorch's FSDP1)
-    copy nothing (training.fsdp_copies false). Nothing without data parallelism."""
+    copy nothing (training.fsdp_copies false). Nothing without data parallelism. Deferring the
+    sync to the last of several micro-batches (`defer`, training.defer_grad_sync) copies in once a
+    step: ZeRO 2 is then ZeRO 1 (planner.fsdp_memory.gradient_zero)."""
     if dp <= 1:
         return 0, 0, 0
     gather, reduce = 2 * e, e + gb
+    zero = gradient_zero(zero, micro_batches, defer) if zero == 2 else zero
+    if zero == 3 and defer and micro_batches > 1:
+        return gather, gather, reduce
     if zero == 3:
         return gather, gather + reduce, 0
     if zero == 2:

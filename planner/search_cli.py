@@ -52,6 +52,9 @@ def _search_space(args):
     if args.virtual_stages is not None and args.schedule is not None and "interleaved-1f1b" not in args.schedule:
         raise ConfigError("--virtual-stages: model chunks per rank are for --schedule interleaved-1f1b, which "
                           f"--schedule {','.join(args.schedule)} leaves out; add it or drop --virtual-stages")
+    if args.defer_grad_sync and args.schedule is not None and set(args.schedule) == {"zbv"}:
+        raise ConfigError("--defer-grad-sync: not with --schedule zbv, whose split backward reduces each "
+                          "micro-batch's weight gradients; add another schedule or drop --defer-grad-sync")
     if args.sequence_parallel is not None:
         space = replace(space, sequence_parallel=(args.sequence_parallel == "on",))
     if args.even_stages:

@@ -238,9 +238,10 @@ class StageCosts(Menus, Bounds):
         the experts expert parallelism spreads, which FSDP2 shards over shards / ep ranks (planner.memory)."""
         ctx, cfg = self.ctx, self.cfg
         if experts:
-            return zero_state_bytes(z, cfg.shards // cfg.ep, cfg.micro_batches, ctx.pb, ctx.gb, ctx.ob, ctx.spb, fsdp=True)
+            return zero_state_bytes(z, cfg.shards // cfg.ep, cfg.micro_batches, ctx.pb, ctx.gb, ctx.ob, ctx.spb,
+                                    fsdp=True, defer=ctx.train.defer_grad_sync)
         states = (ctx.pb, ctx.gb, ctx.ob) if cfg.shards > 1 else ctx.states_dp1
-        return zero_state_bytes(z, cfg.shards, cfg.micro_batches, *states, ctx.spb)
+        return zero_state_bytes(z, cfg.shards, cfg.micro_batches, *states, ctx.spb, defer=ctx.train.defer_grad_sync)
 
     def _per_param(self, z):
         """Per parameter at ZeRO level z: the bytes the ZeRO paper counts (_state) and the seconds of
@@ -248,7 +249,8 @@ class StageCosts(Menus, Bounds):
         memo = self.__dict__.setdefault("_per_param_memo", {})
         if z not in memo:
             ctx, cfg = self.ctx, self.cfg
-            copies = ((x / ctx.bw for x in fsdp_copy_bytes(z, cfg.shards, cfg.micro_batches, ctx.e, ctx.gb))
+            copies = ((x / ctx.bw for x in fsdp_copy_bytes(z, cfg.shards, cfg.micro_batches, ctx.e, ctx.gb,
+                                                           ctx.train.defer_grad_sync))
                       if ctx.train.fsdp_copies else (0.0, 0.0, 0.0))
             memo[z] = sum(self._state(z)), tuple(copies)
         return memo[z]

@@ -82,6 +82,9 @@ def add_framework_args(p) -> None:
     g.add_argument("--no-fsdp-copies", action="store_true",
                    help="data parallelism gathers into and reduces from flat buffers, with none of FSDP2's "
                         "copies (Megatron-LM's DDP, DeepSpeed, FSDP1; prediction only)")
+    g.add_argument("--defer-grad-sync", action="store_true",
+                   help="ZeRO 2/3 reduce-scatter once, in the last micro-batch's backward, the others accumulating "
+                        "unsharded gradients (FSDP2's set_requires_gradient_sync(False), FSDP1's no_sync)")
     g.add_argument("--recv-buffers", choices=("preallocated", "in-flight"), default="in-flight",
                    help="pipeline receive buffers: only those in flight (the runtime, Megatron-LM, DeepSpeed) or "
                         "one per micro-batch held all step (torch.distributed.pipelining's own)")
@@ -149,4 +152,4 @@ def training_settings(args) -> dict:
                                                       "dropout", "attention_dropout", "document_mask", "eod_mask_loss",
                                                       "reset_position_ids", "moe_aux_loss",
                                                       "moe_load_factor", "fp8", "fp8_param_gather",
-                                                      "tp_comm_overlap")})
+                                                      "tp_comm_overlap", "defer_grad_sync")})

@@ -51,9 +51,9 @@ class _Stage(PipelineStage):
 
     The last stage's output, the logits, is freed once its loss is computed (_freeing_logits)."""
 
-    def __init__(self, *args, zero: int = 0, recv_buffers: str = "preallocated", **kwargs):
+    def __init__(self, *args, zero: int = 0, recv_buffers: str = "preallocated", defer: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self._zero = zero
+        self._zero, self._defer = zero, defer
         self._in_flight = recv_buffers == "in-flight"
         self._losses: dict = {}
         self.sends: _Sends | None = None  # the rank's, under torch's action runtime (build_schedule)
@@ -168,7 +168,7 @@ class _Stage(PipelineStage):
         # input then, which it keeps between micro-batches
         self.submod.set_is_last_backward(last_backward)
         self.submod.set_reshard_after_backward(self._zero == 3)
-        self.submod.set_requires_gradient_sync(True)
+        self.submod.set_requires_gradient_sync(last_backward or not self._defer)  # training.defer_grad_sync
         self.submod.set_requires_all_reduce(last_backward)  # HSDP: across the replicas once, at the end
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
@@ -255,7 +255,7 @@ def build_schedule(plan: Plan, chunks: list[nn.Module], stage_ids: list[int], pp
     n_stages = len(plan.pipeline.stages)
     sharded = plan.mesh.grad_ranks > 1  # data parallelism wraps the chunks (dp x cp)
     stages = [_Stage(chunk, sid, n_stages, device, group=pp_group, zero=plan.pipeline.stages[sid].zero if sharded else 0,
-                     recv_buffers=plan.pipeline.recv_buffers)
+                     recv_buffers=plan.pipeline.recv_buffers, defer=plan.training.defer_grad_sync)
               for chunk, sid in zip(chunks, stage_ids)]
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     loss_fn = _freeing_logits(loss_fn)

@@ -122,14 +122,15 @@ class Trainer:
 
     def _set_grad_sync(self, last: bool):
         """Gradients reduce on the step's last micro-batch, except under ZeRO 2 and 3, which
-        reduce-scatter every micro-batch's and accumulate them sharded. ZeRO 1/2 keep the gathered
+        reduce-scatter every micro-batch's and accumulate them sharded (unless the plan defers their
+        sync too, training.defer_grad_sync: unsharded until the last). ZeRO 1/2 keep the gathered
         parameters until the last one (FSDP2 would free them after each backward and gather them
         again for every micro-batch: the plan prices one gather per step); ZeRO 3 frees them."""
         from torch.distributed.fsdp import FSDPModule
         for c, sid in zip(self.chunks, self.stage_ids):
             if isinstance(c, FSDPModule):
                 zero = self.plan.pipeline.stages[sid].zero
-                c.set_requires_gradient_sync(last or zero >= 2)
+                c.set_requires_gradient_sync(last or (zero >= 2 and not self.plan.training.defer_grad_sync))
                 c.set_requires_all_reduce(last)  # HSDP: the replicas all-reduce the accumulated shard once
                 if zero in (1, 2):
                     c.set_reshard_after_backward(last)

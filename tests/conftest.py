@@ -43,8 +43,9 @@ IN_PROCESS = {  # a new module is left out (run one test at a time) until it is 
 
 
 SIDE_BY_SIDE = {  # start ranks; check nothing their speed or load moves (a new module stays out until checked)
-    "test_bad_input", "test_blend", "test_checkpoint", "test_context_parallel", "test_documents", "test_dropout",
-    "test_evaluate", "test_first_backward", "test_fp16", "test_fsdp_groups", "test_heap_trace", "test_hf_weights",
+    "test_bad_input", "test_blend", "test_checkpoint", "test_context_parallel", "test_defer_grad_sync",
+    "test_documents", "test_dropout", "test_evaluate", "test_first_backward", "test_fp16", "test_fsdp_groups",
+    "test_heap_trace", "test_hf_weights",
     "test_hsdp", "test_loss", "test_lr_schedule", "test_moe", "test_pipeline_buffers", "test_runtime",
     "test_runtime_cli", "test_sac_runtime", "test_sequence_parallel", "test_tied", "test_tokens", "test_vocab",
 }

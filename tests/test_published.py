@@ -39,7 +39,8 @@ _SPEC.loader.exec_module(published)
 # "selective layer" ones (every second block in full): torchtitan 14.3% / 17.8% (the five new rows
 # -13.4% to -17.8%, as fast as its others), FP8 13.8% / 29.9%. Session 67 added KempnerForge's one-node H200
 # runs: 13.1% / 24.9% (FSDP2 -1.3%, +2.8%; one GPU +8.8%; DTensor TP -16.2% to -24.9%). Session 68
-# priced them on 4-GPU HGX H200 nodes (NVLink pairwise, 6 links a pair, no NVSwitch): 9.0% / 16.2%.
+# priced them on 4-GPU HGX H200 nodes (NVLink pairwise, 6 links a pair, no NVSwitch): 9.0% / 16.2%;
+# then with KempnerForge's deferred gradient sync (training.defer_grad_sync): 9.1% / 16.2%.
 CEILINGS = {
     "heldout_fp8.csv": (0.139, 0.30),
     "heldout_dgxc.csv": (0.098, 0.223),
