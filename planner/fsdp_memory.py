@@ -22,15 +22,19 @@ def gradient_zero(zero: int, micro_batches: int, defer: bool) -> int:
 
 
 def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: float, ob: float,
-                     spb: float, fsdp: bool = False, defer: bool = False) -> tuple[float, float, float]:
+                     spb: float, fsdp: bool = False, defer: bool = False,
+                     deferred_gb: float | None = None) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes per parameter a device holds at a ZeRO level:
     the ZeRO paper's partitioning of optimizer states (1+), gradients (grads_sharded) and
     parameters (3: FSDP2's shard, spb bytes each; planner.precision). `fsdp`: FSDP2 shards them
     even over one rank (an expert-parallel group holding all the dp ranks: runtime.moe), keeping
-    its shard and gathering the working copy for the layer alone, as over several."""
+    its shard and gathering the working copy for the layer alone, as over several. ZeRO 2 and 3
+    deferring their sync (`defer`) hold their gradients unsharded, `deferred_gb` bytes each
+    (planner.precision.deferred_grad_bytes; gb where not given)."""
     shard = dp if dp > 1 else 1
+    deferred = zero >= 2 and (shard > 1 or fsdp) and not grads_sharded(zero, micro_batches, defer)
     return (spb / shard if zero == 3 and (shard > 1 or fsdp) else pb,
-            gb / (shard if grads_sharded(zero, micro_batches, defer) else 1),
+            (deferred_gb or gb) if deferred else gb / (shard if zero >= 2 else 1),
             ob / (shard if zero >= 1 else 1))
 
 

@@ -12,7 +12,8 @@ from planner.fsdp_memory import forward_loss_bytes, fsdp_extra_parts, fsdp_group
 from planner.model import ModelConfig
 from planner.moe import ffn_width, largest_ffn_param
 from planner.plan import DTYPES, Plan, split_backward
-from planner.precision import ADAM_STATE_BYTES, casts_weights, keeps_shards, model_state_bytes, sharded_param_bytes
+from planner.precision import (ADAM_STATE_BYTES, casts_weights, deferred_grad_bytes, keeps_shards, model_state_bytes,
+                               sharded_param_bytes)
 from planner.orders import peak_with_gradients
 from planner.sends import unproven_sends
 
@@ -269,8 +270,9 @@ def memory_by_rank(plan: Plan, stage_info: list, rs_temp: bool = False) -> list[
             block_params = [c.params for c, k in zip(si["costs"], kinds) if k == "block"]
             ends = {k: c.params for c, k in zip(si["costs"], kinds) if k != "block"}
             root_params, own = fsdp_groups(m.tie_embeddings, ends.get("embedding"), ends.get("head"))
-            ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb, defer=t.defer_grad_sync)
-            xs = zero_state_bytes(st.zero, dpx, mbs, pb, gb, ob, spb, fsdp=True, defer=t.defer_grad_sync)
+            deferred = dict(defer=t.defer_grad_sync, deferred_gb=deferred_grad_bytes(t))
+            ps, gs, os_ = zero_state_bytes(st.zero, dp, mbs, pb, gb, ob, spb, **deferred)
+            xs = zero_state_bytes(st.zero, dpx, mbs, pb, gb, ob, spb, fsdp=True, **deferred)
             p_bytes, g_bytes = p_bytes + (P - X) * ps + X * xs[0], g_bytes + (P - X) * gs + X * xs[1]
             o_bytes += (P - X) * os_ + X * xs[2]
             grads_of[i] = (P - X) * gs + X * xs[1]

@@ -69,6 +69,17 @@ def grad_bytes(t) -> int:
     return max(e, 4)
 
 
+def deferred_grad_bytes(t) -> int:
+    """Bytes per gradient element that FSDP2 accumulates unsharded where its sync is deferred
+    (training.defer_grad_sync): its reduce dtype, float32 (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py, to_accumulated_grad_if_needed: the unsharded gradient is cast to the reduce dtype
+    to accumulate), unless gradients add up in 16 bits (training.grad_accumulation separate-16bit,
+    fused-16bit: a 16-bit reduce dtype). Pure 16-bit training (no master weights) reducing in
+    float32, KempnerForge's (its MixedPrecisionPolicy), holds 4 bytes there where grad_bytes counts 2."""
+    e = DTYPES[t.dtype]
+    return e if t.grad_accumulation in ("separate-16bit", "fused-16bit") else max(e, 4)
+
+
 def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int,
                     defer: bool = False) -> tuple[int, int, int]:
     """(per forward, per backward, per step) bytes per parameter that the runtime's data

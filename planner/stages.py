@@ -29,7 +29,7 @@ from planner.fsdp_memory import zero_state_bytes
 from planner.memory import backward_flow_bytes, first_backward_binds, first_backward_peak, stage_recv_bytes
 from planner.menus import Menus
 from planner.pareto import pareto, top_mode
-from planner.precision import fsdp_copy_bytes
+from planner.precision import deferred_grad_bytes, fsdp_copy_bytes
 from planner.model import RECOMPUTE_MODES
 from planner.plan import split_backward, stage_rank
 from planner.bounds import TOL, Bounds
@@ -239,9 +239,11 @@ class StageCosts(Menus, Bounds):
         ctx, cfg = self.ctx, self.cfg
         if experts:
             return zero_state_bytes(z, cfg.shards // cfg.ep, cfg.micro_batches, ctx.pb, ctx.gb, ctx.ob, ctx.spb,
-                                    fsdp=True, defer=ctx.train.defer_grad_sync)
+                                    fsdp=True, defer=ctx.train.defer_grad_sync,
+                                    deferred_gb=deferred_grad_bytes(ctx.train))
         states = (ctx.pb, ctx.gb, ctx.ob) if cfg.shards > 1 else ctx.states_dp1
-        return zero_state_bytes(z, cfg.shards, cfg.micro_batches, *states, ctx.spb, defer=ctx.train.defer_grad_sync)
+        return zero_state_bytes(z, cfg.shards, cfg.micro_batches, *states, ctx.spb, defer=ctx.train.defer_grad_sync,
+                                deferred_gb=deferred_grad_bytes(ctx.train))
 
     def _per_param(self, z):
         """Per parameter at ZeRO level z: the bytes the ZeRO paper counts (_state) and the seconds of

@@ -37,6 +37,17 @@ def test_zero3_deferred_holds_whole_gradients_and_reduces_once():
     assert (a.step_time_s, a.peak_memory_bytes) == (b.step_time_s, b.peak_memory_bytes)
 
 
+def test_deferred_gradients_accumulate_in_the_reduce_dtype():
+    """Without master weights (bf16 gradients, 2 bytes) FSDP2 still accumulates the deferred ones
+    in its float32 reduce dtype; where gradients add up in 16 bits they stay in 2 bytes."""
+    kw = dict(zero=3, master_weights=False, **ZERO3)
+    params = _est(**kw).stages[0]["params"]
+    grads = {acc: _est(defer_grad_sync=True, grad_accumulation=acc, **kw).breakdown["memory"]["gradients_bytes"]
+             for acc in ("separate-fp32", "separate-16bit")}
+    assert grads == {"separate-fp32": pytest.approx(4 * params), "separate-16bit": pytest.approx(2 * params)}
+    assert _est(**kw).breakdown["memory"]["gradients_bytes"] == pytest.approx(2 * params / 2)  # bf16, sharded
+
+
 def test_zero2_deferred_is_zero1():
     z1, z2 = _est(zero=1, **ZERO3), _est(zero=2, defer_grad_sync=True, **ZERO3)
     assert z2.step_time_s == pytest.approx(z1.step_time_s, rel=1e-12)
