@@ -111,13 +111,14 @@ def test_a_pairwise_nvlink_mesh_gives_a_group_its_share_of_the_links(tmp_path, c
     raw = json.loads(out.read_text())
     assert "(k - 1)/3" in raw["sources"]["collectives.all_gather.intra_node.by_group_size"]
     capsys.readouterr()
-    # the shipped profile: the command's output but for its description and the topology's evidence
-    assert main(["cluster", "derive", "hgx-h200-141gb", "--devices-per-node", "4", "--nvlink-mesh",
-                 "--name", "hgx-h200-4gpu-141gb", "-o", str(tmp_path / "h200x4.json")]) == 0
-    written, shipped = (json.loads(p.read_text())
-                        for p in (tmp_path / "h200x4.json", PROFILE_DIR / "hgx-h200-4gpu-141gb.json"))
-    assert "NV6" in shipped["sources"].pop("nvlink_mesh")
-    assert {**written, "description": ""} == {**shipped, "description": ""}
+    # the shipped profiles: the command's output but for their description and the topology's evidence
+    for base, name in (("hgx-h200-141gb", "hgx-h200-4gpu-141gb"), ("dgx-h100-80gb", "hgx-h100-4gpu-80gb")):
+        assert main(["cluster", "derive", base, "--devices-per-node", "4", "--nvlink-mesh",
+                     "--name", name, "-o", str(tmp_path / f"{name}.json")]) == 0
+        written, shipped = (json.loads(p.read_text())
+                            for p in (tmp_path / f"{name}.json", PROFILE_DIR / f"{name}.json"))
+        assert "NV6" in shipped["sources"].pop("nvlink_mesh")
+        assert {**written, "description": ""} == {**shipped, "description": ""}
     capsys.readouterr()
     plan = ["plan", "--model", "llama3-8b", "--gpus", "2", "--global-batch", "8", "--micro-batch", "4", "--tp", "2",
             "--sequence-parallel", "--recompute", "full", "--json", "--cluster"]
@@ -186,7 +187,8 @@ def test_every_shipped_figure_has_its_source_and_prices_a_plan(profile, capsys):
     (["cluster", "derive", "dgx-h100-80gb", "--devices-per-node", "1", "--nvlink-mesh", "-o", "{tmp}/x.json"],
      "--nvlink-mesh"),
     (["cluster", "derive", "hgx-h200-4gpu-141gb", "--nvlink-mesh", "-o", "{tmp}/x.json"], "linked pairwise already"),
-    (["cluster", "derive", "hgx-h200-4gpu-141gb", "--devices-per-node", "2", "-o", "{tmp}/x.json"], "--devices-per-node"),
+    (["cluster", "derive", "hgx-h200-4gpu-141gb", "--devices-per-node", "2", "-o", "{tmp}/x.json"],
+     "--devices-per-node"),
     (["cluster"], "action"),
 ])
 def test_bad_requests_get_one_line(tmp_path, capsys, argv, field):

@@ -150,7 +150,8 @@ def test_every_shipped_fp8_rate_is_below_its_peak_and_twice_bf16s():
             assert all(r < burst for _, r in dev.matmul_by_size["fp8"])
         else:
             assert fp8_rate(dev)(8192, 8192, 8192) == fp8_rate(dev)(1024, 2048, 512) == burst
-    assert curves == {"dgx-h100-80gb", "hgx-h200-141gb", "hgx-h200-4gpu-141gb", "gb200-nvl72-186gb"}
+    assert curves == {"dgx-h100-80gb", "hgx-h100-4gpu-80gb", "hgx-h200-141gb", "hgx-h200-4gpu-141gb",
+                      "gb200-nvl72-186gb"}
     assert fp8_rate(H100.device)(8192, 8192, 8192) == pytest.approx(1290.1e12)
     assert fp8_rate(H100.device)(6144, 12288, 12288) == pytest.approx(azure_h100_fp8(6144, 12288, 12288))
 
