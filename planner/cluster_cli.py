@@ -75,7 +75,9 @@ def derive(base: dict, base_name: str, base_hash: str, name: str, nic_gbps: floa
         out["devices_per_node"] = dpn
         out.pop("topology", None)  # a measured rank -> node map of the base's nodes
         was = sources.get("devices_per_node")
-        sources["devices_per_node"] = f"derived: {dpn} (base {base_name}: {dpn_base})" + (f"; base: {was}" * bool(was))
+        sources["devices_per_node"] = f"derived: {dpn} (base {base_name}: {dpn_base})"
+        if was:
+            sources["devices_per_node"] += f"; base: {was}"
         changes.append(f"{dpn} devices a node (base: {dpn_base})")
     if nics_per_node is not None and nics_per_node > MAX_NICS_A_DEVICE * dpn:
         raise ConfigError(f"--nics-per-node: {nics_per_node} is more than {MAX_NICS_A_DEVICE} a device "

@@ -13,14 +13,6 @@ def grads_sharded(zero: int, micro_batches: int, defer: bool = False) -> bool:
     return zero >= 2 and not (defer and micro_batches > 1)
 
 
-def gradient_zero(zero: int, micro_batches: int, defer: bool) -> int:
-    """The ZeRO level whose gradients a stage's are: ZeRO 1's for ZeRO 2 and 3 whose sync is
-    deferred to the last of several micro-batches (training.defer_grad_sync), its own otherwise.
-    ZeRO 2 deferred is ZeRO 1 (its parameters stay gathered across micro-batches either way);
-    ZeRO 3 deferred keeps its sharded parameters, gathered for each forward and backward."""
-    return 1 if zero >= 2 and not grads_sharded(zero, micro_batches, defer) else zero
-
-
 def zero_state_bytes(zero: int, dp: int, micro_batches: int, pb: float, gb: float, ob: float,
                      spb: float, fsdp: bool = False, defer: bool = False,
                      deferred_gb: float | None = None) -> tuple[float, float, float]:
@@ -93,8 +85,8 @@ def fsdp_extra_parts(zero: int, dp: int, micro_batches: int, block_params: list,
     Measured on CPU against run.json peaks (benchmarks/zero_memory.py,
     benchmarks/prediction_accuracy.py; tests/test_runtime.py: fp32, bf16, pipelines, interleaved)."""
     emb, head = own
-    if zero == 2 and gradient_zero(zero, micro_batches, defer) == 1:
-        zero = 1  # ZeRO 2 deferring its sync is ZeRO 1
+    if zero == 2 and not grads_sharded(zero, micro_batches, defer):
+        zero = 1  # ZeRO 2 deferring its sync is ZeRO 1 (its parameters stay gathered either way)
     if zero == 0:  # replicate: the chunk is one group
         root_params, emb, head = root_params + emb + head, 0.0, 0.0
     blocks = list(block_params)

@@ -8,7 +8,7 @@ runtime (FSDP2 MixedPrecisionPolicy) and Megatron-LM's bf16 runs hold their grad
 """
 from __future__ import annotations
 
-from planner.fsdp_memory import gradient_zero
+from planner.fsdp_memory import grads_sharded
 from planner.plan import DTYPES
 
 ADAM_STATE_BYTES = 8  # two float32 moments per parameter
@@ -94,13 +94,12 @@ def fsdp_copy_bytes(zero: int, dp: int, micro_batches: int, e: int, gb: int,
     Frameworks that gather into and reduce from flat buffers (Megatron-LM's DDP, PyTorch's FSDP1)
     copy nothing (training.fsdp_copies false). Nothing without data parallelism. Deferring the
     sync to the last of several micro-batches (`defer`, training.defer_grad_sync) copies in once a
-    step: ZeRO 2 is then ZeRO 1 (planner.fsdp_memory.gradient_zero)."""
+    step: ZeRO 3 still gathers for each forward and backward, ZeRO 2 is then ZeRO 1."""
     if dp <= 1:
         return 0, 0, 0
     gather, reduce = 2 * e, e + gb
-    zero = gradient_zero(zero, micro_batches, defer) if zero == 2 else zero
-    if zero == 3 and defer and micro_batches > 1:
-        return gather, gather, reduce
+    if zero >= 2 and not grads_sharded(zero, micro_batches, defer):  # deferred: one reduce a step
+        return (gather, gather, reduce) if zero == 3 else (0, 0, gather + reduce)
     if zero == 3:
         return gather, gather + reduce, 0
     if zero == 2:

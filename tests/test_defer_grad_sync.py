@@ -136,22 +136,5 @@ def test_the_search_bounds_stay_below_with_slow_reduce_scatters():
     every-micro-batch reduce-scatters, with the sync deferred). ZeRO 2 and 3 alone: a bound that
     still counted every micro-batch's reduce-scatter fails here (ZeRO 0's cheaper all-reduce would
     hide it in the configuration's minimum)."""
-    from planner.cluster import PROFILE_DIR, cluster_from_dict
-    from planner.plan import Training
-    from planner.search import Ctx, SearchSpace
-    from test_bounds import _bounds_below_best, assert_bounds_below_estimates
-    from test_search import GiB, shrunk
-    d = json.loads((PROFILE_DIR / "dgx-a100-80gb.json").read_text())
-    for op, bw in (("all_reduce", 2e11), ("reduce_scatter", 1e9), ("all_gather", 1e9)):
-        d["collectives"][op]["intra_node"] = {"alpha_s": 3e-5, "bus_bandwidth_bytes_per_s": bw}
-    cluster = cluster_from_dict(d).shaped_as(1, 8)
-    space = SearchSpace(zero=(2, 3), recompute=("none", "full"), schedules=("1f1b",))  # no ZeRO 0 to hide them
-    checked = 0
-    for gbs in (8, 16):
-        train = Training(global_batch=gbs, micro_batch=1, seq_len=1024, dtype="bf16", master_weights=True,
-                         defer_grad_sync=True)
-        ctx = Ctx(shrunk(4), cluster, train, 80 * GiB, space)
-        fit, _ = _bounds_below_best(ctx, gbs)
-        assert fit >= 30
-        checked += assert_bounds_below_estimates(ctx, gbs, 1024, per_config=4, defer_grad_sync=True)
-    assert checked >= 300
+    from test_bounds import check_bounds_on_slow_zero_communication
+    check_bounds_on_slow_zero_communication((2, 3), defer_grad_sync=True)
